@@ -1,0 +1,6 @@
+"""Compatibility layers. ``compat.apply()`` installs the CPU backend for megatron-core when
+CUDA is unavailable (see ``cpu.py``); it is a no-op on GPU machines."""
+
+from .cpu import apply, hit_counts, is_applied
+
+__all__ = ["apply", "hit_counts", "is_applied"]
