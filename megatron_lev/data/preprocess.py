@@ -1,0 +1,484 @@
+"""jsonl(.gz/.zst) -> megatron-core indexed datasets (.bin/.idx), in parallel, in input order.
+
+Pipeline: the main process streams lines (bounded memory), cuts them into batches of at most
+``batch_docs`` lines / ``batch_bytes`` bytes, and hands them to ``workers`` processes (or encodes
+them itself with ``workers=1``). A worker parses JSON, checks every key, tokenises each document
+into a numpy array and returns one concatenated array per key plus the document lengths. The main
+process takes results strictly in submission order (a bounded window of pending batches), writes
+them as whole batches (format of megatron-core's ``IndexedDatasetBuilder``, see ``indexed.py``) under temporary names, and renames the
+``.bin`` then the ``.idx`` into place at the very end.
+
+Document conventions:
+
+* One input line = one document per json key, one sequence per document (no sentence splitting).
+* ``append_eod`` appends the tokenizer's ``eod`` to every non-empty document, as Megatron-LM.
+* Lines skipped by reason (counted; up to ``max_examples`` examples kept with ``file:line``):
+  ``invalid_utf8`` (bytes not UTF-8, or lone surrogates from ``\\ud800``-style escapes),
+  ``malformed_json`` (not JSON, or not a JSON object), ``missing_key``, ``non_string`` (the value
+  under a key is not a string). These are *errors*: ``strict=True`` stops at the first one.
+  Not errors (never stop a run): ``blank`` (empty line), ``empty`` (a key's text has no tokens;
+  the whole line is dropped so every key has the same documents), ``filtered`` (pile_set_name
+  not selected), and lines of other partitions.
+* Token counts (``output_token_counts``) count every id written to ``.bin``, EODs included, so
+  ``counts.sum() == total tokens`` in the dataset; length = ``tokenizer.vocab_size``.
+* Partitions: with ``partitions=N, partition_index=i`` only physical input lines ``k`` (0-based,
+  counted across all input files in order) with ``k % N == i`` are processed. Merging partitions
+  0..N-1 with :func:`megatron_lev.data.merge.merge_datasets` gives every document exactly once,
+  partition-major (a fixed permutation of the input order).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_lev.data.indexed import IndexWriter, optimal_dtype
+from megatron_lev.data.jsonl import expand_inputs, iter_lines
+
+ERROR_REASONS = ("invalid_utf8", "malformed_json", "missing_key", "non_string")
+SKIP_REASONS = ("blank", "empty", "filtered")
+
+
+class PreprocessError(Exception):
+    """A one-line error for the user (bad flag, existing output, bad input under --strict)."""
+
+
+class BadInputError(PreprocessError):
+    """Bad input line met with ``strict=True``."""
+
+
+@dataclass
+class PreprocessConfig:
+    inputs: Sequence[str]
+    output_prefix: str
+    tokenizer_type: str
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+    tiktoken_pattern: str = "o200k"
+    json_keys: Sequence[str] = ("text",)
+    append_eod: bool = False
+    workers: int = 1
+    log_interval: int = 1000
+    partitions: int = 1
+    partition_index: int = 0
+    pile_set_names: Optional[Sequence[str]] = None
+    strict: bool = False
+    overwrite: bool = False
+    output_token_counts: bool = False
+    batch_docs: int = 128
+    batch_bytes: int = 4 << 20
+    max_examples: int = 5
+    progress: Optional[bool] = None  # None: a tqdm bar when stderr is a terminal, log lines otherwise
+
+    def tokenizer_kwargs(self) -> Dict[str, Any]:
+        return dict(
+            vocab_file=self.vocab_file,
+            merge_file=self.merge_file,
+            tokenizer_model=self.tokenizer_model,
+            vocab_size=self.vocab_size,
+            tiktoken_pattern=self.tiktoken_pattern,
+        )
+
+
+@dataclass
+class PreprocessStats:
+    docs: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    lines: int = 0
+    seconds: float = 0.0
+    skipped: Counter = field(default_factory=Counter)
+    examples: List[str] = field(default_factory=list)
+    outputs: List[str] = field(default_factory=list)
+    tokens_per_key: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> int:
+        return sum(self.skipped[r] for r in ERROR_REASONS)
+
+    def summary(self) -> str:
+        s = max(self.seconds, 1e-9)
+        parts = [
+            f"docs={self.docs:,}",
+            f"tokens={self.tokens:,}",
+            f"MB={self.bytes / 1e6:,.2f}",
+            f"time={self.seconds:.2f}s",
+            f"docs/s={self.docs / s:,.0f}",
+            f"MB/s={self.bytes / 1e6 / s:,.2f}",
+            f"tokens/s={self.tokens / s:,.0f}",
+        ]
+        skipped = ", ".join(f"{r}={self.skipped[r]}" for r in ERROR_REASONS + SKIP_REASONS if self.skipped[r])
+        lines = ["summary: " + " ".join(parts), f"skipped lines: {skipped or 'none'}"]
+        if self.examples:
+            lines.append("first bad lines:")
+            lines += [f"  {e}" for e in self.examples]
+        return "\n".join(lines)
+
+
+def dataset_prefix(output_prefix: str, key: str) -> str:
+    """Megatron's output naming: ``{output_prefix}_{key}_document``."""
+    return f"{output_prefix}_{key}_document"
+
+
+def token_counts_path(ds_prefix: str) -> str:
+    """``{output_prefix}_{key}_document`` -> ``{output_prefix}_{key}_token_counts.npy``."""
+    base = ds_prefix[: -len("_document")] if ds_prefix.endswith("_document") else ds_prefix
+    return base + "_token_counts.npy"
+
+
+def output_dtype(vocab_size: int) -> np.dtype:
+    """The smallest dtype megatron-core's IndexedDataset takes for this vocabulary (its optimal_dtype)."""
+    return optimal_dtype(vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side
+# ----------------------------------------------------------------------------------------------
+
+_STATE: Dict[str, Any] = {}
+
+
+def _init_state(tokenizer_type: str, tokenizer_kwargs: Dict[str, Any], opts: Dict[str, Any]) -> None:
+    from megatron_lev.tokenizer import build_tokenizer
+
+    if _STATE.get("key") == (tokenizer_type, repr(sorted(tokenizer_kwargs.items())), repr(sorted(opts.items()))):
+        return  # inherited through fork
+    _STATE["tokenizer"] = build_tokenizer(tokenizer_type, **tokenizer_kwargs)
+    _STATE["opts"] = opts
+    _STATE["key"] = (tokenizer_type, repr(sorted(tokenizer_kwargs.items())), repr(sorted(opts.items())))
+
+
+def _worker_init(tokenizer_type, tokenizer_kwargs, opts) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    _init_state(tokenizer_type, tokenizer_kwargs, opts)
+
+
+def _check_text(text: str) -> bool:
+    """False for strings that cannot be UTF-8 encoded (lone surrogates)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def encode_batch(batch: Tuple[int, List[int], List[bytes]]) -> Dict[str, Any]:
+    """Encode one batch of raw lines (runs in a worker, or in-process with one worker)."""
+    file_index, linenos, lines = batch
+    tok = _STATE["tokenizer"]
+    opts = _STATE["opts"]
+    keys: Sequence[str] = opts["json_keys"]
+    eod = tok.eod if opts["append_eod"] else None
+    pile_sets = opts["pile_set_names"]
+    dtype = opts["dtype"]
+
+    errors: List[Tuple[str, int, str]] = []  # (reason, lineno, detail)
+    skipped: Counter = Counter()
+    texts: Dict[str, List[str]] = {k: [] for k in keys}
+    kept_lines: List[int] = []
+    nbytes = 0
+    for lineno, line in zip(linenos, lines):
+        nbytes += len(line) + 1
+        if not line.strip():
+            skipped["blank"] += 1
+            continue
+        try:
+            s = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            errors.append(("invalid_utf8", lineno, f"byte {e.start}"))
+            continue
+        try:
+            obj = json.loads(s)
+        except ValueError as e:
+            errors.append(("malformed_json", lineno, str(e).split(":")[0]))
+            continue
+        if not isinstance(obj, dict):
+            errors.append(("malformed_json", lineno, f"a JSON {type(obj).__name__}, not an object"))
+            continue
+        if pile_sets is not None:
+            meta = obj.get("meta")
+            name = meta.get("pile_set_name") if isinstance(meta, dict) else None
+            if name not in pile_sets:
+                skipped["filtered"] += 1
+                continue
+        bad = None
+        for k in keys:
+            if k not in obj:
+                bad = ("missing_key", lineno, f"no key {k!r}")
+                break
+            v = obj[k]
+            if not isinstance(v, str):
+                bad = ("non_string", lineno, f"{k!r} is a {type(v).__name__}")
+                break
+            if not _check_text(v):
+                bad = ("invalid_utf8", lineno, f"{k!r} holds a lone surrogate")
+                break
+        if bad is not None:
+            errors.append(bad)
+            continue
+        for k in keys:
+            texts[k].append(obj[k])
+        kept_lines.append(lineno)
+
+    # Tokenise key by key; then drop lines where any key is empty.
+    arrays: Dict[str, List[np.ndarray]] = {k: tok.tokenize_batch_to_numpy(texts[k]) for k in keys}
+    n = len(kept_lines)
+    keep = np.ones(n, dtype=bool)
+    for k in keys:
+        keep &= np.fromiter((a.size > 0 for a in arrays[k]), dtype=bool, count=n)
+    n_empty = int(n - keep.sum())
+    if n_empty:
+        skipped["empty"] += n_empty
+    out: Dict[str, Any] = {
+        "file_index": file_index,
+        "errors": errors,
+        "skipped": skipped,
+        "bytes": nbytes,
+        "lines": len(lines),
+        "docs": int(keep.sum()),
+    }
+    eod_arr = None if eod is None else np.array([eod], dtype=dtype)
+    for k in keys:
+        parts: List[np.ndarray] = []
+        lengths = []
+        for a, ok in zip(arrays[k], keep):
+            if not ok:
+                continue
+            parts.append(a)
+            if eod_arr is not None:
+                parts.append(eod_arr)
+                lengths.append(a.size + 1)
+            else:
+                lengths.append(a.size)
+        tokens = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+        out[k] = (tokens, np.asarray(lengths, dtype=np.int64))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Main side
+# ----------------------------------------------------------------------------------------------
+
+
+def _iter_batches(
+    files: Sequence[str], cfg: PreprocessConfig, stats: PreprocessStats
+) -> Iterator[Tuple[int, List[int], List[bytes]]]:
+    k_global = 0
+    n_parts, part = cfg.partitions, cfg.partition_index
+    for fi, path in enumerate(files):
+        linenos: List[int] = []
+        lines: List[bytes] = []
+        size = 0
+        for lineno, line in iter_lines(path):
+            mine = n_parts == 1 or k_global % n_parts == part
+            k_global += 1
+            if not mine:
+                continue
+            linenos.append(lineno)
+            lines.append(line)
+            size += len(line)
+            if len(lines) >= cfg.batch_docs or size >= cfg.batch_bytes:
+                yield fi, linenos, lines
+                linenos, lines, size = [], [], 0
+        if lines:
+            yield fi, linenos, lines
+
+
+class _Output:
+    """One key's output: .bin/.idx written under temporary names, renamed at the end."""
+
+    def __init__(self, ds_prefix: str, dtype, vocab_size: int, counts: bool) -> None:
+        self.prefix = ds_prefix
+        self.tmp_bin = ds_prefix + ".bin.partial"
+        self.tmp_idx = ds_prefix + ".idx.partial"
+        self.tmp_counts = token_counts_path(ds_prefix) + ".partial"
+        os.makedirs(os.path.dirname(os.path.abspath(ds_prefix)), exist_ok=True)
+        self.writer = IndexWriter(self.tmp_bin, dtype)
+        self.counts = np.zeros(vocab_size, dtype=np.int64) if counts else None
+        self.tokens = 0
+
+    def add_batch(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        if lengths.size == 0:
+            return
+        self.writer.add_batch(tokens, lengths)
+        self.tokens += int(tokens.size)
+        if self.counts is not None:
+            c = np.bincount(tokens, minlength=self.counts.size)
+            if c.size > self.counts.size:
+                raise PreprocessError(
+                    f"{self.prefix}: token id {c.size - 1} >= tokenizer vocab size {self.counts.size}"
+                )
+            self.counts += c
+
+    def commit(self) -> List[str]:
+        self.writer.finalize(self.tmp_idx)
+        done = []
+        if self.counts is not None:
+            with open(self.tmp_counts, "wb") as f:
+                np.save(f, self.counts)
+            os.replace(self.tmp_counts, token_counts_path(self.prefix))
+            done.append(token_counts_path(self.prefix))
+        # .bin first, then .idx: a final .idx exists only once everything is in place.
+        os.replace(self.tmp_bin, self.prefix + ".bin")
+        os.replace(self.tmp_idx, self.prefix + ".idx")
+        return [self.prefix + ".bin", self.prefix + ".idx"] + done
+
+    def abort(self) -> None:
+        self.writer.close()
+        for p in (self.tmp_bin, self.tmp_idx, self.tmp_counts):
+            if os.path.exists(p):
+                os.remove(p)
+
+
+def _check_outputs(cfg: PreprocessConfig) -> None:
+    for key in cfg.json_keys:
+        pre = dataset_prefix(cfg.output_prefix, key)
+        paths = [pre + ".bin", pre + ".idx"]
+        if cfg.output_token_counts:
+            paths.append(token_counts_path(pre))
+        for p in paths:
+            if os.path.exists(p) and not cfg.overwrite:
+                raise PreprocessError(f"{p} exists; pass --overwrite to replace it")
+
+
+class _Progress:
+    def __init__(self, cfg: PreprocessConfig, stats: PreprocessStats) -> None:
+        self.cfg, self.stats = cfg, stats
+        self.t0 = time.perf_counter()
+        use_bar = cfg.progress if cfg.progress is not None else sys.stderr.isatty()
+        self.bar = None
+        if use_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(unit="doc", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+        self.next_log = cfg.log_interval
+
+    def update(self, docs: int) -> None:
+        s = self.stats
+        el = max(time.perf_counter() - self.t0, 1e-9)
+        rate = f"{s.bytes / 1e6 / el:.2f} MB/s, {s.tokens / el / 1e6:.2f}M tok/s"
+        if self.bar is not None:
+            self.bar.update(docs)
+            self.bar.set_postfix_str(rate, refresh=False)
+        elif self.cfg.log_interval > 0 and s.docs >= self.next_log:
+            while self.next_log <= s.docs:
+                self.next_log += self.cfg.log_interval
+            print(f"processed {s.docs:,} docs ({s.docs / el:,.0f} docs/s, {rate})", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
+    """Run the whole conversion; returns the statistics. Raises PreprocessError (one-line message)."""
+    from megatron_lev.tokenizer import build_tokenizer
+
+    if cfg.workers < 1:
+        raise PreprocessError("--workers must be >= 1")
+    if cfg.partitions < 1 or not (0 <= cfg.partition_index < cfg.partitions):
+        raise PreprocessError(f"--partition-index must be in [0, {cfg.partitions})")
+    if not cfg.json_keys:
+        raise PreprocessError("--json-keys needs at least one key")
+    try:
+        files = expand_inputs(cfg.inputs)
+    except FileNotFoundError as e:
+        raise PreprocessError(str(e)) from None
+    _check_outputs(cfg)
+    try:
+        tokenizer = build_tokenizer(cfg.tokenizer_type, **cfg.tokenizer_kwargs())
+    except (ValueError, FileNotFoundError) as e:
+        raise PreprocessError(str(e)) from None
+    dtype = output_dtype(tokenizer.vocab_size)
+    opts = dict(
+        json_keys=tuple(cfg.json_keys),
+        append_eod=cfg.append_eod,
+        pile_set_names=None if cfg.pile_set_names is None else frozenset(cfg.pile_set_names),
+        dtype=np.dtype(dtype),
+    )
+    _STATE.clear()
+    _STATE["tokenizer"] = tokenizer
+    _STATE["opts"] = opts
+    _STATE["key"] = (cfg.tokenizer_type, repr(sorted(cfg.tokenizer_kwargs().items())), repr(sorted(opts.items())))
+
+    stats = PreprocessStats()
+    outputs = {
+        k: _Output(dataset_prefix(cfg.output_prefix, k), dtype, tokenizer.vocab_size, cfg.output_token_counts)
+        for k in cfg.json_keys
+    }
+    progress = _Progress(cfg, stats)
+    pool = None
+    t0 = time.perf_counter()
+    try:
+        batches = _iter_batches(files, cfg, stats)
+        if cfg.workers == 1:
+            results: Iterator[Dict[str, Any]] = (encode_batch(b) for b in batches)
+        else:
+            methods = mp.get_all_start_methods()
+            ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+            pool = ctx.Pool(
+                cfg.workers,
+                initializer=_worker_init,
+                initargs=(cfg.tokenizer_type, cfg.tokenizer_kwargs(), opts),
+            )
+            results = _ordered_results(pool, batches, window=4 * cfg.workers)
+        for res in results:
+            _consume(res, files, cfg, stats, outputs)
+            progress.update(res["docs"])
+        stats.seconds = time.perf_counter() - t0
+        for out in outputs.values():
+            stats.outputs += out.commit()
+        stats.tokens_per_key = {k: o.tokens for k, o in outputs.items()}
+    except BaseException:
+        for out in outputs.values():
+            out.abort()
+        raise
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return stats
+
+
+def _ordered_results(pool, batches, window: int) -> Iterator[Dict[str, Any]]:
+    """Results in submission order, with at most ``window`` batches in flight (bounded memory)."""
+    pending: deque = deque()
+    for b in batches:
+        pending.append(pool.apply_async(encode_batch, (b,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _consume(res, files, cfg: PreprocessConfig, stats: PreprocessStats, outputs: Dict[str, _Output]) -> None:
+    path = files[res["file_index"]]
+    for reason, lineno, detail in res["errors"]:
+        where = f"{path}:{lineno}: {reason} ({detail})"
+        if cfg.strict:
+            raise BadInputError(f"{where}; stopping because of --strict")
+        stats.skipped[reason] += 1
+        if len(stats.examples) < cfg.max_examples:
+            stats.examples.append(where)
+    stats.skipped.update(res["skipped"])
+    stats.bytes += res["bytes"]
+    stats.lines += res["lines"]
+    stats.docs += res["docs"]
+    for k, out in outputs.items():
+        tokens, lengths = res[k]
+        out.add_batch(tokens, lengths)
+        stats.tokens += int(tokens.size)
