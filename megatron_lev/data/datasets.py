@@ -1,0 +1,230 @@
+"""Training datasets: Megatron blend syntax + split -> megatron-core GPTDatasets, with start-up checks.
+
+``build_train_valid_test_datasets`` turns ``--data-path`` (``"w1 prefix1 w2 prefix2 ..."`` or a single
+prefix) with ``--split 969,30,1``, or separate ``--train/valid/test-data-path`` blends, into megatron-core
+``GPTDataset``/``BlendedDataset`` objects through ``BlendedMegatronDatasetBuilder``; ``mock=True`` gives
+megatron-core's ``MockGPTDataset``. Before building, every prefix is checked (see
+:func:`validate_dataset_prefix`) and a failure raises :class:`DatasetValidationError` naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from megatron_lev.data.indexed import IndexInfo, max_token_id, read_index_info
+from megatron_lev.data.preprocess import token_counts_path
+
+Blend = Tuple[List[str], Optional[List[float]]]
+DataPath = Union[None, str, Sequence[str]]
+
+
+class DatasetValidationError(ValueError):
+    """A dataset file is missing, corrupt, inconsistent, or holds ids outside the model's vocabulary."""
+
+
+def parse_blend(data_path: DataPath) -> Optional[Blend]:
+    """Megatron's blend syntax -> ``(prefixes, weights or None)``.
+
+    Accepts ``"prefix"``, ``"w1 p1 w2 p2"`` or the same as a list of strings (as argparse ``nargs='*'``
+    gives). Weights are kept as given (megatron-core normalises them).
+    """
+    if data_path is None:
+        return None
+    tokens = data_path.split() if isinstance(data_path, str) else [t for item in data_path for t in str(item).split()]
+    if not tokens:
+        return None
+    if len(tokens) % 2 == 0:
+        try:
+            weights = [float(w) for w in tokens[0::2]]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            if any(w <= 0 for w in weights):
+                raise DatasetValidationError(f"blend weights must be positive, got {weights}")
+            return list(tokens[1::2]), weights
+    for t in tokens:
+        try:
+            float(t)
+        except ValueError:
+            continue
+        raise DatasetValidationError(
+            f"cannot parse data path {' '.join(tokens)!r}: expected 'prefix' or 'weight prefix weight prefix ...'"
+        )
+    return list(tokens), None
+
+
+def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check_token_ids: bool = True) -> IndexInfo:
+    """Check one ``.bin/.idx`` pair; raise :class:`DatasetValidationError` naming the offending file.
+
+    Checks: both files exist; the .idx header and size are sane; the .bin size equals
+    tokens x itemsize; and (``check_token_ids``) the largest id is < ``vocab_size``. The largest id
+    comes from the ``*_token_counts.npy`` file written by the preprocessing tool when it matches the
+    dataset (same total), otherwise from a vectorised scan of the .bin.
+    """
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for p in (idx, bin_):
+        if not os.path.isfile(p):
+            raise DatasetValidationError(f"{p}: missing (dataset prefix {prefix!r})")
+    try:
+        info = read_index_info(idx)
+    except (ValueError, OSError) as e:
+        raise DatasetValidationError(f"{idx}: corrupt index: {e}") from None
+    expected = info.num_tokens * info.dtype.itemsize
+    actual = os.path.getsize(bin_)
+    if actual != expected:
+        raise DatasetValidationError(
+            f"{bin_}: {actual} bytes but {idx} describes {info.num_tokens} tokens of {info.dtype} "
+            f"({expected} bytes); the pair does not match (truncated or from different runs)"
+        )
+    if check_token_ids and vocab_size is not None and info.num_tokens:
+        max_id = None
+        counts_path = token_counts_path(prefix)
+        if os.path.isfile(counts_path):
+            try:
+                counts = np.load(counts_path, mmap_mode="r")
+                if counts.ndim == 1 and int(counts.sum()) == info.num_tokens:
+                    max_id = int(np.flatnonzero(counts)[-1])
+            except (ValueError, OSError):
+                max_id = None
+        if max_id is None:
+            max_id = max_token_id(bin_, info.dtype)
+        if max_id >= vocab_size:
+            raise DatasetValidationError(
+                f"{bin_}: holds token id {max_id} >= the model's vocabulary size {vocab_size} "
+                "(preprocessed with another tokenizer?)"
+            )
+    return info
+
+
+def ensure_process_group() -> bool:
+    """Start a single-process gloo group when torch.distributed is not initialised.
+
+    megatron-core's BlendedDataset calls ``torch.distributed.get_rank()`` when it builds a cache.
+    Returns True when a group was created here.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    fd, path = tempfile.mkstemp(prefix="megatron_lev_pg_")
+    os.close(fd)
+    os.remove(path)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    return True
+
+
+def build_gpt_dataset_config(
+    tokenizer,
+    seq_length: int,
+    *,
+    blend: Optional[Blend] = None,
+    blend_per_split: Optional[List[Optional[Blend]]] = None,
+    split: Optional[str] = "969,30,1",
+    seed: int = 1234,
+    data_cache_path: Optional[str] = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+    mmap_bin_files: bool = True,
+    num_dataset_builder_threads: int = 1,
+    **extra,
+):
+    """A megatron-core ``GPTDatasetConfig`` (mock when neither blend nor blend_per_split is given)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split if blend is not None else None,
+        path_to_cache=data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+        mmap_bin_files=mmap_bin_files,
+        num_dataset_builder_threads=num_dataset_builder_threads,
+        **extra,
+    )
+
+
+def build_train_valid_test_datasets(
+    tokenizer,
+    seq_length: int,
+    train_valid_test_num_samples: Sequence[Optional[int]],
+    *,
+    data_path: DataPath = None,
+    split: Optional[str] = "969,30,1",
+    train_data_path: DataPath = None,
+    valid_data_path: DataPath = None,
+    test_data_path: DataPath = None,
+    mock: bool = False,
+    seed: int = 1234,
+    data_cache_path: Optional[str] = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+    vocab_size: Optional[int] = None,
+    validate: bool = True,
+    check_token_ids: bool = True,
+    is_built_on_rank: Optional[Callable[[], bool]] = None,
+    init_process_group: bool = True,
+    **config_extra,
+):
+    """Build ``(train, valid, test)`` megatron-core datasets (each may be None).
+
+    ``train_valid_test_num_samples``: samples per split (Megatron computes them from iterations x
+    global batch size). ``vocab_size``: the model's vocabulary (ids must be below it); defaults to
+    ``tokenizer.vocab_size``. ``is_built_on_rank``: defaults to "always" (pass Megatron's
+    ``tensor model parallel rank == 0`` check in multi-rank training).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    per_split = [parse_blend(p) for p in (train_data_path, valid_data_path, test_data_path)]
+    use_per_split = any(b is not None for b in per_split)
+    blend = parse_blend(data_path)
+    if mock:
+        blend, per_split, use_per_split = None, [None, None, None], False
+    elif blend is None and not use_per_split:
+        raise DatasetValidationError("no data: give data_path, train/valid/test data paths, or mock=True")
+    elif blend is not None and use_per_split:
+        raise DatasetValidationError("data_path and train/valid/test data paths are mutually exclusive")
+
+    if validate and not mock:
+        vs = vocab_size if vocab_size is not None else getattr(tokenizer, "vocab_size", None)
+        prefixes = list(blend[0]) if blend else [p for b in per_split if b for p in b[0]]
+        for p in dict.fromkeys(prefixes):
+            validate_dataset_prefix(p, vs, check_token_ids=check_token_ids)
+
+    config = build_gpt_dataset_config(
+        tokenizer,
+        seq_length,
+        blend=blend,
+        blend_per_split=per_split if use_per_split else None,
+        split=None if use_per_split else split,
+        seed=seed,
+        data_cache_path=data_cache_path,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+        **config_extra,
+    )
+    blends = [blend] if blend else [b for b in per_split if b]
+    if init_process_group and data_cache_path and any(len(b[0]) > 1 for b in blends):
+        ensure_process_group()
+    cls = MockGPTDataset if mock else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(
+        cls, list(train_valid_test_num_samples), is_built_on_rank or (lambda: True), config
+    )
+    train, valid, test = builder.build()
+    return train, valid, test

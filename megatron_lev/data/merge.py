@@ -1,0 +1,102 @@
+"""Merge several indexed datasets (e.g. the partitions of a multi-node run) into one."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from megatron_lev.data.indexed import read_index_info
+from megatron_lev.data.preprocess import PreprocessError, token_counts_path
+
+
+def list_prefixes(inputs: Sequence[str]) -> List[str]:
+    """Dataset prefixes from prefixes (``x`` with ``x.bin``/``x.idx``) or directories (all pairs, sorted)."""
+    out: List[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(
+                os.path.join(item, f[:-4])
+                for f in os.listdir(item)
+                if f.endswith(".idx") and os.path.exists(os.path.join(item, f[:-4] + ".bin"))
+            )
+            if not found:
+                raise PreprocessError(f"{item}: no .bin/.idx pairs in this directory")
+            out += found
+        else:
+            for ext in (".bin", ".idx"):
+                if not os.path.exists(item + ext):
+                    raise PreprocessError(f"{item + ext}: no such file")
+            out.append(item)
+    return out
+
+
+def merge_datasets(inputs: Sequence[str], output_prefix: str, *, overwrite: bool = False) -> List[str]:
+    """Concatenate datasets in the given order with megatron-core's ``IndexedDatasetBuilder.add_index``.
+
+    ``output_prefix`` is the full dataset prefix (``..._text_document``). Token-count files next to
+    the inputs (``..._token_counts.npy``) are summed into one next to the output when every input
+    has one. Writes temporary files and renames them at the end. Returns the written paths.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefixes = list_prefixes(inputs)
+    if not prefixes:
+        raise PreprocessError("nothing to merge")
+    outs = [output_prefix + ".bin", output_prefix + ".idx", token_counts_path(output_prefix)]
+    for p in outs:
+        if os.path.exists(p) and not overwrite:
+            raise PreprocessError(f"{p} exists; pass --overwrite to replace it")
+    infos = []
+    for p in prefixes:
+        try:
+            infos.append(read_index_info(p + ".idx"))
+        except ValueError as e:
+            raise PreprocessError(f"{p}.idx: {e}") from None
+    dtypes = {i.dtype for i in infos}
+    if len(dtypes) != 1:
+        raise PreprocessError(
+            "cannot merge datasets of different dtypes: "
+            + ", ".join(f"{p} ({i.dtype})" for p, i in zip(prefixes, infos))
+        )
+    dtype = infos[0].dtype.type
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    tmp_bin, tmp_idx = output_prefix + ".bin.partial", output_prefix + ".idx.partial"
+    written: List[str] = []
+    try:
+        builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+        for p in prefixes:
+            builder.add_index(p)
+        builder.finalize(tmp_idx)
+        counts = _sum_counts(prefixes)
+        if counts is not None:
+            tmp = token_counts_path(output_prefix) + ".partial"
+            with open(tmp, "wb") as f:
+                np.save(f, counts)
+            os.replace(tmp, token_counts_path(output_prefix))
+            written.append(token_counts_path(output_prefix))
+        os.replace(tmp_bin, output_prefix + ".bin")
+        os.replace(tmp_idx, output_prefix + ".idx")
+    except BaseException:
+        for t in (tmp_bin, tmp_idx):
+            if os.path.exists(t):
+                os.remove(t)
+        raise
+    return [output_prefix + ".bin", output_prefix + ".idx"] + written
+
+
+def _sum_counts(prefixes: Sequence[str]) -> Optional[np.ndarray]:
+    paths = [token_counts_path(p) for p in prefixes]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    total = None
+    for p in paths:
+        c = np.load(p)
+        if total is None:
+            total = c.astype(np.int64)
+        elif c.shape != total.shape:
+            raise PreprocessError(f"{p}: token counts of length {c.size}, expected {total.size} (another tokenizer?)")
+        else:
+            total += c
+    return total
