@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lev.data.merge import merge_datasets  # noqa: E402
-from megatron_lev.data.preprocess import PreprocessError  # noqa: E402
+from megatron_lev.data.preprocessing import PreprocessError  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lev.data.preprocess import BadInputError, PreprocessConfig, PreprocessError, preprocess  # noqa: E402
+from megatron_lev.data.preprocessing import BadInputError, PreprocessConfig, PreprocessError, preprocess  # noqa: E402
 from megatron_lev.tokenizer import TIKTOKEN_PATTERNS, TOKENIZER_TYPES  # noqa: E402
 
 

@@ -5,7 +5,7 @@ Heavy imports (megatron.core, torch) happen only inside the functions that need 
 
 from megatron_lev.data.indexed import IndexWriter, max_token_id, optimal_dtype, read_index_info
 from megatron_lev.data.jsonl import expand_inputs, iter_json_docs, iter_lines, open_binary
-from megatron_lev.data.preprocess import (
+from megatron_lev.data.preprocessing import (
     BadInputError,
     PreprocessConfig,
     PreprocessError,

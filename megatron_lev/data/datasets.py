@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from megatron_lev.data.indexed import IndexInfo, max_token_id, read_index_info
-from megatron_lev.data.preprocess import token_counts_path
+from megatron_lev.data.preprocessing import token_counts_path
 
 Blend = Tuple[List[str], Optional[List[float]]]
 DataPath = Union[None, str, Sequence[str]]

@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from megatron_lev.data.indexed import read_index_info
-from megatron_lev.data.preprocess import PreprocessError, token_counts_path
+from megatron_lev.data.preprocessing import PreprocessError, token_counts_path
 
 
 def list_prefixes(inputs: Sequence[str]) -> List[str]:

@@ -1,0 +1,241 @@
+"""tools/preprocess_data.py and megatron_lev.data.preprocessing: round trips, determinism, bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_lev.data import PreprocessConfig, preprocess, read_index_info
+from megatron_lev.data.jsonl import iter_json_docs
+from megatron_lev.tokenizer import build_tokenizer, write_tiktoken_file
+from tests.data.conftest import cli_flags, run_tool
+
+
+def _read_docs(prefix):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    # copies: megatron closes the mmap when the dataset object is collected
+    return ds, [np.array(ds[i]) for i in range(len(ds))]
+
+
+@pytest.fixture(scope="module")
+def valid_path(shared_data):
+    return str(shared_data / "corpus" / "valid.jsonl.zst")
+
+
+@pytest.fixture(scope="module")
+def valid_texts(valid_path):
+    texts = list(iter_json_docs([valid_path]))
+    assert len(texts) == 152
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tiktoken_args(tok_args, tmp_path_factory):
+    import tiktoken.load
+
+    g = tok_args["gpt2"]
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(g["merge_file"], g["vocab_file"])
+    path = tmp_path_factory.mktemp("tik") / "gpt2.tiktoken"
+    write_tiktoken_file(ranks, str(path))
+    return dict(tokenizer_type="TikTokenizer", tokenizer_model=str(path), tiktoken_pattern="gpt2")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "neox", "mistral", "tiktoken"])
+def test_round_trip(family, tok_args, tiktoken_args, valid_path, valid_texts, tmp_path):
+    kw = tiktoken_args if family == "tiktoken" else tok_args[family]
+    prefix = str(tmp_path / family)
+    stats = preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=prefix, append_eod=True, **kw))
+    assert stats.docs == 152 and stats.errors == 0
+    tok = build_tokenizer(**kw)
+    ds, docs = _read_docs(prefix + "_text_document")
+    assert len(docs) == 152
+    assert ds.index.dtype == (np.uint16 if tok.vocab_size < 65500 else np.int32)
+    assert sum(d.size for d in docs) == stats.tokens
+    for text, ids in zip(valid_texts, docs):
+        assert ids[-1] == tok.eod
+        body = ids[:-1].tolist()
+        assert body == tok.tokenize(text)
+        # SentencePiece (Mistral v1: identity normaliser, byte fallback) decodes to the input text
+        # as well on this corpus, so one exact comparison covers every family.
+        assert tok.detokenize(body) == text
+
+
+def test_workers_1_and_2_byte_identical(tok_args, valid_path, tmp_path):
+    kw = tok_args["gpt2"]
+    p1, p2 = str(tmp_path / "w1"), str(tmp_path / "w2")
+    preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=p1, append_eod=True, workers=1,
+                                batch_docs=16, **kw))
+    r = run_tool("preprocess_data.py", "--input", valid_path, "--output-prefix", p2, "--append-eod",
+                 "--workers", 2, "--batch-docs", 16, *cli_flags(kw))
+    assert r.returncode == 0, r.stderr
+    assert "summary: docs=152" in r.stderr
+    for ext in (".bin", ".idx"):
+        a = open(p1 + "_text_document" + ext, "rb").read()
+        b = open(p2 + "_text_document" + ext, "rb").read()
+        assert a == b, ext
+
+
+def test_writer_matches_megatron_builder(tmp_path):
+    """IndexWriter output is byte-identical to megatron-core's IndexedDatasetBuilder."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    import torch
+
+    from megatron_lev.data import IndexWriter
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50000, size=int(n)).astype(np.uint16) for n in rng.integers(1, 300, size=40)]
+    b = IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
+    for d in docs:
+        b.add_document(torch.from_numpy(d.astype(np.int64)), [d.size])
+    b.finalize(str(tmp_path / "m.idx"))
+    w = IndexWriter(str(tmp_path / "o.bin"), np.uint16)
+    w.add_batch(np.concatenate(docs[:15]), np.array([d.size for d in docs[:15]]))
+    for d in docs[15:]:
+        w.add_document(d)
+    w.finalize(str(tmp_path / "o.idx"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / ("m" + ext)).read_bytes() == (tmp_path / ("o" + ext)).read_bytes()
+
+
+BAD_LINES = [
+    b'{"text": "good one"}',                          # 1 kept
+    b'{"text": "unterminated',                        # 2 malformed_json
+    b'{"content": "no text key"}',                    # 3 missing_key
+    b'{"text": 42}',                                  # 4 non_string
+    b'{"text": "caf\xe9 latin-1"}',                   # 5 invalid_utf8 (raw byte)
+    b"",                                              # 6 blank (not an error)
+    b'["a", "list"]',                                 # 7 malformed_json (not an object)
+    b'{"text": ""}',                                  # 8 empty (not an error)
+    b'{"text": "lone \\ud800 surrogate"}',            # 9 invalid_utf8 (escape)
+    b'{"text": "good two", "meta": {"pile_set_name": "X"}}',  # 10 kept
+]
+
+
+@pytest.fixture()
+def bad_file(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(BAD_LINES) + b"\n")
+    return path
+
+
+def test_bad_input_counted_and_kept(tok_args, bad_file, tmp_path):
+    prefix = tmp_path / "out"
+    r = run_tool("preprocess_data.py", "--input", bad_file, "--output-prefix", prefix, "--append-eod",
+                 *cli_flags(tok_args["gpt2"]))
+    assert r.returncode == 0, r.stderr
+    assert "skipped lines: invalid_utf8=2, malformed_json=2, missing_key=1, non_string=1, blank=1, empty=1" in r.stderr
+    assert f"{bad_file}:2: malformed_json" in r.stderr and f"{bad_file}:5: invalid_utf8" in r.stderr
+    _, docs = _read_docs(str(prefix) + "_text_document")
+    tok = build_tokenizer(**tok_args["gpt2"])
+    assert [tok.detokenize(d[:-1]) for d in docs] == ["good one", "good two"]
+
+
+def test_bad_input_strict_stops(tok_args, bad_file, tmp_path):
+    prefix = tmp_path / "out"
+    r = run_tool("preprocess_data.py", "--input", bad_file, "--output-prefix", prefix, "--strict",
+                 *cli_flags(tok_args["gpt2"]))
+    assert r.returncode == 1
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {bad_file}:2: malformed_json") and "--strict" in err[0]
+    assert os.listdir(tmp_path) == ["bad.jsonl"]  # no outputs, no temporary files
+
+
+def test_refuses_overwrite(tok_args, valid_path, tmp_path):
+    prefix = tmp_path / "out"
+    args = ["--input", valid_path, "--output-prefix", prefix, *cli_flags(tok_args["gpt2"])]
+    assert run_tool("preprocess_data.py", *args).returncode == 0
+    before = (tmp_path / "out_text_document.bin").stat().st_mtime_ns
+    r = run_tool("preprocess_data.py", *args)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: {prefix}_text_document.bin exists; pass --overwrite to replace it"
+    assert (tmp_path / "out_text_document.bin").stat().st_mtime_ns == before
+    assert run_tool("preprocess_data.py", *args, "--overwrite").returncode == 0
+
+
+def test_missing_input_is_one_line_error(tok_args, tmp_path):
+    r = run_tool("preprocess_data.py", "--input", tmp_path / "nope*.jsonl.zst", "--output-prefix", tmp_path / "o",
+                 *cli_flags(tok_args["gpt2"]))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {tmp_path / 'nope*.jsonl.zst'}: no such input file"
+
+
+def test_interrupted_run_leaves_no_pair(tok_args, valid_path, tmp_path, monkeypatch):
+    import megatron_lev.data.preprocessing as pp
+
+    real, calls = pp.encode_batch, []
+
+    def flaky(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(batch)
+
+    monkeypatch.setattr(pp, "encode_batch", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(tmp_path / "o"), batch_docs=16,
+                                    output_token_counts=True, **tok_args["gpt2"]))
+    assert os.listdir(tmp_path) == []
+
+
+def test_token_counts_and_formats(tok_args, valid_path, valid_texts, tmp_path):
+    """Token counts sum to the tokens written; .jsonl, .jsonl.gz, globs and several inputs work."""
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().decompress(open(valid_path, "rb").read(), max_output_size=1 << 28)
+    lines = raw.splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_bytes(b"".join(lines[:50]))
+    with gzip.open(tmp_path / "b.jsonl.gz", "wb") as f:
+        f.write(b"".join(lines[50:]))
+    prefix = str(tmp_path / "out")
+    stats = preprocess(PreprocessConfig(inputs=[str(tmp_path / "a.jsonl"), str(tmp_path / "*.gz")],
+                                        output_prefix=prefix, append_eod=True, output_token_counts=True,
+                                        **tok_args["gpt2"]))
+    counts = np.load(prefix + "_text_token_counts.npy")
+    ds, docs = _read_docs(prefix + "_text_document")
+    assert counts.dtype == np.int64 and counts.shape == (50257,)
+    assert counts.sum() == stats.tokens == sum(d.size for d in docs) == read_index_info(prefix + "_text_document.idx").num_tokens
+    assert counts[50256] == 152  # one EOD per document, counted
+    assert np.array_equal(counts, np.bincount(np.concatenate(docs), minlength=50257))
+    tok = build_tokenizer(**tok_args["gpt2"])
+    assert tok.detokenize(docs[60][:-1]) == valid_texts[60]
+
+
+def test_pile_set_filter(tok_args, valid_path, tmp_path):
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().decompress(open(valid_path, "rb").read(), max_output_size=1 << 28)
+    names = [json.loads(l)["meta"]["pile_set_name"] for l in raw.splitlines()]
+    stats = preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(tmp_path / "o"),
+                                        pile_set_names=["GCIDE", "BrownCorpus"], **tok_args["gpt2"]))
+    want = sum(n in ("GCIDE", "BrownCorpus") for n in names)
+    assert stats.docs == want == 34 and stats.skipped["filtered"] == 152 - want
+
+
+def test_partitions_and_merge(tok_args, valid_path, tmp_path):
+    kw = tok_args["gpt2"]
+    full = tmp_path / "full"
+    preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(full), append_eod=True,
+                                output_token_counts=True, **kw))
+    for i in range(2):
+        r = run_tool("preprocess_data.py", "--input", valid_path, "--output-prefix", tmp_path / f"part{i}",
+                     "--append-eod", "--output-token-counts", "--partitions", 2, "--partition-index", i,
+                     *cli_flags(kw))
+        assert r.returncode == 0, r.stderr
+    merged = tmp_path / "merged_text_document"
+    r = run_tool("merge_datasets.py", "--input", tmp_path / "part0_text_document", tmp_path / "part1_text_document",
+                 "--output-prefix", merged)
+    assert r.returncode == 0, r.stderr
+    _, a = _read_docs(str(full) + "_text_document")
+    _, b = _read_docs(str(merged))
+    # partition-major order: lines 0,2,4,... then 1,3,5,...
+    order = list(range(0, 152, 2)) + list(range(1, 152, 2))
+    assert len(b) == 152 and all(np.array_equal(a[j], d) for j, d in zip(order, b))
+    assert np.array_equal(np.load(str(full) + "_text_token_counts.npy"),
+                          np.load(str(tmp_path / "merged_text_token_counts.npy")))
+    r = run_tool("merge_datasets.py", "--input", tmp_path / "part0_text_document", "--output-prefix", merged)
+    assert r.returncode == 2 and "--overwrite" in r.stderr
