@@ -1,0 +1,109 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+Drop-in for megatron-core's ``DotProductAttention`` in the local layer spec: same constructor
+and forward interface (query/key/value ``[s, b, heads, dim]`` per TP partition, returns
+``[s, b, heads * dim]``), but the kernel is torch's SDPA, which runs on CPU (and picks a fused
+kernel on GPU), needs no global memory buffer and no fused-softmax CUDA extension.
+
+Masking: ``attention_mask`` follows megatron's convention (boolean, True = masked out,
+broadcastable to ``[b, heads, sq, sk]``); when it is None and the mask type is causal, SDPA's
+``is_causal`` is used. Grouped-query attention repeats keys/values per partition like megatron.
+Attention dropout uses megatron's RNG tracker outside sequence parallelism, as megatron does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """Causal (or masked) scaled dot-product attention on one TP partition of the heads."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("--context-parallel-size > 1 needs the Transformer Engine attention")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError("SDPAttention supports only the vanilla softmax (--softmax-type vanilla)")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("SDPAttention does not implement sliding-window attention (--window-size)")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.tp_group = pg_collection.tp
+        world = self.tp_group.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, world)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, world)
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        )
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences need the Transformer Engine attention")
+        if attention_bias is not None:
+            raise ValueError("attention bias is not supported by SDPAttention")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if rep > 1:
+            key = key.repeat_interleave(rep, dim=2)
+            value = value.repeat_interleave(rep, dim=2)
+        sq, b = query.shape[0], query.shape[1]
+        # [s, b, n, d] -> [b, n, s, d]
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        mask = None
+        is_causal = False
+        if attention_mask is not None:
+            mask = ~attention_mask.bool()  # SDPA: True = attend
+        elif mask_type == AttnMaskType.causal:
+            is_causal = True
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale
+                )
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale
+            )
+        # [b, n, s, d] -> [s, b, n*d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

@@ -1,0 +1,196 @@
+"""``LevGPTModel``: megatron-core's GPTModel with a choice of input representation.
+
+megatron-core has no spec slot for the embedding, so this subclasses ``GPTModel``:
+
+- ``tied``: megatron's own ``LanguageModelEmbedding`` with ``share_embeddings_and_output_weights``
+  (one V x D matrix; under pipeline parallelism megatron keeps the last stage's copy in sync
+  through its embedding group).
+- ``untied``: megatron's own ``LanguageModelEmbedding`` and a separate ColumnParallelLinear head.
+- ``albert``, ``flat_mlp``, ``factored_mlp``, ``lev``: the first stage's ``embedding`` is an
+  ``InputArmEmbedding`` (same interface as megatron's) built *instead of* megatron's: GPTModel's
+  constructor looks its embedding class up in its module namespace, and ``LevGPTModel`` points that
+  name at a factory for the duration of ``super().__init__`` — so no V x D table is ever allocated
+  for these arms. The output head is megatron's untied vocab-parallel ColumnParallelLinear.
+
+Untied arms and pipeline parallelism (checked against megatron-core 0.16.1): ``GPTModel`` builds the
+embedding only where ``pre_process`` and the head only where ``post_process``;
+``setup_embeddings_and_output_layer`` returns before allocating or all-reducing a last-stage copy
+unless weights are shared (or MTP is on); ``finalize_model_grads`` reduces the embedding group only
+for ``share_embeddings_and_output_weights`` (``_get_shared_word_embedding_weight`` returns None
+otherwise). So no dead copy exists and the embedding group carries no traffic for untied arms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Iterator, List, Optional
+
+import torch
+from torch import Tensor
+
+from megatron.core.models.gpt import GPTModel
+
+from .config import LevModelConfig
+from .embedding import InputArmEmbedding
+from .specs import get_block_spec
+
+MEGATRON_ARMS = ("tied", "untied")
+_PATCH_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _gpt_embedding_class(factory):
+    """Make GPTModel's constructor build ``factory(...)`` where it would build LanguageModelEmbedding."""
+    if factory is None:
+        yield
+        return
+    from megatron.core.models.gpt import gpt_model as gpt_module
+
+    with _PATCH_LOCK:
+        original = gpt_module.LanguageModelEmbedding
+        gpt_module.LanguageModelEmbedding = factory
+        try:
+            yield
+        finally:
+            gpt_module.LanguageModelEmbedding = original
+
+
+def _arm_factory(model_config: LevModelConfig, **kwargs):
+    return InputArmEmbedding(model_config=model_config, **kwargs)
+
+
+class LevGPTModel(GPTModel):
+    """GPT on megatron-core whose input representation is ``model_config.input_embedding``.
+
+    Args:
+        config: megatron-core TransformerConfig (e.g. from ``build_transformer_config``).
+        model_config: the ``LevModelConfig`` (vocabulary, arm, LEV knobs, positions).
+        transformer_layer_spec: layer ``ModuleSpec`` or block spec; None = ``get_block_spec``
+            (Transformer Engine where available, else the CPU-capable local spec).
+        pre_process / post_process: first / last pipeline stage (input arm / head).
+        vp_stage: virtual pipeline stage of this chunk (interleaved schedule), or None.
+    """
+
+    def __init__(
+        self,
+        config,
+        model_config: LevModelConfig,
+        transformer_layer_spec=None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: Optional[int] = None,
+        parallel_output: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        pg_collection=None,
+    ) -> None:
+        model_config.validate(config)
+        # Read by the overridden setup hooks during GPTModel.__init__ (plain attribute, not a module).
+        object.__setattr__(self, "model_config", model_config)
+        if transformer_layer_spec is None:
+            transformer_layer_spec = get_block_spec(config, model_config, vp_stage=vp_stage)
+        arm = model_config.input_embedding
+        factory = None if arm in MEGATRON_ARMS else functools.partial(_arm_factory, model_config)
+        with _gpt_embedding_class(factory):
+            super().__init__(
+                config=config,
+                transformer_layer_spec=transformer_layer_spec,
+                vocab_size=model_config.vocab_size,
+                max_sequence_length=model_config.max_sequence_length,
+                pre_process=pre_process,
+                post_process=post_process,
+                fp16_lm_cross_entropy=fp16_lm_cross_entropy,
+                parallel_output=parallel_output,
+                share_embeddings_and_output_weights=(arm == "tied"),
+                position_embedding_type=model_config.position_embedding_type,
+                rotary_percent=model_config.rotary_percent,
+                rotary_base=model_config.rotary_base,
+                pg_collection=pg_collection,
+                vp_stage=vp_stage,
+            )
+
+    @property
+    def input_embedding(self) -> str:
+        return self.model_config.input_embedding
+
+    # -- megatron hooks that assume ``embedding.word_embeddings``
+    def setup_embeddings_and_output_layer(self) -> None:
+        if self.model_config.input_embedding in MEGATRON_ARMS:
+            return super().setup_embeddings_and_output_layer()
+        # Untied head, no shared weight: nothing to allocate, copy or all-reduce across stages.
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+
+    def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
+        if self.model_config.input_embedding in MEGATRON_ARMS:
+            return super().shared_embedding_or_output_weight()
+        return self.output_layer.weight if self.post_process else None
+
+    # -- LEV / arm helpers
+    def lev_modules(self) -> Iterator[torch.nn.Module]:
+        """The ``LEVParallelEmbedding`` instances of this chunk (for the table-mode step hooks)."""
+        return lev_modules(self)
+
+    @torch.no_grad()
+    def materialize_input_embedding(self) -> Tensor:
+        return materialize_input_embedding(self)
+
+
+def _unwrap(model) -> List[torch.nn.Module]:
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    out = []
+    for m in chunks:
+        while hasattr(m, "module") and not isinstance(m, LevGPTModel):
+            m = m.module
+        out.append(m)
+    return out
+
+
+def lev_modules(model) -> Iterator[torch.nn.Module]:
+    """Every ``LEVParallelEmbedding`` in ``model`` (a model, a DDP wrapper or a list of chunks)."""
+    try:
+        from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
+    except ImportError:
+        return iter(())
+    return (m for chunk in _unwrap(model) for m in chunk.modules() if isinstance(m, LEVParallelEmbedding))
+
+
+@torch.no_grad()
+def materialize_input_embedding(model) -> Tensor:
+    """The dense [V, D] input table of the first pipeline stage (collective over TP).
+
+    tied/untied: megatron's word-embedding table gathered over TP; other arms: the arm evaluated
+    on all ids (positions excluded). ``model`` may be wrapped (DDP) or a list of chunks; the chunk
+    holding the embedding is used, and a stage without it raises ValueError.
+    """
+    for chunk in _unwrap(model):
+        if not getattr(chunk, "pre_process", False) or not hasattr(chunk, "embedding"):
+            continue
+        emb = chunk.embedding
+        if isinstance(emb, InputArmEmbedding):
+            return emb.materialize()
+        weight = emb.word_embeddings.weight.detach()
+        group = emb.word_embeddings.tp_group
+        if group.size() == 1:
+            return weight.clone()
+        parts = [torch.empty_like(weight) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, weight.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+    raise ValueError("this pipeline stage holds no input embedding (pre_process is False)")
+
+
+def build_gpt_model(
+    *,
+    config,
+    model_config: LevModelConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    **kwargs,
+) -> LevGPTModel:
+    """Build one model chunk; extra keyword arguments go to ``LevGPTModel``."""
+    return LevGPTModel(
+        config=config, model_config=model_config, pre_process=pre_process, post_process=post_process,
+        vp_stage=vp_stage, **kwargs,
+    )

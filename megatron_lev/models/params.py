@@ -1,0 +1,231 @@
+"""Parameter matching of the baseline arms to LEV, and the analytic parameter breakdown.
+
+Input-side parameter counts (V vocabulary, D hidden size, LEV knobs k, b, d_s, ...):
+
+    tied, untied   V*D
+    albert         V*e + e*D + D                       (table, projection weight and bias)
+    flat_mlp       V*e + (e*m + m) + (m*D + D)         (table, MLP e -> m -> D with biases)
+    factored_mlp   k*b*d_s + (d_s*m + m) + (m*D + D)   (LEV codebooks, MLP d_s -> m -> D)
+    lev            P_LEV = k b d_s + h (d_s^2 + 3 d_s + d_s kappa r + r D) + D
+
+Matching rule (``matched_widths``), budget P = P_LEV for the same V, D and LEV knobs:
+
+- albert: e = the integer nearest to (P - D) / (V + D) (at least 1). Its granularity is V + D
+  parameters, so the match is within 2% only when (V + D) / 2 <= 2% of P; otherwise (large V,
+  small D) no albert width is within 2%, and matching raises ``ConfigError`` asking for an
+  explicit ``--albert-dim``.
+- flat_mlp: half of the budget to the table, e = max(1, round(P / (2 V))) (lowered until the MLP
+  gets at least one hidden unit), then m = the integer nearest to (P - V e - D) / (e + 1 + D).
+  m has a granularity of about D parameters, so the match is tight whenever e fits.
+- factored_mlp: the codebooks are fixed by the LEV knobs; m = the integer nearest to
+  (P - k b d_s - D) / (d_s + 1 + D).
+
+If V alone (e = 1) exceeds the budget, albert and flat_mlp cannot be matched: ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Optional
+
+from megatron_lev.lev.config import LEVConfig, lev_param_count
+
+from .config import ConfigError, LevModelConfig
+
+MATCH_TOLERANCE = 0.02
+ARMS_MATCHED = ("albert", "flat_mlp", "factored_mlp")
+
+
+def albert_params(vocab_size: int, hidden_size: int, e: int) -> int:
+    return vocab_size * e + e * hidden_size + hidden_size
+
+
+def flat_mlp_params(vocab_size: int, hidden_size: int, e: int, m: int) -> int:
+    return vocab_size * e + e * m + m + m * hidden_size + hidden_size
+
+
+def factored_mlp_params(vocab_size: int, hidden_size: int, lev: LEVConfig, m: int) -> int:
+    b = lev.resolved_base(vocab_size)
+    ds = lev.seed_dim
+    return lev.num_digits * b * ds + ds * m + m + m * hidden_size + hidden_size
+
+
+def _closest(width_estimate: float, count, budget: int) -> int:
+    import math
+
+    cands = {max(1, int(math.floor(width_estimate))), max(1, int(math.ceil(width_estimate)))}
+    return min(sorted(cands), key=lambda x: abs(count(x) - budget))
+
+
+def _match_flat_mlp_hidden(vocab_size: int, hidden_size: int, lev: LEVConfig, e: int) -> int:
+    V, D = vocab_size, hidden_size
+    P = lev_param_count(V, D, lev)
+    rest = P - V * e - D
+    if rest < e + 1 + D:
+        raise ConfigError(
+            f"--flat-mlp-dim {e}: the V x e table ({V * e:,} parameters) leaves no room for the MLP "
+            f"within the LEV budget of {P:,}; lower --flat-mlp-dim or give --mlp-hidden explicitly"
+        )
+    return _closest(rest / (e + 1 + D), lambda m: flat_mlp_params(V, D, e, m), P)
+
+
+def matched_widths(
+    vocab_size: int,
+    hidden_size: int,
+    lev_config: Optional[LEVConfig] = None,
+    *,
+    arms: Iterable[str] = ARMS_MATCHED,
+    tolerance: float = MATCH_TOLERANCE,
+) -> Dict[str, Any]:
+    """Widths of albert / flat_mlp / factored_mlp whose input-side counts match LEV's (module doc).
+
+    Returns ``lev_params`` and, per requested arm, its widths, its parameter count and the
+    relative error: ``albert_dim``, ``albert_params``, ``albert_rel_error``; ``flat_mlp_dim``,
+    ``flat_mlp_hidden``, ``flat_mlp_params``, ``flat_mlp_rel_error``; ``factored_mlp_hidden``,
+    ``factored_mlp_params``, ``factored_mlp_rel_error``. Raises ``ConfigError`` when an arm cannot
+    be matched within ``tolerance``.
+    """
+    lev = lev_config if lev_config is not None else LEVConfig()
+    V, D = int(vocab_size), int(hidden_size)
+    P = lev_param_count(V, D, lev)
+    out: Dict[str, Any] = {"lev_params": P}
+    arms = tuple(arms)
+
+    def check(arm: str, count: int, flag: str) -> None:
+        err = (count - P) / P
+        out[f"{arm}_params"] = count
+        out[f"{arm}_rel_error"] = err
+        if abs(err) > tolerance:
+            raise ConfigError(
+                f"{arm}: no width matches LEV's {P:,} input-side parameters within {tolerance:.0%} "
+                f"(closest {count:,}, {err:+.1%}) for V={V}, D={D}; give {flag} explicitly"
+            )
+
+    if "albert" in arms:
+        if albert_params(V, D, 1) > P * (1 + tolerance):
+            raise ConfigError(
+                f"albert: even --albert-dim 1 needs {albert_params(V, D, 1):,} parameters, above LEV's "
+                f"{P:,} for V={V}, D={D}; parameter matching is impossible, give --albert-dim explicitly"
+            )
+        e = _closest((P - D) / (V + D), lambda x: albert_params(V, D, x), P)
+        out["albert_dim"] = e
+        check("albert", albert_params(V, D, e), "--albert-dim")
+    if "flat_mlp" in arms:
+        e = max(1, round(P / (2 * V)))
+        while e > 1 and P - V * e - D < e + 1 + D:
+            e -= 1
+        if P - V * e - D < e + 1 + D:
+            raise ConfigError(
+                f"flat_mlp: a V x 1 table ({V:,} parameters) already exhausts LEV's {P:,} for V={V}, "
+                f"D={D}; parameter matching is impossible, give --flat-mlp-dim and --mlp-hidden explicitly"
+            )
+        m = _match_flat_mlp_hidden(V, D, lev, e)
+        out["flat_mlp_dim"], out["flat_mlp_hidden"] = e, m
+        check("flat_mlp", flat_mlp_params(V, D, e, m), "--flat-mlp-dim/--mlp-hidden")
+    if "factored_mlp" in arms:
+        b = lev.resolved_base(V)
+        fixed = lev.num_digits * b * lev.seed_dim + D
+        ds = lev.seed_dim
+        if P - fixed < ds + 1 + D:
+            raise ConfigError(f"factored_mlp: LEV's budget {P:,} leaves no room for the MLP; give --mlp-hidden")
+        m = _closest((P - fixed) / (ds + 1 + D), lambda x: factored_mlp_params(V, D, lev, x), P)
+        out["factored_mlp_hidden"] = m
+        check("factored_mlp", factored_mlp_params(V, D, lev, m), "--mlp-hidden")
+    return out
+
+
+def input_side_params(model_config: LevModelConfig, hidden_size: int) -> int:
+    """Parameters of the input arm (position embeddings excluded)."""
+    V, D, arm = model_config.vocab_size, hidden_size, model_config.input_embedding
+    if arm in ("tied", "untied"):
+        return V * D
+    if arm == "lev":
+        return lev_param_count(V, D, model_config.lev)
+    w = model_config.resolved_widths(D)
+    if arm == "albert":
+        return albert_params(V, D, w["albert_dim"])
+    if arm == "flat_mlp":
+        return flat_mlp_params(V, D, w["flat_mlp_dim"], w["mlp_hidden"])
+    if arm == "factored_mlp":
+        return factored_mlp_params(V, D, model_config.lev, w["factored_mlp_hidden"])
+    raise ConfigError(f"--input-embedding must be one of tied, untied, albert, flat_mlp, factored_mlp, lev (got {arm!r})")
+
+
+def transformer_params(config: Any) -> int:
+    """Decoder parameters (all layers and the final norm) of a GPT built from ``config`` at TP=1."""
+    D = config.hidden_size
+    norm = D * (2 if config.normalization == "LayerNorm" else 1)
+    kv_ch = config.kv_channels
+    q = config.num_attention_heads * kv_ch
+    kv = (config.num_query_groups or config.num_attention_heads) * kv_ch
+    bias = bool(config.add_bias_linear)
+    qkv_bias = bias or bool(getattr(config, "add_qkv_bias", False))
+    qkv = D * (q + 2 * kv) + (q + 2 * kv if qkv_bias else 0)
+    proj = q * D + (D if bias else 0)
+    ffn = config.ffn_hidden_size
+    fc1_out = ffn * (2 if config.gated_linear_unit else 1)
+    fc1 = D * fc1_out + (fc1_out if bias else 0)
+    fc2 = ffn * D + (D if bias else 0)
+    qk_norm = 0
+    if getattr(config, "qk_layernorm", False):
+        qk_norm = 2 * kv_ch * (2 if config.normalization == "LayerNorm" else 1)
+    per_layer = 2 * norm + qkv + proj + fc1 + fc2 + qk_norm
+    return config.num_layers * per_layer + norm
+
+
+def parameter_breakdown(model_config: LevModelConfig, config: Any) -> Dict[str, Any]:
+    """Analytic parameter counts of the whole model (as built at TP=1, PP=1).
+
+    Keys: ``arm``, ``input_side`` (the arm; for tied the shared V x D table),
+    ``position_embeddings`` (learned absolute only, else 0), ``transformer`` (layers + final
+    norm), ``output_head`` (V x D; 0 for tied, whose head is the input table), ``total``,
+    ``lev_reference`` (P_LEV for the same V, D, knobs), ``dense_table`` (V x D), and
+    ``widths`` (the arm's resolved widths).
+    """
+    D = config.hidden_size
+    V = model_config.vocab_size
+    arm = model_config.input_embedding
+    inp = input_side_params(model_config, D)
+    pos = model_config.max_sequence_length * D if model_config.position_embedding_type == "learned_absolute" else 0
+    trans = transformer_params(config)
+    head = 0 if arm == "tied" else V * D
+    return {
+        "arm": arm,
+        "input_side": inp,
+        "position_embeddings": pos,
+        "transformer": trans,
+        "output_head": head,
+        "total": inp + pos + trans + head,
+        "lev_reference": lev_param_count(V, D, model_config.lev),
+        "dense_table": V * D,
+        "widths": model_config.resolved_widths(D),
+    }
+
+
+def format_parameter_breakdown(breakdown: Dict[str, Any]) -> str:
+    """Multi-line, human-readable table of ``parameter_breakdown`` for start-up logs."""
+
+    def fmt(n: int) -> str:
+        return f"{n:>15,}"
+
+    total = max(1, breakdown["total"])
+    lines = [f"parameters (input arm: {breakdown['arm']})"]
+    rows = [
+        ("input side", breakdown["input_side"]),
+        ("position embeddings", breakdown["position_embeddings"]),
+        ("transformer", breakdown["transformer"]),
+        ("output head", breakdown["output_head"]),
+    ]
+    for name, n in rows:
+        extra = ""
+        if name == "output head" and breakdown["arm"] == "tied":
+            extra = "  (shared with the input table)"
+        lines.append(f"  {name:<20}{fmt(n)}  {100.0 * n / total:5.1f}%{extra}")
+    lines.append(f"  {'total':<20}{fmt(breakdown['total'])}")
+    ref = breakdown["lev_reference"]
+    lines.append(
+        f"  input side vs LEV: {breakdown['input_side'] / ref:.4f}x of {ref:,}; "
+        f"dense V x D table: {breakdown['dense_table']:,}"
+    )
+    if breakdown.get("widths"):
+        lines.append("  widths: " + ", ".join(f"{k}={v}" for k, v in breakdown["widths"].items()))
+    return "\n".join(lines)
