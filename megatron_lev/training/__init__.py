@@ -1,0 +1,17 @@
+"""Pretraining: arguments/config, the loop over megatron-core schedules, optimizer + LR schedule,
+dist_checkpointing checkpoints, logging (stdout, TensorBoard, wandb) and fault handling.
+
+Entry point: ``pretrain(argv)`` (used by ``pretrain_lev.py``); the checkpoint reader
+(``checkpointing.load_checkpoint``/``find_checkpoint``) is shared with evaluation and conversion.
+"""
+
+from .arguments import ConfigError, build_parser, parse_args, resolved_config
+
+
+def pretrain(argv=None) -> int:
+    from .loop import pretrain as _pretrain
+
+    return _pretrain(argv)
+
+
+__all__ = ["ConfigError", "build_parser", "parse_args", "pretrain", "resolved_config"]

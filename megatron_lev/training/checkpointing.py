@@ -1,0 +1,338 @@
+"""Sharded checkpoints with megatron-core ``dist_checkpointing`` (``torch_dist`` backend).
+
+Layout (Megatron-LM's)::
+
+    SAVE_DIR/latest_checkpointed_iteration.txt     "N": the newest *complete* checkpoint
+    SAVE_DIR/iter_000000N/                         dist_checkpointing directory
+        metadata.json, common.pt, .metadata, __*.distcp   (written by every rank)
+        config.yaml                                 the resolved run configuration
+
+A checkpoint holds the model chunks (``model`` or ``model0``, ``model1``... with virtual stages),
+the optimizer (distributed optimizer state in megatron-core's model-space sharding, so it can be
+loaded with another TP/PP/DP layout where dist_checkpointing allows), the LR scheduler, the RNG
+states of every rank (python, numpy, torch CPU, CUDA and megatron's model-parallel tracker),
+the iteration, consumed samples, skipped/NaN counters and the resolved arguments.
+
+Completion protocol: every rank writes its shards (``dist_checkpointing.save`` ends with a
+barrier), then a second barrier, then rank 0 writes ``config.yaml`` and finally replaces the tracker
+file atomically (write to a temporary name, fsync, ``os.replace``, fsync the directory). A crash at
+any point before that leaves the tracker naming the previous checkpoint, which ``--load`` then uses.
+A leftover incomplete ``iter_*`` directory is removed before the same iteration is saved again.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CONFIG_NAME = "config.yaml"
+CHECKPOINT_VERSION = 3.0
+# Arguments that must match between a checkpoint and the run that loads it (model structure).
+_STRUCTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                   "input_embedding", "padded_vocab_size", "normalization", "swiglu", "position_embedding_type",
+                   "lev_digits", "lev_base", "lev_seed_dim", "lev_knots", "lev_rank", "lev_heads")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (missing, incomplete, incompatible); one-line message."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """Iteration named by the tracker file, or None when there is none."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "r", encoding="utf-8") as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, f".{TRACKER}.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))
+    try:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def _model_keys(n: int) -> List[str]:
+    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
+
+
+def _rng_state() -> Dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _layout() -> Dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": torch.distributed.get_world_size(),
+            "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size()}
+
+
+def optim_sharding_type(args) -> str:
+    """megatron-core's distributed-optimizer layout: dp_reshardable (fast; reloads with the same TP/PP)
+    or fully_reshardable (gathers on DP rank 0; reloads with any TP/PP/DP)."""
+    return "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give a not-yet-stepped Adam its state (zeros, step 0) so megatron-core can map it for loading.
+
+    Without Apex/Transformer Engine, megatron-core 0.16.1's DistributedOptimizer.state_dict() reads
+    the per-parameter ``step`` of torch's Adam, which exists only after a first step; its own
+    init_state_fn does not create it. The loaded checkpoint overwrites every value set here.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if len(st) == 0:
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+                if "step" not in st:
+                    st["step"] = torch.tensor(0.0)
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam ``step`` tensor after loading.
+
+    megatron-core 0.16.1's DistributedOptimizer.load_state_dict (path without Apex/TE) assigns one
+    ``step`` tensor to every parameter's state; torch's Adam increments it in place per parameter,
+    so the shared counter would advance by the number of parameters per step and change the bias
+    correction (the resumed run would no longer match the uninterrupted one).
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or not hasattr(inner, "state"):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if not isinstance(st, dict) or not isinstance(st.get("step"), torch.Tensor):
+                    continue
+                if "step" in group and group["step"] is not None:
+                    # The distributed optimizer keeps the checkpoint's step on the param group.
+                    st["step"] = torch.tensor(float(group["step"]), dtype=st["step"].dtype)
+                else:
+                    st["step"] = st["step"].detach().clone()
+
+
+def _sharded_state_dict(model, optimizer, include_optim: bool, include_rng: bool, is_loading: bool,
+                        sharding_type: str = "dp_reshardable"):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state: Dict[str, Any] = {}
+    for key, chunk in zip(_model_keys(len(model)), model):
+        state[key] = _unwrap(chunk).sharded_state_dict()
+    if include_optim and optimizer is not None:
+        if is_loading:
+            _ensure_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding_type})
+    if include_rng:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    return state
+
+
+def _save_strategy():
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if ps.get_data_parallel_world_size() > 1:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
+def save_checkpoint(
+    root: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
+    counters: Dict[str, int], config: Dict[str, Any], args, log=print,
+) -> str:
+    """Save a complete checkpoint of this iteration on every rank; return its directory."""
+    import yaml
+    from megatron.core import dist_checkpointing
+
+    rank = torch.distributed.get_rank()
+    path = checkpoint_dir(root, iteration)
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.isdir(path):  # an incomplete attempt at this iteration (or an older run): replace it
+            shutil.rmtree(path)
+        os.makedirs(path)
+    torch.distributed.barrier()
+
+    sharding = optim_sharding_type(args)
+    state = _sharded_state_dict(model, optimizer, include_optim=not args.no_save_optim,
+                                include_rng=not args.no_save_rng, is_loading=False, sharding_type=sharding)
+    state.update(
+        optim_sharding_type=sharding,
+        checkpoint_version=CHECKPOINT_VERSION,
+        iteration=iteration,
+        consumed_train_samples=consumed_train_samples,
+        counters=dict(counters),
+        args=dict(config),
+        layout=_layout(),
+    )
+    if scheduler is not None and not args.no_save_optim:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+
+    kill = args.debug_kill_during_save
+    if kill is not None:
+        k_rank, k_iter = (int(x) for x in kill.split(":"))
+        if rank == k_rank and iteration == k_iter:
+            # Test hook: die abruptly while the other ranks are writing this checkpoint.
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
+    torch.distributed.barrier()  # every rank's shards are on disk
+    if rank == 0:
+        with open(os.path.join(path, CONFIG_NAME), "w", encoding="utf-8") as f:
+            yaml.safe_dump(dict(config), f, sort_keys=True)
+        _write_tracker(root, iteration)
+    torch.distributed.barrier()
+    log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
+    return path
+
+
+def find_checkpoint(root: str) -> Optional[Tuple[int, str]]:
+    """(iteration, directory) of the newest complete checkpoint under ``root``, or None."""
+    it = read_tracker(root)
+    if it is None:
+        return None
+    path = checkpoint_dir(root, it)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"{path}: named by {os.path.join(root, TRACKER)} but incomplete (no metadata.json)")
+    return it, path
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print) -> Optional[Dict[str, Any]]:
+    """Load the newest complete checkpoint under ``root`` into model/optimizer/scheduler/RNG.
+
+    Returns the checkpoint's common state (iteration, consumed samples, counters, args), or None
+    when there is no checkpoint (the run starts from scratch).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+    found = find_checkpoint(root) if os.path.isdir(root) else None
+    if found is None:
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointError(f"--load {root}: no checkpoint found ({TRACKER} missing)")
+        log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
+        return None
+    iteration, path = found
+    common = dist_checkpointing.load_common_state_dict(path)
+    saved_args = common.get("args", {})
+    for name in _STRUCTURE_ARGS:
+        if name in saved_args and saved_args[name] != getattr(args, name, None):
+            raise CheckpointError(
+                f"--{name.replace('_', '-')} {getattr(args, name, None)} differs from the checkpoint's "
+                f"{saved_args[name]} ({path})"
+            )
+    same_layout = common.get("layout") == _layout()
+    load_optim = not (args.finetune or args.no_load_optim) and "optimizer" in _saved_keys(common, path)
+    load_rng = not (args.finetune or args.no_load_rng) and same_layout
+    sharding = common.get("optim_sharding_type", "dp_reshardable")
+    layout = _layout()
+    saved_layout = common.get("layout") or {}
+    if load_optim and sharding == "dp_reshardable" and any(
+            saved_layout.get(k) != layout[k] for k in ("tp", "pp")):
+        raise CheckpointError(
+            f"{path}: optimizer state saved at TP={saved_layout.get('tp')} PP={saved_layout.get('pp')} "
+            f"(dp_reshardable) cannot be loaded at TP={layout['tp']} PP={layout['pp']}; pass --no-load-optim "
+            "(or save with --dist-ckpt-optim-fully-reshardable)")
+    state = _sharded_state_dict(model, optimizer, include_optim=load_optim, include_rng=load_rng, is_loading=True,
+                                sharding_type=sharding)
+    strategy = get_default_load_sharded_strategy(path)
+    loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
+    for key, chunk in zip(_model_keys(len(model)), model):
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    if load_optim:
+        with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(optimizer)
+        if scheduler is not None and "opt_param_scheduler" in common:
+            scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()
+    if load_rng:
+        _set_rng_state(loaded["rng_state"])
+    elif not (args.finetune or args.no_load_rng):
+        log(f"WARNING: checkpoint layout {common.get('layout')} differs from this run's {_layout()}: "
+            "RNG states not restored")
+    log(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
+    if args.finetune:
+        return {"iteration": 0, "consumed_train_samples": 0, "counters": {}, "args": saved_args}
+    return {"iteration": common.get("iteration", iteration),
+            "consumed_train_samples": common.get("consumed_train_samples", 0),
+            "counters": common.get("counters", {}), "args": saved_args}
+
+
+def _saved_keys(common: Dict[str, Any], path: str) -> set:
+    """Top-level keys holding sharded data in the checkpoint (from its tensor metadata)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(path)
+    except Exception:  # pragma: no cover - metadata unreadable: assume everything is there
+        return {"optimizer"}
+    keys = {k.split(".")[0] for k in meta}
+    if any(k.startswith("optimizer") for k in meta):
+        keys.add("optimizer")
+    return keys

@@ -1,0 +1,127 @@
+"""Tokenizer, datasets and the resumable micro-batch iterators of the training loop.
+
+The training iterator follows Megatron-LM's ``MegatronPretrainingSampler``: the dataset is
+index-addressable, global batch ``g`` covers samples ``[g*G, (g+1)*G)`` and data-parallel rank ``r``
+reads micro-batch ``j`` of it as samples ``start + j*(m*dp) + r*m .. + m``. Starting the sampler at
+``consumed_samples`` therefore resumes exactly where an interrupted run stopped.
+
+Validation always reads the first ``eval_iters`` global batches of the validation split, so every
+evaluation (and every run) measures the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, Optional
+
+import numpy as np
+import torch
+
+
+def build_tokenizer_from_args(args):
+    from megatron_lev.tokenizer import build_tokenizer
+
+    return build_tokenizer(
+        args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+        tiktoken_pattern=args.tiktoken_pattern,
+    )
+
+
+def padded_vocab(args, tokenizer) -> int:
+    from megatron_lev.tokenizer import padded_vocab_size
+
+    return padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                             args.tensor_model_parallel_size)
+
+
+def build_datasets(args, tokenizer):
+    """(train, valid, test) megatron-core datasets sized for this run (valid/test may be None)."""
+    from megatron_lev.data.datasets import build_train_valid_test_datasets
+
+    gbs = args.global_batch_size
+    num_samples = [args.train_iters * gbs, max(args.eval_iters, 1) * gbs, max(args.eval_iters, 1) * gbs]
+    join = lambda v: " ".join(v) if v else None  # noqa: E731
+    return build_train_valid_test_datasets(
+        tokenizer, args.seq_length, num_samples,
+        data_path=join(args.data_path), split=args.split,
+        train_data_path=join(args.train_data_path), valid_data_path=join(args.valid_data_path),
+        test_data_path=join(args.test_data_path), mock=args.mock_data, seed=args.seed,
+        data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False, vocab_size=args.padded_vocab_size,
+    )
+
+
+class PretrainingSampler:
+    """Megatron-LM's MegatronPretrainingSampler: per-DP-rank micro-batches from ``consumed_samples``."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, cyclic: bool = False) -> None:
+        self.total = int(total_samples)
+        self.consumed = int(consumed_samples)
+        self.mbs = int(micro_batch_size)
+        self.rank = int(data_parallel_rank)
+        self.dp = int(data_parallel_size)
+        self.cyclic = cyclic
+        if self.total <= 0:
+            raise ValueError("the dataset is empty")
+
+    def __iter__(self) -> Iterator[list]:
+        step = self.mbs * self.dp
+        start = self.consumed
+        while True:
+            if not self.cyclic and start + step > self.total:
+                return
+            base = start + self.rank * self.mbs
+            yield [(base + j) % self.total for j in range(self.mbs)]
+            start += step
+
+
+def _collate(samples) -> Dict[str, torch.Tensor]:
+    out = {}
+    for key in samples[0]:
+        vals = [s[key] for s in samples]
+        if isinstance(vals[0], torch.Tensor):
+            out[key] = torch.stack(vals)
+        else:
+            out[key] = torch.from_numpy(np.stack([np.asarray(v) for v in vals]))
+    return out
+
+
+def make_iterator(dataset, consumed_samples: int, args, cyclic: bool = False) -> Optional[Iterator]:
+    """Micro-batch iterator of this data-parallel rank (None when there is no dataset)."""
+    if dataset is None:
+        return None
+    from megatron.core import parallel_state as ps
+
+    sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
+                                 ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), cyclic=cyclic)
+    if args.num_workers > 0:
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
+                                             collate_fn=_collate, persistent_workers=False)
+        return iter(loader)
+    return (_collate([dataset[i] for i in idx]) for idx in sampler)
+
+
+def train_iterators(dataset, consumed_samples: int, args):
+    """One iterator per model chunk (the interleaved schedule pulls from each chunk's own)."""
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is None:
+        return make_iterator(dataset, consumed_samples, args)
+    return [make_iterator(dataset, consumed_samples, args) for _ in range(vpp)]
+
+
+def valid_iterators(dataset, args):
+    vpp = args.virtual_pipeline_model_parallel_size
+    if dataset is None:
+        return None
+    if vpp is None:
+        return make_iterator(dataset, 0, args, cyclic=True)
+    return [make_iterator(dataset, 0, args, cyclic=True) for _ in range(vpp)]
+
+
+def get_batch(data_iterator):
+    """tokens, labels, loss_mask, attention_mask (None: causal), position_ids of the next micro-batch."""
+    batch = next(data_iterator)
+    return (batch["tokens"].long(), batch["labels"].long(), batch["loss_mask"].float(),
+            batch.get("attention_mask"), batch["position_ids"].long())

@@ -1,0 +1,141 @@
+"""Rank-0 output: Megatron-LM's log lines, TensorBoard, wandb (optional) and a JSON-lines metrics file.
+
+The training line keeps Megatron-LM's field names and order, so scripts that parse Megatron logs
+(``iteration N/ M``, ``lm loss: X``, ``grad norm: X``...) keep working; this project's extra fields
+(consumed tokens, tokens/s, TFLOP/s, MFU, memory) come after Megatron's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+
+def is_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def print_rank0(*msg: Any) -> None:
+    if is_rank0():
+        print(*msg, flush=True)
+
+
+def memory_string() -> str:
+    if torch.cuda.is_available():
+        alloc = torch.cuda.max_memory_allocated() / 2**30
+        reserved = torch.cuda.max_memory_reserved() / 2**30
+        return f"mem allocated (GiB): {alloc:.2f} | mem max reserved (GiB): {reserved:.2f}"
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        return f"max RSS (GiB): {rss:.2f}"
+    except Exception:  # pragma: no cover
+        return "max RSS (GiB): n/a"
+
+
+class TrainingLogger:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.rank0 = is_rank0()
+        self.tb = None
+        self.wandb = None
+        self.metrics = None
+        if not self.rank0:
+            return
+        if args.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+            except ImportError:
+                print("WARNING: TensorBoard writing is not available (pip install tensorboard)", flush=True)
+        if args.wandb_project:
+            try:
+                import wandb  # optional dependency
+
+                self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                                        dir=args.wandb_save_dir or args.save or None, config=None)
+            except ImportError:
+                print("WARNING: --wandb-project given but wandb is not installed; not logging to wandb",
+                      flush=True)
+        if args.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            self.metrics = open(args.metrics_file, "a", encoding="utf-8")
+
+    def set_config(self, cfg: Dict[str, Any]) -> None:
+        if self.wandb is not None:
+            self.wandb.config.update(cfg, allow_val_change=True)
+        if self.tb is not None:
+            self.tb.add_text("config", "\n".join(f"    {k}: {v}" for k, v in cfg.items()), 0)
+
+    def log(self, msg: str) -> None:
+        if self.rank0:
+            print(msg, flush=True)
+
+    def record(self, kind: str, iteration: int, values: Dict[str, Any]) -> None:
+        """Exact values to the metrics file (one JSON object per line)."""
+        if self.metrics is not None:
+            row = {"kind": kind, "iteration": iteration}
+            row.update(values)
+            self.metrics.write(json.dumps(row) + "\n")
+            self.metrics.flush()
+
+    def scalars(self, iteration: int, values: Dict[str, float], consumed_samples: Optional[int] = None) -> None:
+        if self.tb is not None:
+            for k, v in values.items():
+                if v is None:
+                    continue
+                self.tb.add_scalar(k, v, iteration)
+                if consumed_samples is not None and k in ("lm loss", "validation/lm loss"):
+                    self.tb.add_scalar(f"{k} vs samples", v, consumed_samples)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in values.items() if v is not None}, step=iteration)
+
+    def training_line(self, *, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
+                      ms_per_iter: float, lr: float, global_batch_size: int, losses: Dict[str, float],
+                      loss_scale: float, grad_norm: Optional[float], skipped: int, nan: int,
+                      tokens_per_s: float, tflops_per_device: float, mfu: Optional[float]) -> str:
+        s = f" [{time.strftime('%Y-%m-%d %H:%M:%S')}]"
+        s += f" iteration {iteration:8d}/{train_iters:8d} |"
+        s += f" consumed samples: {consumed_samples:12d} |"
+        s += f" elapsed time per iteration (ms): {ms_per_iter:.1f} |"
+        s += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_device:.1f} |"
+        s += f" learning rate: {lr:.6E} |"
+        s += f" global batch size: {global_batch_size:5d} |"
+        for k, v in losses.items():
+            s += f" {k}: {v:.6E} |"
+        s += f" loss scale: {loss_scale:.1f} |"
+        if grad_norm is not None:
+            s += f" grad norm: {grad_norm:.3f} |"
+        s += f" number of skipped iterations: {skipped:3d} |"
+        s += f" number of nan iterations: {nan:3d} |"
+        s += f" consumed tokens: {consumed_tokens} |"
+        s += f" tokens per second: {tokens_per_s:.1f} |"
+        s += f" MFU: {mfu * 100:.2f}% |" if mfu is not None else " MFU: n/a |"
+        s += f" {memory_string()} |"
+        return s
+
+    def validation_block(self, prefix: str, losses: Dict[str, float]) -> str:
+        s = f" validation loss at {prefix} | "
+        for k, v in losses.items():
+            ppl = math.exp(min(20.0, v)) if math.isfinite(v) else float("nan")
+            s += f"{k} value: {v:.6E} | {k} PPL: {ppl:.6E} | "
+        bar = "-" * (len(s) + 1)
+        return f"{bar}\n{s}\n{bar}"
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.metrics is not None:
+            self.metrics.close()
+        sys.stdout.flush()

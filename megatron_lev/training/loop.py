@@ -1,0 +1,580 @@
+"""The pretraining loop over megatron-core pieces (not re-implemented here):
+
+- ``get_forward_backward_func`` (no pipelining, 1F1B, interleaved 1F1B with virtual stages),
+- megatron ``DistributedDataParallel`` (grad buffers, optional overlapped grad reduce / param gather),
+- ``get_megatron_optimizer`` (Adam(W)/SGD, fp16/bf16 with loss scaling, distributed optimizer,
+  gradient clipping), ``finalize_model_grads`` (DP/embedding/sequence-parallel reductions),
+- ``OptimizerParamScheduler`` (warmup, then constant/linear/cosine/inverse-sqrt/WSD decay to --min-lr).
+
+One iteration = one optimizer step over ``global_batch_size`` samples, in
+``num_microbatches = global / (micro x data-parallel)`` micro-batches per data-parallel rank.
+
+LEV ``table`` compute mode: ``begin_table_step()`` on every LEV module before the micro-batches
+(G evaluated once over the vocabulary), ``finish_table_step()`` after the last backward and
+before the gradient reduction (the accumulated row gradients go back through G), i.e. as the first
+thing of the finalize-grads hook that the schedule calls.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+from functools import partial
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from . import checkpointing
+from .arguments import ConfigError, config_to_yaml, format_config, parse_args, resolved_config
+from .logger import TrainingLogger, print_rank0
+
+EXIT_CONFIG_ERROR = 2
+EXIT_NAN = 3
+
+
+class NanDetected(RuntimeError):
+    pass
+
+
+class _State:
+    """Mutable counters of the run (saved in checkpoints)."""
+
+    def __init__(self) -> None:
+        self.iteration = 0
+        self.consumed_train_samples = 0
+        self.skipped_iterations = 0
+        self.nan_iterations = 0
+
+    def counters(self) -> Dict[str, int]:
+        return {"skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations}
+
+
+class SignalHandler:
+    """Remembers a SIGTERM; the loop checks it (across ranks) at the end of each iteration."""
+
+    def __init__(self, sig=signal.SIGTERM) -> None:
+        self.sig = sig
+        self.received = False
+        self._prev = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def any_rank_received(self) -> bool:
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def release(self) -> None:
+        signal.signal(self.sig, self._prev)
+
+
+# ------------------------------------------------------------------------------------------------
+# start-up
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_distributed(args) -> None:
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    cuda = torch.cuda.is_available()
+    backend = args.distributed_backend or ("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group(
+        backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(minutes=args.distributed_timeout_minutes),
+    )
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+    )
+
+
+def _set_seed(seed: int) -> None:
+    """Megatron-LM's seeding: a different seed per pipeline stage; the TP tracker seeds per TP rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _wrap_model(args, config, chunks):
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    for chunk in chunks:
+        for p in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+    if torch.cuda.is_available():
+        chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
+    if args.fp16 or args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, c) for c in chunks]
+    kw = dict(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # checked by the loop (clean message, optional skip)
+    )
+    if args.ddp_bucket_size is not None:
+        kw["bucket_size"] = args.ddp_bucket_size
+    ddp_config = DistributedDataParallelConfig(**kw)
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
+
+
+def _build_optimizer(args, model):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from .model_provider import params_dtype
+
+    opt_config = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=params_dtype(args), loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    gbs = args.global_batch_size
+    decay_steps = args.lr_decay_iters * gbs
+    warmup_steps = (int(args.lr_warmup_fraction * decay_steps) if args.lr_warmup_fraction is not None
+                    else args.lr_warmup_iters * gbs)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_steps=max(1, args.train_iters) * gbs, wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if args.lr_wsd_decay_iters else None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+    return optimizer, scheduler
+
+
+def _configure_hooks(args, config, model, optimizer, table_modules) -> None:
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:
+        no_sync = [m.no_sync for m in model]
+        grad_sync = [m.start_grad_sync for m in model]
+        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+    if args.overlap_param_gather:
+        param_sync = [m.start_param_sync for m in model]
+        config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
+
+    def finalize(*a, **kw):
+        for m in table_modules:  # LEV table mode: push the table's gradient back through G first
+            m.finish_table_step()
+        return finalize_model_grads(*a, **kw)
+
+    config.finalize_model_grads_func = finalize
+
+
+# ------------------------------------------------------------------------------------------------
+# one step
+
+
+def _forward_step(state: _State, args, data_iterator, model):
+    from .data import get_batch
+
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    inject = args.inject_nan_at_iteration is not None and state.iteration + 1 == args.inject_nan_at_iteration
+    return output, partial(_loss_func, loss_mask, inject and model.training)
+
+
+def _loss_func(loss_mask, inject_nan: bool, output_tensor):
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    if inject_nan:  # test hook (--inject-nan-at-iteration)
+        loss = loss * float("nan")
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach().clone(), num_tokens.detach().float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Optional[float]:
+    """Token-weighted loss of the step over micro-batches and data-parallel ranks (None if no tokens)."""
+    from megatron.core import parallel_state as ps
+
+    buf = torch.zeros(2, dtype=torch.float64)
+    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
+        for d in losses_reduced:
+            buf += d["lm loss"].double().cpu()
+    if torch.cuda.is_available():
+        buf = buf.cuda()
+    torch.distributed.all_reduce(buf)
+    buf = buf.cpu()
+    if buf[1] <= 0:
+        return None
+    return float(buf[0] / buf[1])
+
+
+def _grads_finite(model) -> bool:
+    for chunk in model:
+        buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+        if buffers:
+            for b in buffers:
+                if not bool(torch.isfinite(b.grad_data).all()):
+                    return False
+        else:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                g = p.grad if g is None else g
+                if g is not None and not bool(torch.isfinite(g).all()):
+                    return False
+    return True
+
+
+def _any_rank(flag: bool) -> bool:
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if torch.cuda.is_available():
+        t = t.cuda()
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modules):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    for m in table_modules:
+        m.begin_table_step()
+    losses_reduced = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, state, args), data_iterator=train_iter, model=model,
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False,
+    )
+    loss = _reduce_losses(losses_reduced)
+    loss_finite = loss is not None and math.isfinite(loss)
+    if args.check_for_nan_in_loss_and_grad:
+        bad = not loss_finite or (not args.fp16 and _any_rank(not _grads_finite(model)))
+        if bad:
+            what = "loss" if not loss_finite else "gradients"
+            if args.nan_action != "skip":
+                raise NanDetected(f"NaN/Inf in the {what} at iteration {state.iteration + 1} "
+                                  "(--check-for-nan-in-loss-and-grad)")
+            return loss, None, False, True
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    grad_norm = float(grad_norm) if grad_norm is not None else None
+    return loss, grad_norm, update_successful, not loss_finite
+
+
+@torch.no_grad()
+def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .data import valid_iterators
+
+    if valid_dataset is None or args.eval_iters == 0:
+        return None
+    for chunk in model:
+        chunk.eval()
+    it = valid_iterators(valid_dataset, args)
+    dummy = _State()
+    dummy.iteration = -10
+    collected: List[Dict[str, torch.Tensor]] = []
+    for _ in range(args.eval_iters):
+        for m in table_modules:
+            if hasattr(m, "begin_table_step"):
+                m.begin_table_step()
+        collected += get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, dummy, args), data_iterator=it, model=model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True,
+        )
+        for m in table_modules:
+            if hasattr(m, "end_table_eval"):
+                m.end_table_eval()
+    for chunk in model:
+        chunk.train()
+    return _reduce_losses(collected)
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+
+
+def _count_params(model) -> int:
+    from megatron.core import parallel_state as ps
+
+    n = sum(p.numel() for chunk in model for p in chunk.parameters()
+            if getattr(p, "allreduce", True) or ps.get_tensor_model_parallel_rank() == 0)
+    return n
+
+
+def pretrain(argv: Optional[List[str]] = None) -> int:
+    """Entry point of pretrain_lev.py; returns the process exit code."""
+    rank_env = int(os.environ.get("RANK", "0"))
+    if not torch.cuda.is_available():
+        from megatron_lev import compat
+
+        compat.apply()
+    try:
+        args, tokenizer, config, model_config = _setup_configs(argv)
+    except _StartupError as e:
+        if rank_env == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_ERROR
+    _init_distributed(args)
+    try:
+        return _run(args, tokenizer, config, model_config)
+    except _StartupError as e:
+        if torch.distributed.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_ERROR
+    finally:
+        try:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+        except Exception:
+            pass
+
+
+class _StartupError(Exception):
+    pass
+
+
+def _startup_errors():
+    errs: List[type] = [ConfigError, checkpointing.CheckpointError]
+    try:
+        from megatron_lev.models import ConfigError as ModelConfigError
+
+        errs.append(ModelConfigError)
+    except ImportError:
+        pass
+    try:
+        from megatron_lev.data.datasets import DatasetValidationError
+
+        errs.append(DatasetValidationError)
+    except ImportError:
+        pass
+    return tuple(errs)
+
+
+def _setup_configs(argv):
+    from .data import build_tokenizer_from_args, padded_vocab
+    from .model_provider import build_configs
+
+    try:
+        args = parse_args(argv)
+        try:
+            tokenizer = build_tokenizer_from_args(args)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: {str(e).splitlines()[0]}") from None
+        args.padded_vocab_size = padded_vocab(args, tokenizer)
+        config, model_config = build_configs(args)
+        if hasattr(model_config, "resolved_widths"):
+            args.resolved_widths = model_config.resolved_widths(args.hidden_size)
+    except _startup_errors() as e:
+        raise _StartupError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
+    return args, tokenizer, config, model_config
+
+
+def _run(args, tokenizer, config, model_config) -> int:
+    from megatron.core import parallel_state as ps
+
+    from . import data as data_mod
+    from .flops import flops_per_iteration, peak_tflops_per_device
+    from .model_provider import build_model_chunks, lev_table_modules
+
+    t_start = time.time()
+    logger = TrainingLogger(args)
+    cfg = resolved_config(args)
+    cfg.pop("resolved_widths", None)
+    if not args.quiet_config:
+        logger.log(format_config(cfg))
+    logger.set_config(cfg)
+
+    _set_seed(args.seed)
+    chunks = build_model_chunks(args, config, model_config)
+    try:
+        from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
+
+        logger.log(format_parameter_breakdown(parameter_breakdown(model_config, config)))
+    except ImportError:  # pragma: no cover
+        pass
+    n_params = _count_params(chunks)
+    logger.log(f" > number of parameters on (tensor, pipeline) model parallel rank "
+               f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): {n_params}")
+    model = _wrap_model(args, config, chunks)
+    table_modules = lev_table_modules(chunks)
+    optimizer, scheduler = _build_optimizer(args, model)
+    _configure_hooks(args, config, model, optimizer, table_modules)
+
+    state = _State()
+    if args.load:
+        try:
+            loaded = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args, log=logger.log)
+        except checkpointing.CheckpointError as e:
+            raise _StartupError(str(e)) from None
+        if loaded is not None:
+            state.iteration = int(loaded["iteration"])
+            state.consumed_train_samples = int(loaded["consumed_train_samples"])
+            state.skipped_iterations = int(loaded["counters"].get("skipped_iterations", 0))
+            state.nan_iterations = int(loaded["counters"].get("nan_iterations", 0))
+
+    try:
+        train_ds, valid_ds, _test_ds = data_mod.build_datasets(args, tokenizer)
+    except _startup_errors() as e:
+        raise _StartupError(str(e).strip().splitlines()[0]) from None
+    train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, args)
+
+    flops_iter = flops_per_iteration(args)
+    peak = peak_tflops_per_device(args)
+    world = torch.distributed.get_world_size()
+    handler = SignalHandler() if args.exit_signal_handler else None
+    logger.log(f"[after start-up] {time.time() - t_start:.1f} s; training from iteration {state.iteration} "
+               f"to {args.train_iters} ({args.num_microbatches} micro-batches of {args.micro_batch_size} per "
+               f"data-parallel rank, DP={args.data_parallel_size}, TP={args.tensor_model_parallel_size}, "
+               f"PP={args.pipeline_model_parallel_size})")
+
+    def save(iteration: int) -> None:
+        checkpointing.save_checkpoint(
+            args.save, iteration, model, optimizer, scheduler,
+            consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=cfg,
+            args=args, log=logger.log)
+
+    def run_eval(prefix: str, iteration: int) -> None:
+        loss = evaluate(args, model, valid_ds, table_modules)
+        if loss is None:
+            return
+        logger.log(logger.validation_block(prefix, {"lm loss": loss}))
+        ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
+        logger.scalars(iteration, {"validation/lm loss": loss, "validation/lm loss ppl": ppl},
+                       consumed_samples=state.consumed_train_samples)
+        logger.record("valid", iteration, {"lm loss": loss, "lm loss hex": float(loss).hex(), "ppl": ppl})
+
+    last_saved = state.iteration if args.load and state.iteration > 0 else None
+    exit_code = 0
+    interval_start = time.time()
+    interval_iters = 0
+    interval_losses: List[float] = []
+    for chunk in model:
+        chunk.train()
+    try:
+        while not args.skip_train and state.iteration < args.train_iters:
+            try:
+                loss, grad_norm, ok, got_nan = _train_step(args, state, model, optimizer, scheduler, train_iter,
+                                                           table_modules)
+            except NanDetected as e:
+                logger.log(f"ERROR: {e}; stopping")
+                if rank_is0():
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                if args.nan_action == "save-and-stop" and args.save and last_saved != state.iteration:
+                    # The failed step was not applied: this is the state after the last good iteration.
+                    save(state.iteration)
+                exit_code = EXIT_NAN
+                break
+            state.iteration += 1
+            state.consumed_train_samples += args.global_batch_size
+            if not ok:
+                state.skipped_iterations += 1
+            if got_nan:
+                state.nan_iterations += 1
+            interval_iters += 1
+            if loss is not None and math.isfinite(loss):
+                interval_losses.append(loss)
+            lr = optimizer.param_groups[0]["lr"]
+            loss_scale = float(optimizer.get_loss_scale().item())
+            logger.record("train", state.iteration, {
+                "lm loss": loss, "lm loss hex": float(loss).hex() if loss is not None else None,
+                "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
+                "consumed_samples": state.consumed_train_samples})
+            if state.iteration % args.log_interval == 0:
+                elapsed = time.time() - interval_start
+                per_iter = elapsed / max(1, interval_iters)
+                tokens_s = args.global_batch_size * args.seq_length / per_iter
+                tflops = flops_iter / per_iter / world / 1e12
+                mfu = tflops / peak if peak else None
+                avg = sum(interval_losses) / len(interval_losses) if interval_losses else float("nan")
+                logger.log(logger.training_line(
+                    iteration=state.iteration, train_iters=args.train_iters,
+                    consumed_samples=state.consumed_train_samples,
+                    consumed_tokens=state.consumed_train_samples * args.seq_length, ms_per_iter=per_iter * 1000,
+                    lr=lr, global_batch_size=args.global_batch_size, losses={"lm loss": avg},
+                    loss_scale=loss_scale, grad_norm=grad_norm, skipped=state.skipped_iterations,
+                    nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu))
+                logger.scalars(state.iteration, {
+                    "lm loss": avg, "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm,
+                    "tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
+                    "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
+                }, consumed_samples=state.consumed_train_samples)
+                interval_start, interval_iters, interval_losses = time.time(), 0, []
+            if args.eval_interval and state.iteration % args.eval_interval == 0 and state.iteration < args.train_iters:
+                run_eval(f"iteration {state.iteration}", state.iteration)
+            stop = False
+            if handler is not None and handler.any_rank_received():
+                logger.log(f"exiting on SIGTERM at iteration {state.iteration}")
+                stop = True
+            if args.exit_duration_in_mins is not None:
+                over = (time.time() - t_start) / 60.0 > args.exit_duration_in_mins
+                if _any_rank(over):
+                    logger.log(f"exiting after {args.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+                    stop = True
+            if args.exit_interval and state.iteration % args.exit_interval == 0:
+                logger.log(f"exiting at iteration {state.iteration} (--exit-interval)")
+                stop = True
+            if args.save and (stop or (args.save_interval and state.iteration % args.save_interval == 0)):
+                save(state.iteration)
+                last_saved = state.iteration
+            if stop:
+                break
+        else:
+            pass
+        if exit_code == 0 and not args.skip_train and state.iteration >= args.train_iters:
+            run_eval(f"iteration {state.iteration} on validation set", state.iteration)
+            if args.save and last_saved != state.iteration:
+                save(state.iteration)
+        elif args.skip_train:
+            run_eval(f"iteration {state.iteration} on validation set", state.iteration)
+    finally:
+        if handler is not None:
+            handler.release()
+        logger.close()
+    return exit_code
+
+
+def rank_is0() -> bool:
+    return torch.distributed.get_rank() == 0

@@ -1,0 +1,18 @@
+#!/usr/bin/env python
+"""Pretrain a GPT model with the LEV input embedding (or a baseline arm) on megatron-core.
+
+    torchrun --nproc-per-node 8 pretrain_lev.py --config examples/pile/lev_400m.yaml --save ckpt --load ckpt
+
+Flags follow Megatron-LM's names; ``--config FILE.yaml`` holds any of them and the command line
+overrides it. ``python pretrain_lev.py --help`` lists them all.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_lev.training import pretrain  # noqa: E402
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing starts spawn-based helpers
+    sys.exit(pretrain(sys.argv[1:]))
