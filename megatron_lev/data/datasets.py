@@ -100,6 +100,47 @@ def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check
     return info
 
 
+_SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _check_split_sizes(blend, per_split, split, sizes) -> None:
+    """Refuse a split that would get no documents but is asked for samples.
+
+    megatron-core loops forever building the sample index of an empty split (zero tokens per epoch).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    def n_seq(prefix: str) -> int:
+        try:
+            return read_index_info(prefix + ".idx").num_sequences
+        except (OSError, ValueError) as e:
+            raise DatasetValidationError(f"{prefix}.idx: {e}") from None
+
+    if blend is not None:
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+        for prefix in blend[0]:
+            n = n_seq(prefix)
+            for i, size in enumerate(sizes):
+                if not size or matrix[i] is None:
+                    continue
+                beg, end = int(round(matrix[i][0] * n)), int(round(matrix[i][1] * n))
+                if end <= beg:
+                    raise DatasetValidationError(
+                        f"{prefix}: the {_SPLIT_NAMES[i]} part of --split {split} gets 0 of its {n} documents "
+                        f"but {size} samples are requested; change the split or the sample counts"
+                    )
+    elif per_split is not None:
+        for i, b in enumerate(per_split):
+            if b is None or not sizes[i]:
+                continue
+            for prefix in b[0]:
+                if n_seq(prefix) == 0:
+                    raise DatasetValidationError(f"{prefix}: empty dataset, but {sizes[i]} {_SPLIT_NAMES[i]} samples are requested")
+
+
 def ensure_process_group() -> bool:
     """Start a single-process gloo group when torch.distributed is not initialised.
 
@@ -204,6 +245,9 @@ def build_train_valid_test_datasets(
         prefixes = list(blend[0]) if blend else [p for b in per_split if b for p in b[0]]
         for p in dict.fromkeys(prefixes):
             validate_dataset_prefix(p, vs, check_token_ids=check_token_ids)
+
+    if not mock:
+        _check_split_sizes(blend, per_split if use_per_split else None, split, train_valid_test_num_samples)
 
     config = build_gpt_dataset_config(
         tokenizer,
