@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--no-overlap-p2p-communication", action="store_true",
+                   help="interleaved schedule: batched, non-overlapped p2p (default overlaps, as Megatron-LM)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")

@@ -313,18 +313,13 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
     dummy = _State()
     dummy.iteration = -10
     collected: List[Dict[str, torch.Tensor]] = []
+    # LEV table mode outside training evaluates G per distinct id (no table, no gradient).
     for _ in range(args.eval_iters):
-        for m in table_modules:
-            if hasattr(m, "begin_table_step"):
-                m.begin_table_step()
         collected += get_forward_backward_func()(
             forward_step_func=partial(_forward_step, dummy, args), data_iterator=it, model=model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True,
         )
-        for m in table_modules:
-            if hasattr(m, "end_table_eval"):
-                m.end_table_eval()
     for chunk in model:
         chunk.train()
     return _reduce_losses(collected)

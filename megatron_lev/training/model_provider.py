@@ -76,6 +76,11 @@ def transformer_config_kwargs(args) -> dict:
         # number of micro-batches (Megatron-LM's default, calculate_per_token_loss=False).
         calculate_per_token_loss=False,
     )
+    # Megatron-LM's p2p defaults: the interleaved schedule overlaps p2p communication and issues it
+    # unbatched (with PP=2 the batched form pairs sends and receives between the same two ranks by
+    # issue order, which mixes activations and gradients on gloo); 1F1B batches its p2p ops.
+    overlap_p2p = args.virtual_pipeline_model_parallel_size is not None and not args.no_overlap_p2p_communication
+    kw.update(overlap_p2p_comm=overlap_p2p, batch_p2p_comm=not overlap_p2p)
     if args.fp8_format is not None:
         kw.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
     if args.kv_channels is None:

@@ -1,0 +1,114 @@
+"""Arguments: Megatron-LM flag names, YAML config overridden by the command line, one-line errors,
+and the resolved config's round trip through YAML. In-process (no ranks) except the CLI checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_lev.training.arguments import ConfigError, config_to_yaml, parse_args, resolved_config
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--vocab-size", "255"]
+
+
+def test_defaults_follow_megatron_and_derive_microbatches():
+    a = parse_args(BASE + ["--global-batch-size", "16"], world_size=4)
+    assert a.data_parallel_size == 4 and a.num_microbatches == 2
+    assert a.input_embedding == "tied" and a.ffn_hidden_size == 256
+    assert a.max_position_embeddings == 32 and a.lr_decay_iters == 10
+    a = parse_args(BASE + ["--untie-embeddings-and-output-weights", "--swiglu"], world_size=1)
+    assert a.input_embedding == "untied" and a.global_batch_size == 2 and a.ffn_hidden_size == 128
+
+
+def test_yaml_config_and_command_line_override(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"num-layers": 4, "hidden_size": 128, "lev": {"heads": 4, "rank": 16},
+                                   "lr": 3e-4, "split": "90,10,0"}))
+    a = parse_args(BASE + ["--config", str(cfg), "--num-layers", "6"], world_size=1)
+    assert a.num_layers == 6  # the command line wins
+    assert a.lr == 1e-3  # BASE gives --lr and --hidden-size on the command line too
+    assert a.hidden_size == 64 and a.lev_heads == 4 and a.lev_rank == 16 and a.split == "90,10,0"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_layerz: 3\n")
+    with pytest.raises(ConfigError, match="num_layerz"):
+        parse_args(BASE + ["--config", str(bad)], world_size=1)
+    bad.write_text("num_layers: three\n")
+    with pytest.raises(ConfigError, match="--num-layers"):
+        parse_args(BASE + ["--config", str(bad)], world_size=1)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    argv = BASE + ["--global-batch-size", "8", "--input-embedding", "lev", "--lev-compute-mode", "table",
+                   "--tensor-model-parallel-size", "2", "--bf16", "--lr-decay-style", "cosine",
+                   "--lr-warmup-iters", "2", "--data-cache-path", str(tmp_path)]
+    first = resolved_config(parse_args(argv, world_size=4))
+    path = tmp_path / "config.yaml"
+    path.write_text(config_to_yaml(first))
+    # The saved file alone reproduces the run's arguments.
+    again = resolved_config(parse_args(["--config", str(path)], world_size=4))
+    assert again == first
+    assert yaml.safe_load(path.read_text()) == first
+
+
+@pytest.mark.parametrize("extra, world, flag", [
+    (["--global-batch-size", "6"], 4, "--global-batch-size"),
+    (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size"),
+    (["--num-attention-heads", "3", "--tensor-model-parallel-size", "2"], 2, "--num-attention-heads"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers"),
+    (["--sequence-parallel"], 1, "--sequence-parallel"),
+    (["--bf16", "--fp16"], 1, "--bf16"),
+    (["--save-interval", "5"], 1, "--save-interval"),
+    (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters"),
+    (["--input-embedding", "lev", "--lev-heads", "3", "--tensor-model-parallel-size", "2"], 2, "--lev-heads"),
+    (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size", "2",
+      "--global-batch-size", "6"], 2, "--pipeline-model-parallel-size"),
+])
+def test_invalid_combinations_name_the_flag(extra, world, flag):
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + extra, world_size=world)
+    msg = str(e.value)
+    assert flag in msg and "\n" not in msg
+
+
+def test_missing_data_and_tokenizer_files():
+    no_data = [x for x in BASE if x != "--mock-data"]
+    with pytest.raises(ConfigError, match="--data-path"):
+        parse_args(no_data, world_size=1)
+    with pytest.raises(ConfigError, match="--vocab-file"):
+        parse_args(no_data + ["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], world_size=1)
+    with pytest.raises(ConfigError, match="--lr"):
+        parse_args([x for x in BASE if x not in ("--lr", "1e-3")], world_size=1)
+
+
+def _cli(args, env_extra=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, str(REPO / "pretrain_lev.py")] + args, capture_output=True, text=True,
+                          env=env, timeout=120, cwd=str(REPO))
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path):
+    # Batch size not divisible at world size 2 (validated before any process group exists).
+    r = _cli(BASE + ["--global-batch-size", "3"], {"WORLD_SIZE": "2"})
+    assert r.returncode == 2, r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "--global-batch-size" in err[0], r.stderr
+    assert "Traceback" not in r.stderr
+    # A data prefix that does not exist: named, at start-up, no traceback.
+    no_data = [x for x in BASE if x not in ("--mock-data", "--vocab-size", "255")]
+    gpt2 = REPO.parent / "shared" / "data" / "tokenizers" / "gpt2"
+    r = _cli(no_data + ["--data-path", str(tmp_path / "missing_text_document"), "--tokenizer-type",
+                        "GPT2BPETokenizer", "--vocab-file", str(gpt2 / "vocab.json"),
+                        "--merge-file", str(gpt2 / "merges.txt")])
+    assert r.returncode == 2, r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "missing_text_document" in err[0], r.stderr
+    assert "Traceback" not in r.stderr
