@@ -1,0 +1,468 @@
+"""The LEV input embedding as plain torch modules (spec: ``shared/spec/lev.md``).
+
+G(i) = sum_l W_l M_l(i) + c with
+  z(i)      = sum_m C_m[i_m]                                  (LEVSeed: k codebooks of b x d_s)
+  x_l(i)    = sigmoid(LayerNorm_l(A_l z + a_l))               (LEVHeads.coordinates)
+  M_l(i)    = prod_d sum_j Bhat_j(x_{l,d}) S_l[d, j, :]        (functional.separable_product)
+  S_l       = 1 + Delta_l.
+
+Design choices (the first four are the spec's, the rest are ours where the paper is silent):
+- S is stored as 1 + Delta and Delta is learned, so weight decay pulls every factor towards 1.
+- The product over the d_s seed dimensions runs in fp32 (fp64 if the inputs are fp64) in a
+  (sign, log-magnitude) form, by a custom autograd function that walks the seed dimensions in chunks of
+  ``product_chunk`` and recomputes each chunk's factors in the backward pass: the N x h x d_s x r tensor
+  of factors is never held. ids are processed in chunks of ``chunk_size`` for the initialisation
+  statistics, materialize() and the table mode.
+- Each head's LayerNorm normalises over the d_s seed dimensions with eps = 1e-5 (torch's default),
+  with its own affine gamma (ones) and beta (zeros).
+- W_l is initialised N(0, 0.02^2) and then rescaled per output coordinate: row j of every W_l is
+  multiplied by init_method_std / std_j, where std_j is the population standard deviation of coordinate j
+  of sum_l W_l M_l over the vocabulary (all V ids, or a fixed-seed sample). This is a linear rescaling of W
+  that makes every coordinate's std equal init_method_std exactly (a single global scale would only make
+  the average right). Then c = -(vocabulary mean), so G starts centred.
+- Random initialisation is reproducible per head: head l (global index) draws its A, Delta and W from
+  its own generator seeded by (seed, l), the codebooks from (seed, stream 0). A tensor-parallel layout
+  that holds heads p*h/t .. (p+1)*h/t - 1 therefore builds the same initial function for the same seed.
+- Parameters of the heads keep the head dimension first, so a TP wrapper can shard them on dim 0.
+- LayerNorm parameters, the projection bias and the offset are not weight-decayed; Delta, A, W and the
+  codebooks are (``no_weight_decay``). These LayerNorm/bias parameters are 2-D ([h, d_s]), so a
+  "1-D means no decay" rule would decay them: use ``no_weight_decay``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LEVConfig
+from .functional import separable_product, token_digits
+
+__all__ = [
+    "LEVSeed",
+    "LEVHeads",
+    "LEVEmbedding",
+    "LN_EPS",
+    "NO_WEIGHT_DECAY_PARAMS",
+    "no_weight_decay",
+    "lev_weight_decay_groups",
+    "lev_init_generator",
+    "lev_init_sample_ids",
+    "lev_init_statistics",
+    "lev_init_scale",
+    "apply_lev_init",
+    "lev_initialize",
+    "check_token_ids",
+    "compute_table",
+    "table_backward",
+]
+
+LN_EPS = 1e-5
+"""LayerNorm eps of each head (the paper is silent; torch's default)."""
+
+CODEBOOK_STD = 0.02
+PROJ_STD = 0.02
+DELTA_STD = 0.1
+OUT_STD = 0.02  # before the vocabulary-statistics rescaling
+
+NO_WEIGHT_DECAY_PARAMS = ("norm_weight", "norm_bias", "proj_bias", "offset")
+
+
+def no_weight_decay(name: str) -> bool:
+    """True for LEV parameters that are not weight-decayed (LayerNorm gamma/beta, the bias a, the offset c)."""
+    return name.rsplit(".", 1)[-1] in NO_WEIGHT_DECAY_PARAMS
+
+
+def lev_weight_decay_groups(module: nn.Module, weight_decay: float) -> List[dict]:
+    """Two optimizer param groups for a module holding LEV parameters: decayed and not decayed."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            (no_decay if no_weight_decay(name) else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reproducible random initialisation
+
+
+def lev_init_generator(seed: int, stream: int) -> torch.Generator:
+    """CPU generator for one init stream: 0 = codebooks, 1 + l = head l, -1 = the init id sample."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed((int(seed) * 1_000_003 + int(stream) + 7919) % (2**62))
+    return g
+
+
+def _normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    with torch.no_grad():
+        values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+        param.copy_(values.to(device=param.device, dtype=param.dtype))
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"
+
+
+class LEVSeed(nn.Module):
+    """z(i) = sum_m C_m[i_m]: k codebooks of b x d_s held as one parameter ``codebooks`` [k, b, d_s]."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        config: LEVConfig,
+        *,
+        base: Optional[int] = None,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        super().__init__()
+        self.vocab_size = int(vocab_size)
+        self.num_digits = int(config.num_digits)
+        self.base = int(base) if base is not None else config.resolved_base(vocab_size)
+        self.seed_dim = int(config.seed_dim)
+        self.codebooks = nn.Parameter(
+            torch.empty(self.num_digits, self.base, self.seed_dim, device=device, dtype=dtype)
+        )
+        if not _is_meta(self.codebooks):
+            self.reset_parameters()
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        """C ~ N(0, 0.02^2) from the codebook stream of ``seed``."""
+        _normal_(self.codebooks, CODEBOOK_STD, lev_init_generator(seed, 0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] (in [0, V), unchecked here) -> z [..., d_s]."""
+        digits = token_digits(ids, self.base, self.num_digits)
+        flat = digits + torch.arange(self.num_digits, device=ids.device) * self.base
+        table = self.codebooks.view(self.num_digits * self.base, self.seed_dim)
+        return F.embedding(flat, table).sum(dim=-2)
+
+
+class LEVHeads(nn.Module):
+    """h heads (all of them, or a tensor-parallel shard): z [N, d_s] -> partial sum_l W_l M_l, [N, D].
+
+    ``head_offset`` is the global index of the first local head; it only selects the init streams.
+    No offset c here: it is added once, after the sum over all heads.
+    """
+
+    def __init__(
+        self,
+        config: LEVConfig,
+        hidden_size: int,
+        num_heads: Optional[int] = None,
+        *,
+        head_offset: int = 0,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        super().__init__()
+        self.config = config
+        self.hidden_size = int(hidden_size)
+        self.num_heads = int(num_heads if num_heads is not None else config.num_heads)
+        self.head_offset = int(head_offset)
+        h, ds, kappa, r, D = self.num_heads, config.seed_dim, config.num_knots, config.rank, self.hidden_size
+        kw = dict(device=device, dtype=dtype)
+        self.proj_weight = nn.Parameter(torch.empty(h, ds, ds, **kw))  # A_l (out, in)
+        self.proj_bias = nn.Parameter(torch.empty(h, ds, **kw))  # a_l
+        self.norm_weight = nn.Parameter(torch.empty(h, ds, **kw))  # LayerNorm gamma
+        self.norm_bias = nn.Parameter(torch.empty(h, ds, **kw))  # LayerNorm beta
+        self.delta = nn.Parameter(torch.empty(h, ds, kappa, r, **kw))  # Delta_l, S_l = 1 + Delta_l
+        self.out_weight = nn.Parameter(torch.empty(h, D, r, **kw))  # W_l
+        if not _is_meta(self.delta):
+            self.reset_parameters()
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        """A ~ N(0, 0.02^2), a = 0, gamma = 1, beta = 0, Delta ~ N(0, 0.1^2), W ~ N(0, 0.02^2) per head."""
+        with torch.no_grad():
+            self.proj_bias.zero_()
+            self.norm_weight.fill_(1.0)
+            self.norm_bias.zero_()
+            for i in range(self.num_heads):
+                g = lev_init_generator(seed, 1 + self.head_offset + i)
+                _normal_(self.proj_weight[i], PROJ_STD, g)
+                _normal_(self.delta[i], DELTA_STD, g)
+                _normal_(self.out_weight[i], OUT_STD, g)
+
+    def coordinates(self, z: torch.Tensor) -> torch.Tensor:
+        """x = sigmoid(LayerNorm_l(A_l z + a_l)): z [N, d_s] -> x [N, h, d_s] in (0, 1)."""
+        y = torch.einsum("nd,hed->nhe", z, self.proj_weight) + self.proj_bias
+        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight + self.norm_bias
+        return torch.sigmoid(y)
+
+    def modes(self, z: torch.Tensor) -> torch.Tensor:
+        """M [N, h, r] (fp32, or fp64 for fp64 parameters)."""
+        cfg = self.config
+        x = self.coordinates(z)
+        return separable_product(
+            x,
+            self.delta,
+            cfg.num_knots,
+            basis=cfg.resolved_basis(x.device.type),
+            product_chunk=cfg.product_chunk,
+            log_eps=cfg.log_eps,
+        )
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        """z [..., d_s] -> sum over these heads of W_l M_l, [..., D], in out_weight's dtype."""
+        lead = z.shape[:-1]
+        m = self.modes(z.reshape(-1, z.shape[-1]))
+        out = torch.einsum("nhr,hdr->nd", m.to(self.out_weight.dtype), self.out_weight)
+        return out.view(*lead, self.hidden_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Initialisation statistics (reusable by a tensor-parallel wrapper)
+
+
+def lev_init_sample_ids(vocab_size: int, sample_size: Optional[int], seed: int = 0) -> Optional[torch.Tensor]:
+    """The ids used for the init statistics: None (= all V ids) or a sorted fixed-seed uniform sample."""
+    if sample_size is None or sample_size >= vocab_size:
+        return None
+    perm = torch.randperm(vocab_size, generator=lev_init_generator(seed, -1))
+    return perm[:sample_size].sort().values
+
+
+def _id_chunks(vocab_size: int, chunk_size: int, ids: Optional[torch.Tensor], device) -> Iterable[torch.Tensor]:
+    if ids is None:
+        for start in range(0, vocab_size, chunk_size):
+            yield torch.arange(start, min(vocab_size, start + chunk_size), device=device)
+    else:
+        ids = ids.to(device)
+        for start in range(0, ids.numel(), chunk_size):
+            yield ids[start : start + chunk_size]
+
+
+@torch.no_grad()
+def lev_init_statistics(
+    seed_module: nn.Module,
+    heads_module: nn.Module,
+    vocab_size: int,
+    chunk_size: int,
+    sample_ids: Optional[torch.Tensor] = None,
+    reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Raw sums over the vocabulary of the pre-offset output y = sum_l W_l M_l: (sum y, sum y^2, count).
+
+    Sums are per coordinate, [D], in fp64. ``reduce_fn`` is applied to each chunk's partial output
+    [chunk, D] before accumulating: a tensor-parallel wrapper passes an all-reduce over its TP group so the
+    statistics are those of the full sum over all heads (every rank then holds the same sums).
+    """
+    device = heads_module.out_weight.device
+    sum_x = torch.zeros(heads_module.hidden_size, dtype=torch.float64, device=device)
+    sum_x2 = torch.zeros_like(sum_x)
+    count = 0
+    for ids in _id_chunks(vocab_size, chunk_size, sample_ids, device):
+        y = heads_module(seed_module(ids))
+        if reduce_fn is not None:
+            y = reduce_fn(y)
+        y = y.double()
+        sum_x += y.sum(dim=0)
+        sum_x2 += (y * y).sum(dim=0)
+        count += ids.numel()
+    return sum_x, sum_x2, count
+
+
+def lev_init_scale(
+    sum_x: torch.Tensor, sum_x2: torch.Tensor, count: int, init_method_std: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(scale [D], mean [D]) from the raw sums: scale_j = init_method_std / std_j (population std)."""
+    mean = sum_x / count
+    var = (sum_x2 / count - mean * mean).clamp_min(0.0)
+    std = var.sqrt()
+    scale = torch.where(std > 0, init_method_std / std.clamp_min(1e-300), torch.ones_like(std))
+    return scale, mean
+
+
+@torch.no_grad()
+def apply_lev_init(heads_module: nn.Module, scale) -> None:
+    """Multiply W (out_weight [h, D, r]) by ``scale``: a float, or [D] per output coordinate (rows of W_l)."""
+    w = heads_module.out_weight
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(device=w.device, dtype=torch.float64).view(1, -1, 1)
+        w.copy_((w.double() * scale).to(w.dtype))
+    else:
+        w.mul_(float(scale))
+
+
+@torch.no_grad()
+def lev_initialize(
+    seed_module: nn.Module,
+    heads_module: nn.Module,
+    offset: Optional[torch.Tensor],
+    vocab_size: int,
+    config: LEVConfig,
+    init_method_std: float,
+    *,
+    reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    sample_seed: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rescale W so each coordinate of G has std init_method_std over the vocabulary; set c = -mean.
+
+    Returns (scale [D], mean [D] of the pre-offset output before scaling), fp64. ``offset`` may be None
+    (a wrapper that owns c then sets c = -(scale * mean) itself).
+    """
+    sample = lev_init_sample_ids(vocab_size, config.init_sample_size, sample_seed)
+    sums = lev_init_statistics(seed_module, heads_module, vocab_size, config.chunk_size, sample, reduce_fn)
+    scale, mean = lev_init_scale(*sums, init_method_std)
+    apply_lev_init(heads_module, scale)
+    if offset is not None:
+        offset.copy_((-(scale * mean)).to(device=offset.device, dtype=offset.dtype))
+    return scale, mean
+
+
+# ----------------------------------------------------------------------------------------------------
+# Id checks and the table mode (reusable by a tensor-parallel wrapper)
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError if any id lies outside [0, vocab_size) (one host sync; never clamps)."""
+    if ids.numel() == 0:
+        return
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"LEV embedding: token ids must be an integer tensor, got {ids.dtype}")
+    lo, hi = torch.aminmax(ids)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"LEV embedding: token id {bad} outside [0, {vocab_size}) (vocabulary size {vocab_size}); "
+            "check the tokenizer and the padded vocabulary size"
+        )
+
+
+@torch.no_grad()
+def compute_table(
+    compute_fn: Callable[[torch.Tensor], torch.Tensor], vocab_size: int, chunk_size: int, device
+) -> torch.Tensor:
+    """G over all V ids, [V, D], in chunks of ``chunk_size`` ids, without autograd."""
+    parts = [compute_fn(ids) for ids in _id_chunks(vocab_size, chunk_size, None, device)]
+    return torch.cat(parts, dim=0)
+
+
+def table_backward(
+    compute_fn: Callable[[torch.Tensor], torch.Tensor],
+    table_grad: torch.Tensor,
+    chunk_size: int,
+    rows: Optional[torch.Tensor] = None,
+) -> None:
+    """Push accumulated row gradients [V, D] back through G: for each chunk of rows, recompute G with
+    autograd and backward with that chunk of ``table_grad``; parameter .grad accumulate.
+
+    ``rows`` defaults to the rows whose gradient is not all zero (the ids that occurred). A wrapper whose
+    ranks must run the same collectives passes the same ``rows`` on every rank.
+    """
+    if rows is None:
+        rows = (table_grad != 0).any(dim=-1).nonzero().squeeze(-1)
+    rows = rows.to(table_grad.device)
+    for start in range(0, rows.numel(), chunk_size):
+        ids = rows[start : start + chunk_size]
+        with torch.enable_grad():
+            out = compute_fn(ids)
+        out.backward(table_grad[ids].to(out.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+class LEVEmbedding(nn.Module):
+    """G: ids [...] -> [..., D] (tensor-parallel size 1): codebooks seed + all h heads + offset c.
+
+    ``init_statistics=False`` skips the vocabulary statistics (W stays N(0, 0.02^2), c = 0): for
+    parameter counting, or when a checkpoint is loaded right after. Built on the meta device, nothing
+    is initialised.
+
+    Compute modes (config.compute_mode), all with the same values and gradients:
+    - "token": G at every position;
+    - "unique": G once per distinct id of the batch, then gathered;
+    - "table": G over all V ids once per optimizer step. Call ``begin_table_step()`` before the first
+      micro-batch (with grad enabled, the first forward without a table calls it automatically), and
+      ``finish_table_step()`` after the last backward, before the optimizer step: it pushes the
+      accumulated row gradients through G and frees the table. Without grad and without a table
+      (evaluation), forward evaluates G directly, as in "unique" mode, and builds no table.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        config: Optional[LEVConfig] = None,
+        *,
+        init_method_std: float = 0.02,
+        init_seed: int = 0,
+        init_statistics: bool = True,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        super().__init__()
+        self.config = config if config is not None else LEVConfig()
+        self.config.validate(vocab_size, hidden_size)
+        self.vocab_size = int(vocab_size)
+        self.hidden_size = int(hidden_size)
+        self.init_method_std = float(init_method_std)
+        self.init_seed = int(init_seed)
+        self.base = self.config.resolved_base(vocab_size)
+        self.seed = LEVSeed(vocab_size, self.config, base=self.base, device=device, dtype=dtype)
+        self.heads = LEVHeads(self.config, hidden_size, self.config.num_heads, device=device, dtype=dtype)
+        self.offset = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))  # c
+        self._table: Optional[torch.Tensor] = None
+        if not _is_meta(self.offset):
+            self.reset_parameters(init_statistics=init_statistics)
+
+    def reset_parameters(self, init_statistics: bool = True) -> None:
+        self.seed.reset_parameters(self.init_seed)
+        self.heads.reset_parameters(self.init_seed)
+        with torch.no_grad():
+            self.offset.zero_()
+        if init_statistics:
+            lev_initialize(
+                self.seed, self.heads, self.offset, self.vocab_size, self.config, self.init_method_std,
+                sample_seed=self.init_seed,
+            )
+
+    def compute(self, ids: torch.Tensor) -> torch.Tensor:
+        """G for a flat tensor of (valid) ids, [N] -> [N, D], with autograd."""
+        return self.heads(self.seed(ids)) + self.offset
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(ids, self.vocab_size)
+        mode = self.config.compute_mode
+        flat = ids.reshape(-1)
+        if mode == "table" and (self._table is not None or torch.is_grad_enabled()):
+            if self._table is None:
+                self.begin_table_step()
+            out = F.embedding(flat, self._table)
+        elif mode == "token":
+            out = self.compute(flat)
+        else:  # "unique", and "table" without grad and without an active table
+            uniq, inverse = torch.unique(flat, return_inverse=True)
+            out = F.embedding(inverse, self.compute(uniq))
+        return out.view(*ids.shape, self.hidden_size)
+
+    @torch.no_grad()
+    def materialize(self) -> torch.Tensor:
+        """The dense [V, D] table of the current G (for inference / export)."""
+        return compute_table(self.compute, self.vocab_size, self.config.chunk_size, self.offset.device)
+
+    # table mode ---------------------------------------------------------------------------------------
+    @property
+    def table(self) -> Optional[torch.Tensor]:
+        """The active [V, D] table (a leaf with requires_grad) between begin/finish_table_step, else None."""
+        return self._table
+
+    def begin_table_step(self) -> torch.Tensor:
+        """Evaluate G over all V ids into a fresh leaf table; micro-batch gradients accumulate in its .grad."""
+        table = compute_table(self.compute, self.vocab_size, self.config.chunk_size, self.offset.device)
+        self._table = table.requires_grad_(True)
+        return self._table
+
+    def finish_table_step(self) -> None:
+        """Push the table's accumulated gradient back through G (ids that occurred), then free the table."""
+        table, self._table = self._table, None
+        if table is None or table.grad is None:
+            return
+        table_backward(self.compute, table.grad, self.config.chunk_size)
