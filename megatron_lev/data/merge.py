@@ -39,8 +39,6 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, *, overwrite: bool
     the inputs (``..._token_counts.npy``) are summed into one next to the output when every input
     has one. Writes temporary files and renames them at the end. Returns the written paths.
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     prefixes = list_prefixes(inputs)
     if not prefixes:
         raise PreprocessError("nothing to merge")
@@ -61,6 +59,8 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, *, overwrite: bool
             + ", ".join(f"{p} ({i.dtype})" for p, i in zip(prefixes, infos))
         )
     dtype = infos[0].dtype.type
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     tmp_bin, tmp_idx = output_prefix + ".bin.partial", output_prefix + ".idx.partial"
     written: List[str] = []

@@ -222,10 +222,11 @@ def test_partitions_and_merge(tok_args, valid_path, tmp_path):
     preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(full), append_eod=True,
                                 output_token_counts=True, **kw))
     for i in range(2):
-        r = run_tool("preprocess_data.py", "--input", valid_path, "--output-prefix", tmp_path / f"part{i}",
-                     "--append-eod", "--output-token-counts", "--partitions", 2, "--partition-index", i,
-                     *cli_flags(kw))
-        assert r.returncode == 0, r.stderr
+        preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(tmp_path / f"part{i}"), append_eod=True,
+                                    output_token_counts=True, partitions=2, partition_index=i, **kw))
+    r = run_tool("preprocess_data.py", "--input", valid_path, "--output-prefix", tmp_path / "x", "--partitions", 2,
+                 *cli_flags(kw))
+    assert r.returncode == 2 and "--partition-index" in r.stderr
     merged = tmp_path / "merged_text_document"
     r = run_tool("merge_datasets.py", "--input", tmp_path / "part0_text_document", tmp_path / "part1_text_document",
                  "--output-prefix", merged)
@@ -237,5 +238,8 @@ def test_partitions_and_merge(tok_args, valid_path, tmp_path):
     assert len(b) == 152 and all(np.array_equal(a[j], d) for j, d in zip(order, b))
     assert np.array_equal(np.load(str(full) + "_text_token_counts.npy"),
                           np.load(str(tmp_path / "merged_text_token_counts.npy")))
-    r = run_tool("merge_datasets.py", "--input", tmp_path / "part0_text_document", "--output-prefix", merged)
-    assert r.returncode == 2 and "--overwrite" in r.stderr
+    from megatron_lev.data.merge import merge_datasets
+    from megatron_lev.data.preprocessing import PreprocessError
+
+    with pytest.raises(PreprocessError, match=rf"{merged}.bin exists; pass --overwrite"):
+        merge_datasets([str(tmp_path / "part0_text_document")], str(merged))
