@@ -211,12 +211,14 @@ class _SeparableProduct(torch.autograd.Function):
             logsum = torch.zeros(h, n, r, dtype=dtype, device=x.device)
             sign = torch.ones(h, n, r, dtype=dtype, device=x.device)
             negatives = torch.zeros(h, n, r, dtype=torch.int32, device=x.device) if log_form else None
+            zeros = torch.zeros(h, n, r, dtype=torch.bool, device=x.device) if log_form else None
             bad = torch.zeros((), dtype=torch.bool, device=x.device)
             for d0, d1 in chunks:
                 index, weight = _sparse_weights(xt[:, d0:d1], num_knots)
                 phi = _phi_chunk(index, weight, st[:, d0:d1], basis, ws).view(h, d1 - d0, n, r)
                 if log_form:
                     negatives += (phi < 0).sum(dim=1, dtype=torch.int32)
+                    zeros |= (phi == 0).any(dim=1)
                     logsum += phi.abs_().clamp_min_(log_eps).log_().sum(dim=1)
                 else:
                     p = phi.prod(dim=1)
@@ -226,17 +228,21 @@ class _SeparableProduct(torch.autograd.Function):
                     logsum += mag.clamp_min_(log_eps).log_()
             if log_form:
                 sign = 1.0 - 2.0 * (negatives % 2).to(dtype)
-            return logsum, sign, bad
+            return logsum, sign, bad, zeros
 
         with torch.no_grad():
-            logsum, sign, bad = run(log_form=False)
+            logsum, sign, bad, zeros = run(log_form=False)
             # One host sync per call decides the form (the values are identical up to rounding).
             fast_forward = not bool(bad)
             if not fast_forward:
-                logsum, sign, _ = run(log_form=True)
+                logsum, sign, _, zeros = run(log_form=True)
             lo, hi = math.log(_LO), math.log(_HI)
             fast_backward = fast_forward and bool(((logsum >= lo) & (logsum <= hi)).all())
             m = sign * logsum.exp()  # [h, N, r]
+            if zeros is not None:
+                # An exact zero factor makes M exactly 0; the backward keeps the floored logsum, so the
+                # gradient of that factor is still the product of the others.
+                m.masked_fill_(zeros, 0.0)
         ctx.save_for_backward(x, delta, logsum, sign, m)
         ctx.num_knots, ctx.basis, ctx.product_chunk, ctx.log_eps = num_knots, basis, product_chunk, log_eps
         ctx.fast_backward = fast_backward
