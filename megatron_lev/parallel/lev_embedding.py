@@ -1,0 +1,189 @@
+"""Tensor-parallel LEV input embedding for megatron-core.
+
+Layout (spec, "Tensor parallelism"):
+- The k codebooks are replicated on every TP rank. The seed z is computed redundantly and passed
+  through ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward), so each
+  rank's codebook gradient is the full gradient over all heads.
+- The h heads are sharded: rank p holds heads p*h/t .. (p+1)*h/t - 1, each with its own A, a,
+  LayerNorm, Delta and W. Their parameters carry Megatron's tensor-parallel attributes (dim 0), so
+  grad-norm computation and dist_checkpointing treat them as shards.
+- Each rank computes the partial sum of its heads; the partial embeddings are reduced exactly where
+  Megatron's ``VocabParallelEmbedding`` reduces: all-reduce, or reduce-scatter along the sequence under
+  sequence parallelism. Output layout [s, b, D] (or [s/t, b, D]).
+- The offset c is replicated and added once, after the reduction. Under sequence parallelism each
+  rank adds it to its own sequence shard, so it is marked ``sequence_parallel`` and Megatron's
+  ``finalize_model_grads`` all-reduces its gradient over TP, like the sequence-parallel norm weights.
+
+Initialisation draws each head from its own generator seeded by (init_seed, global head index),
+so TP = 1, 2, 4 start from the same function for the same seed. The statistics that scale W and set c are computed from the full G: each chunk's partial output is
+all-reduced over TP before it is accumulated.
+
+Compute modes (``LEVConfig.compute_mode``): ``token`` evaluates G at every position, ``unique``
+once per distinct id of the micro-batch, ``table`` once per optimizer step over all V ids
+(``begin_table_step`` / ``finish_table_step``; the training loop calls them around the
+micro-batches of a step, and ``finish_table_step`` pushes the accumulated row gradients back
+through G once).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from megatron_lev.lev.config import LEVConfig
+from megatron_lev.lev.layer import (
+    LEVHeads,
+    LEVSeed,
+    check_token_ids,
+    compute_table,
+    lev_initialize,
+    table_backward,
+)
+
+__all__ = ["LEVParallelEmbedding"]
+
+# Parameters of LEVHeads; all have the head index as dim 0.
+_HEAD_PARAMS = ("proj_weight", "proj_bias", "norm_weight", "norm_bias", "delta", "out_weight")
+
+
+class LEVParallelEmbedding(MegatronModule):
+    """LEV embedding with replicated codebooks and TP-sharded heads; input [b, s] ids, output [s, b, D]."""
+
+    def __init__(
+        self,
+        *,
+        config: TransformerConfig,
+        lev_config: LEVConfig,
+        vocab_size: int,
+        reduce_scatter_embeddings: bool = False,
+        init_seed: int = 0,
+        init_statistics: bool = True,
+    ):
+        super().__init__(config=config)
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        lev_config.validate(vocab_size, config.hidden_size, tp_size)
+        self.lev_config = lev_config
+        self.vocab_size = int(vocab_size)
+        self.hidden_size = config.hidden_size
+        self.base = lev_config.resolved_base(vocab_size)
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.num_local_heads = lev_config.num_heads // tp_size
+        self._tp_size = tp_size
+        self.init_seed = int(init_seed)
+
+        self.seed = LEVSeed(vocab_size, lev_config, base=self.base)
+        self.heads = LEVHeads(
+            lev_config, self.hidden_size, self.num_local_heads, head_offset=tp_rank * self.num_local_heads
+        )
+        self.offset = torch.nn.Parameter(torch.zeros(self.hidden_size))
+
+        for name in _HEAD_PARAMS:
+            set_tensor_model_parallel_attributes(getattr(self.heads, name), True, 0, 1)
+        if config.sequence_parallel:
+            self.offset.sequence_parallel = True
+
+        self.register_buffer("_seen", torch.zeros(self.vocab_size, dtype=torch.bool), persistent=False)
+        self._table: Optional[torch.Tensor] = None
+        self.reset_parameters(init_statistics=init_statistics)
+
+    # ------------------------------------------------------------------ init
+    def _reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        if self._tp_size == 1:
+            return partial
+        partial = partial.contiguous()
+        torch.distributed.all_reduce(partial, group=parallel_state.get_tensor_model_parallel_group())
+        return partial
+
+    @torch.no_grad()
+    def reset_parameters(self, init_statistics: bool = True) -> None:
+        """Random init per head, then (optionally) scale W so each coordinate of G has std
+        ``init_method_std`` over the vocabulary and set c = -mean; the statistics see the full G."""
+        self.seed.reset_parameters(self.init_seed)
+        self.heads.reset_parameters(self.init_seed)
+        self.offset.zero_()
+        if init_statistics:
+            lev_initialize(
+                self.seed, self.heads, self.offset, self.vocab_size, self.lev_config,
+                self.config.init_method_std, reduce_fn=self._reduce_partial, sample_seed=self.init_seed,
+            )
+
+    # --------------------------------------------------------------- forward
+    def _partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """Sum over this rank's heads of W_l M_l for ids [N] -> [N, D] (no offset, not reduced)."""
+        z = self.seed(ids)
+        if self._tp_size > 1:
+            z = copy_to_tensor_model_parallel_region(z)
+        return self.heads(z)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(input_ids, self.vocab_size)
+        b, s = input_ids.shape
+        flat = input_ids.reshape(-1)
+        mode = self.lev_config.compute_mode
+        if mode == "table" and (torch.is_grad_enabled() or self._table is not None):
+            if self._table is None:
+                # First micro-batch of a step without an explicit begin: start the step here.
+                self.begin_table_step()
+            self._seen[flat] = True
+            partial = F.embedding(flat, self._table)
+        elif mode == "token":
+            partial = self._partial(flat)
+        else:  # "unique", and "table" outside training (no grad, no table)
+            uniq, inverse = torch.unique(flat, return_inverse=True)
+            partial = self._partial(uniq)[inverse]
+        emb = partial.view(b, s, self.hidden_size).transpose(0, 1).contiguous()
+        if self.reduce_scatter_embeddings:
+            emb = reduce_scatter_to_sequence_parallel_region(emb)
+        elif self._tp_size > 1:
+            emb = reduce_from_tensor_model_parallel_region(emb)
+        return emb + self.offset.to(emb.dtype)
+
+    # ------------------------------------------------------------ table mode
+    @torch.no_grad()
+    def begin_table_step(self) -> None:
+        """Evaluate this rank's partial G over all V ids once; micro-batches gather rows from it."""
+        table = compute_table(self._partial, self.vocab_size, self.lev_config.chunk_size, self.offset.device)
+        self._table = table.requires_grad_(True)
+        self._seen.zero_()
+
+    def finish_table_step(self) -> None:
+        """Push the rows' accumulated gradients back through G (chunked, only ids that occurred)."""
+        table, self._table = self._table, None
+        if table is None or table.grad is None:
+            return
+        # Every TP rank saw the same ids, so all ranks run the same chunks (and collectives).
+        rows = torch.nonzero(self._seen, as_tuple=False).squeeze(1)
+        table_backward(self._partial, table.grad, self.lev_config.chunk_size, rows=rows)
+        self._seen.zero_()
+
+    # ---------------------------------------------------------------- export
+    @torch.no_grad()
+    def materialize(self) -> torch.Tensor:
+        """The dense V x D table of G (all heads, reduced over TP), identical on every TP rank, in
+        max(fp32, parameter dtype)."""
+        # At least fp32 even for a bf16 model: the table is what an export serves.
+        dtype = torch.promote_types(torch.float32, self.offset.dtype)
+        table = compute_table(
+            lambda ids: self._reduce_partial(self._partial(ids).to(dtype)),
+            self.vocab_size, self.lev_config.chunk_size, self.offset.device,
+        )
+        return table + self.offset.to(dtype)
+
+    # ----------------------------------------------------------- checkpoints
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        state = self.state_dict(prefix="", keep_vars=True)
+        axis_map = {f"heads.{name}": 0 for name in _HEAD_PARAMS}
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis_map, sharded_offsets)
