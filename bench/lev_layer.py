@@ -1,0 +1,269 @@
+"""LEV layer benchmark: forward+backward time and extra peak memory of each compute mode.
+
+Measured in one run, against megatron-core's ``VocabParallelEmbedding`` on the same ids and a tied
+GPT model's full training step (forward+backward of one micro-batch) of the same shape:
+
+    python bench/lev_layer.py                      # V=50,257, D=512, batch 8 x 512 (CPU default)
+    python bench/lev_layer.py --quick              # a smaller shape, for a smoke run
+    python bench/lev_layer.py --batch 16 --seq 2048 --hidden 2048 --device cuda   # any shape on GPU
+
+Ids: real text (the shared corpus tokenised with GPT-2) when available, so the number of distinct
+ids per micro-batch is realistic; otherwise a fixed-seed Zipf sample. Peak memory on CPU is the
+process's peak RSS above its level before the measured call (Linux ``clear_refs``); on CUDA,
+``torch.cuda.max_memory_allocated``. Ratios are against the baselines measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _ids(vocab: int, batch: int, seq: int, shared: Path) -> tuple[torch.Tensor, str]:
+    corpus = shared / "corpus" / "valid.jsonl.zst"
+    gpt2 = shared / "tokenizers" / "gpt2"
+    if vocab == 50257 and corpus.exists() and gpt2.exists():
+        from megatron_lev.data import iter_json_docs
+        from megatron_lev.tokenizer import build_tokenizer
+
+        tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(gpt2 / "vocab.json"),
+                              merge_file=str(gpt2 / "merges.txt"))
+        ids: list[int] = []
+        for doc in iter_json_docs([str(corpus)]):
+            ids.extend(tok.tokenize(doc) + [tok.eod])
+            if len(ids) >= batch * seq:
+                break
+        if len(ids) >= batch * seq:
+            return torch.tensor(ids[: batch * seq]).view(batch, seq), "GPT-2 tokens of the shared valid corpus"
+    g = torch.Generator().manual_seed(0)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+    probs = 1.0 / ranks
+    ids = torch.multinomial(probs / probs.sum(), batch * seq, replacement=True, generator=g)
+    perm = torch.randperm(vocab, generator=g)
+    return perm[ids].view(batch, seq), "Zipf(1) sample"
+
+
+class PeakMemory:
+    """Peak memory above the starting level during the block, in MiB."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.mib = float("nan")
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def __enter__(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            except OSError:
+                pass
+            self.start = self._status("VmRSS:")
+        return self
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = self._status("VmHWM:")
+        self.mib = (peak - self.start) / 2**20
+
+
+def _time(fn, device: str, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _init_parallel(device: str):
+    import torch.distributed as dist
+
+    from megatron_lev import compat
+
+    compat.apply()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def _reexec_with_returning_malloc() -> None:
+    """Large CPU allocations through mmap, returned to the OS on free, so peak RSS tracks live tensors
+    (glibc would otherwise keep freed memory and hide every peak after the first call)."""
+    if torch.cuda.is_available() or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4, help="layers of the tied model whose step is the yardstick")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--modes", default="token,unique,table")
+    p.add_argument("--quick", action="store_true", help="V=8192, D=256, batch 4 x 256")
+    p.add_argument("--shared-data", default=str(REPO.parent / "shared" / "data"))
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.vocab, args.hidden, args.batch, args.seq, args.layers = 8192, 256, 4, 256, 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available on this machine; use --device cpu")
+
+    _init_parallel(args.device)
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_lev.lev import LEVConfig
+    from megatron_lev.models import LevModelConfig, build_gpt_model, build_transformer_config
+    from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
+
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    ids, ids_source = _ids(args.vocab, args.batch, args.seq, Path(args.shared_data))
+    ids = ids.to(dev)
+    n_unique = int(torch.unique(ids).numel())
+    tcfg = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=8,
+                             use_cpu_initialization=True, params_dtype=dtype)
+    results: dict = {"shape": dict(vocab=args.vocab, hidden=args.hidden, batch=args.batch, seq=args.seq),
+                     "ids": ids_source, "unique_ids": n_unique, "device": args.device, "dtype": args.dtype,
+                     "threads": torch.get_num_threads(), "torch": torch.__version__, "modes": {}}
+
+    def fwd_bwd(module, up):
+        def run():
+            module.zero_grad(set_to_none=True)
+            out = module(ids)
+            out.backward(up)
+        return run
+
+    # Baseline 1: megatron's dense embedding table, same ids.
+    table = VocabParallelEmbedding(args.vocab, args.hidden, init_method=torch.nn.init.normal_,
+                                   config=tcfg).to(dev)
+    up_bsd = torch.randn(args.batch, args.seq, args.hidden, device=dev, dtype=dtype)
+    with PeakMemory(args.device) as mem:
+        t_table = _time(fwd_bwd(table, up_bsd), args.device, args.repeats)
+    results["vocab_parallel_embedding"] = {"ms": t_table * 1e3, "peak_extra_mib": mem.mib}
+    del table
+
+    # Baseline 2: a tied GPT model's full training step (one micro-batch, forward+backward).
+    mcfg = LevModelConfig(vocab_size=args.vocab, max_sequence_length=args.seq, input_embedding="tied")
+    gcfg = build_transformer_config(num_layers=args.layers, hidden_size=args.hidden,
+                                    num_attention_heads=max(1, args.hidden // 64), params_dtype=dtype,
+                                    bf16=dtype == torch.bfloat16)
+    model = build_gpt_model(config=gcfg, model_config=mcfg).to(dev)
+    labels = torch.roll(ids, -1, 1)
+    pos = torch.arange(args.seq, device=dev).unsqueeze(0).expand(args.batch, -1)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, pos, attention_mask=None, labels=labels).float().mean()
+        loss.backward()
+
+    t_step = _time(step, args.device, max(1, args.repeats - 1))
+    results["tied_step"] = {"ms": t_step * 1e3, "layers": args.layers}
+    del model
+
+    up_sbd = up_bsd.transpose(0, 1).contiguous()
+    for mode in args.modes.split(","):
+        lev = LEVParallelEmbedding(config=tcfg, lev_config=LEVConfig(compute_mode=mode), vocab_size=args.vocab,
+                                   init_statistics=False).to(dev)
+        entry: dict = {}
+        if mode == "table":
+            # Per optimizer step: one evaluation over all V ids + one backward over the ids seen;
+            # per micro-batch: a gather and its backward.
+            with PeakMemory(args.device) as mem:
+                t_begin = _time(lev.begin_table_step, args.device, 1, warmup=0)
+
+                def micro():
+                    out = lev(ids)
+                    out.backward(up_sbd)
+
+                t_micro = _time(micro, args.device, args.repeats)
+                t_finish = _time(lev.finish_table_step, args.device, 1, warmup=0)
+            per_step_fixed = t_begin + t_finish
+            entry.update(begin_ms=t_begin * 1e3, finish_ms=t_finish * 1e3, per_microbatch_ms=t_micro * 1e3,
+                         peak_extra_mib=mem.mib)
+        else:
+            with PeakMemory(args.device) as mem:
+                t = _time(fwd_bwd(lev, up_sbd), args.device, args.repeats)
+            entry.update(ms=t * 1e3, peak_extra_mib=mem.mib, vs_table_embedding=t / t_table,
+                         share_of_tied_step=t / t_step)
+        results["modes"][mode] = entry
+        del lev
+
+    # When does "table" beat "unique"? table costs F + m * g per step, unique m * u.
+    if "table" in results["modes"] and "unique" in results["modes"]:
+        tab, uni = results["modes"]["table"], results["modes"]["unique"]
+        fixed = tab["begin_ms"] + tab["finish_ms"]
+        gain = uni["ms"] - tab["per_microbatch_ms"]
+        tab["breakeven_microbatches"] = (fixed / gain) if gain > 0 else float("inf")
+
+    _report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+def _report(r: dict) -> None:
+    s = r["shape"]
+    print(f"LEV layer benchmark: V={s['vocab']:,} D={s['hidden']} batch {s['batch']} x {s['seq']} "
+          f"({r['unique_ids']} distinct ids; {r['ids']}), {r['device']} {r['dtype']}, "
+          f"{r['threads']} threads, torch {r['torch']}")
+    e = r["vocab_parallel_embedding"]
+    print(f"  VocabParallelEmbedding fwd+bwd : {e['ms']:9.1f} ms   peak +{e['peak_extra_mib']:.0f} MiB")
+    print(f"  tied GPT step ({r['tied_step']['layers']} layers) fwd+bwd: {r['tied_step']['ms']:9.1f} ms")
+    for mode, m in r["modes"].items():
+        if mode == "table":
+            print(f"  LEV table: per step begin {m['begin_ms']:.0f} ms + finish {m['finish_ms']:.0f} ms, "
+                  f"per micro-batch {m['per_microbatch_ms']:.1f} ms, peak +{m['peak_extra_mib']:.0f} MiB; "
+                  f"beats unique above {m.get('breakeven_microbatches', float('nan')):.1f} micro-batches/step")
+        else:
+            print(f"  LEV {mode:6s} fwd+bwd : {m['ms']:9.1f} ms = {m['vs_table_embedding']:6.1f}x the table, "
+                  f"{100 * m['share_of_tied_step']:5.1f}% of the tied step; peak +{m['peak_extra_mib']:.0f} MiB")
+
+
+if __name__ == "__main__":
+    _reexec_with_returning_malloc()
+    main()
