@@ -189,7 +189,7 @@ def main(argv=None) -> dict:
 
     # Baseline 2: a tied GPT model's full training step (one micro-batch, forward+backward).
     mcfg = LevModelConfig(vocab_size=args.vocab, max_sequence_length=args.seq, input_embedding="tied")
-    gcfg = build_transformer_config(num_layers=args.layers, hidden_size=args.hidden,
+    gcfg = build_transformer_config(mcfg, num_layers=args.layers, hidden_size=args.hidden,
                                     num_attention_heads=max(1, args.hidden // 64), params_dtype=dtype,
                                     bf16=dtype == torch.bfloat16)
     model = build_gpt_model(config=gcfg, model_config=mcfg).to(dev)
