@@ -200,6 +200,33 @@ def _save_strategy():
     return strategy
 
 
+_WRITE_MANAGER = None
+
+
+def _install_write_queue() -> None:
+    """Start the result queue that dist_checkpointing's writer uses, in a process that dies with us.
+
+    megatron-core creates it lazily with ``mp.get_context("spawn").Manager()``; that server process
+    outlives a rank killed by the launcher (e.g. after another rank failed) and keeps the job's
+    output pipes open. The same manager, started with an initializer that sets the parent-death
+    signal, goes away with the rank.
+    """
+    global _WRITE_MANAGER
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    from ._procutil import die_with_parent
+
+    if getattr(fa, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent)
+    _WRITE_MANAGER = manager
+    fa._results_queue = manager.Queue()
+
+
 def save_checkpoint(
     root: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
     counters: Dict[str, int], config: Dict[str, Any], args, log=print,
@@ -210,6 +237,7 @@ def save_checkpoint(
 
     rank = torch.distributed.get_rank()
     path = checkpoint_dir(root, iteration)
+    _install_write_queue()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.isdir(path):  # an incomplete attempt at this iteration (or an older run): replace it

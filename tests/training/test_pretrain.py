@@ -1,0 +1,198 @@
+"""End-to-end pretraining on CPU ranks through torchrun: loss falls at TP=2 and at PP=2 (interleaved);
+a resumed run reproduces the uninterrupted one bit for bit; a rank killed (-9) in the middle of a save
+leaves the previous checkpoint as the latest; a checkpoint written at PP=2 loads at PP=1; the NaN
+check fires on an injected NaN (stop after saving, or skip); SIGTERM saves and exits cleanly.
+
+The corpus is ../shared/data/corpus/valid.jsonl.zst tokenised here with the GPT-2 BPE files.
+Each launch costs ~10 s of imports, so every run is reused by several checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN = str(REPO / "pretrain_lev.py")
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def launch(nproc, args, timeout=300, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(_free_port()), PRETRAIN] + args
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=str(REPO))
+    if check and r.returncode != 0:
+        raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}")
+    return r
+
+
+def run_single(args, timeout=300):
+    """One process without torchrun (the exit code is the script's own)."""
+    return subprocess.run([sys.executable, PRETRAIN] + args, capture_output=True, text=True, env=_env(),
+                          timeout=timeout, cwd=str(REPO))
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(path, kind="train"):
+    rows = [json.loads(ln) for ln in Path(path).read_text().splitlines()]
+    return {r["iteration"]: r for r in rows if r["kind"] == kind}
+
+
+@pytest.fixture(scope="module")
+def corpus(shared_data, tmp_path_factory):
+    """valid.jsonl.zst -> GPT-2 .bin/.idx (152 docs, ~400k tokens)."""
+    from megatron_lev.data.preprocessing import PreprocessConfig, preprocess
+
+    out = tmp_path_factory.mktemp("corpus")
+    tok = shared_data / "tokenizers" / "gpt2"
+    preprocess(PreprocessConfig(
+        inputs=[str(shared_data / "corpus" / "valid.jsonl.zst")], output_prefix=str(out / "valid"),
+        tokenizer_type="GPT2BPETokenizer", vocab_file=str(tok / "vocab.json"), merge_file=str(tok / "merges.txt"),
+        append_eod=True, workers=1, progress=False))
+    return {"prefix": str(out / "valid_text_document"), "vocab": str(tok / "vocab.json"),
+            "merges": str(tok / "merges.txt"), "cache": str(out / "cache")}
+
+
+def model_args(corpus, iters, extra=()):
+    return [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
+        "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--hidden-dropout", "0.1", "--attention-dropout", "0.0",
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--data-path", corpus["prefix"], "--split", "90,10,0", "--data-cache-path", corpus["cache"],
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", corpus["vocab"], "--merge-file", corpus["merges"],
+        "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "2", "--quiet-config",
+    ] + list(extra)
+
+
+def test_tp2_loss_falls_resume_is_bit_exact_and_kill_during_save(corpus, tmp_path):
+    common = model_args(corpus, 10, ["--tensor-model-parallel-size", "2", "--input-embedding", "untied",
+                                     "--use-distributed-optimizer"])
+    # Uninterrupted reference.
+    ref = launch(2, common + ["--metrics-file", str(tmp_path / "ref.jsonl"),
+                              "--tensorboard-dir", str(tmp_path / "tb")])
+    a = metrics(tmp_path / "ref.jsonl")
+    assert sorted(a) == list(range(1, 11))
+    first, last = a[1]["lm loss"], sum(a[i]["lm loss"] for i in (8, 9, 10)) / 3
+    assert last < first - 0.5, (first, last)
+    # Megatron-LM's log line, printed once (rank 0 only).
+    lines = [ln for ln in ref.stdout.splitlines() if " iteration       10/      10 |" in ln]
+    assert len(lines) == 1
+    for field in ("consumed samples: 80 |", "iteration 10/ 10 |", "lm loss:", "learning rate:", "grad norm:", "loss scale:",
+                  "number of skipped iterations: 0", "number of nan iterations: 0", "tokens per second:",
+                  "elapsed time per iteration (ms):", "global batch size: 8"):
+        assert field in " ".join(lines[0].split()).replace("| ", "| "), field
+    assert ref.stdout.count("validation loss at iteration 4 |") == 1
+    assert "lm loss PPL:" in ref.stdout
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+
+    # A run that saves every 3 iterations and loses rank 1 (kill -9) in the middle of the save at 6.
+    ck = tmp_path / "ck"
+    r = launch(2, common + ["--save", str(ck), "--save-interval", "3", "--debug-kill-during-save", "1:6",
+                            "--metrics-file", str(tmp_path / "killed.jsonl")], check=False)
+    assert r.returncode != 0
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (ck / "iter_0000003" / "metadata.json").is_file() and (ck / "iter_0000003" / "config.yaml").is_file()
+    assert not (ck / "iter_0000006" / "config.yaml").exists()  # the interrupted save is not complete
+    # Resume picks iteration 3 and reproduces the reference bit for bit (loss and grad norm).
+    res = launch(2, common + ["--save", str(ck), "--load", str(ck), "--save-interval", "3",
+                              "--metrics-file", str(tmp_path / "resumed.jsonl")])
+    assert "successfully loaded checkpoint from" in res.stdout and "at iteration 3" in res.stdout
+    b = metrics(tmp_path / "resumed.jsonl")
+    assert sorted(b) == list(range(4, 11))
+    for i in range(4, 11):
+        assert b[i]["lm loss hex"] == a[i]["lm loss hex"], (i, a[i]["lm loss"], b[i]["lm loss"])
+        assert b[i]["grad norm"] == a[i]["grad norm"], i
+    assert metrics(tmp_path / "resumed.jsonl", "valid")[8]["lm loss hex"] == \
+        metrics(tmp_path / "ref.jsonl", "valid")[8]["lm loss hex"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "9" or \
+        (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+
+
+def test_pp2_interleaved_loss_falls_resumes_exactly_and_reloads_at_pp1(corpus, tmp_path):
+    common = model_args(corpus, 8, ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.0",
+                                    "--num-layers-per-virtual-pipeline-stage", "1", "--input-embedding", "tied"])
+    ck = tmp_path / "ck"
+    launch(2, common + ["--save", str(ck), "--save-interval", "4", "--metrics-file", str(tmp_path / "a.jsonl")])
+    a = metrics(tmp_path / "a.jsonl")
+    assert a[8]["lm loss"] < a[1]["lm loss"] - 0.4, (a[1]["lm loss"], a[8]["lm loss"])
+    # Resume from the checkpoint at iteration 4 (as if the run had stopped there).
+    ck4 = tmp_path / "ck4"
+    ck4.mkdir()
+    shutil.copytree(ck / "iter_0000004", ck4 / "iter_0000004")
+    (ck4 / "latest_checkpointed_iteration.txt").write_text("4\n")
+    launch(2, common + ["--load", str(ck4), "--metrics-file", str(tmp_path / "b.jsonl")])
+    b = metrics(tmp_path / "b.jsonl")
+    for i in range(5, 9):
+        assert b[i]["lm loss hex"] == a[i]["lm loss hex"], i
+    # The PP=2 (interleaved) checkpoint loads into a single process (dist_checkpointing reshards):
+    # the loss of iteration 5 needs only the weights and the data, so it must match.
+    single = model_args(corpus, 5, ["--input-embedding", "tied", "--no-load-optim", "--no-load-rng",
+                                    "--hidden-dropout", "0.0",
+                                    "--load", str(ck4), "--eval-iters", "0"])
+    launch(1, single + ["--metrics-file", str(tmp_path / "c.jsonl")])
+    c = metrics(tmp_path / "c.jsonl")
+    assert abs(c[5]["lm loss"] - a[5]["lm loss"]) < 1e-4, (c[5]["lm loss"], a[5]["lm loss"])
+
+
+def test_nan_check_stops_after_saving_or_skips(corpus, tmp_path):
+    common = model_args(corpus, 6, ["--input-embedding", "untied", "--check-for-nan-in-loss-and-grad",
+                                    "--inject-nan-at-iteration", "3", "--eval-iters", "0"])
+    ck = tmp_path / "ck"
+    r = run_single(common + ["--save", str(ck)])
+    assert r.returncode == 3, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "NaN/Inf in the loss at iteration 3" in errors[0]
+    assert "Traceback" not in r.stderr
+    # The last good state (after iteration 2) was saved before stopping.
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    r = run_single(common + ["--nan-action", "skip", "--metrics-file", str(tmp_path / "skip.jsonl")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(tmp_path / "skip.jsonl")
+    assert m[3]["nan"] and m[3]["skipped"] and not m[4]["nan"]
+    assert "number of nan iterations:   1" in r.stdout and "number of skipped iterations:   1" in r.stdout
+
+
+def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
+    ck = tmp_path / "ck"
+    args = model_args(corpus, 100000, ["--input-embedding", "untied", "--exit-signal-handler", "--save", str(ck),
+                                       "--eval-iters", "0"])
+    env = _env()
+    proc = subprocess.Popen([sys.executable, PRETRAIN] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=str(REPO))
+    deadline = time.time() + 120
+    seen = False
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if " iteration        3/" in line:
+            seen = True
+            break
+    assert seen, "training did not start"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "exiting on SIGTERM" in out
+    it = int((ck / "latest_checkpointed_iteration.txt").read_text())
+    assert it >= 3 and (ck / f"iter_{it:07d}" / "metadata.json").is_file()
