@@ -72,9 +72,11 @@ def get_local_layer_spec(config) -> ModuleSpec:
 
 
 def get_block_spec(
-    config, model_config: Optional[LevModelConfig] = None, vp_stage: Optional[int] = None
+    config, model_config: Optional[LevModelConfig] = None, vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    """The decoder block of this pipeline stage (and virtual stage): its layers and final norm."""
+    """The decoder block of this pipeline stage (and virtual stage): its layers and final norm.
+    ``pp_rank`` defaults to this process's pipeline rank (needs initialised model-parallel groups)."""
     layer = get_layer_spec(config, model_config)
     impl = model_config.transformer_impl if model_config is not None else "auto"
     if use_transformer_engine(impl):
@@ -83,5 +85,5 @@ def get_block_spec(
         final_norm = TENorm
     else:
         final_norm = SequenceParallelNorm
-    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm)

@@ -213,7 +213,7 @@ def unchecked_parameters(chunks) -> List[str]:
 
 def reference_run(arms, root: str, variant: str = "llama") -> Dict[str, Any]:
     """TP=1, PP=1: per arm, plain forward/backward checks, then save weights and schedule gradients."""
-    from megatron_lev.models import materialize_input_embedding, parameter_breakdown
+    from megatron_lev.models import lev_modules, materialize_input_embedding, parameter_breakdown
 
     results = {}
     for arm in arms:
@@ -243,6 +243,11 @@ def reference_run(arms, root: str, variant: str = "llama") -> Dict[str, Any]:
             r["tied_same_object"] = model.shared_embedding_or_output_weight() is w and model.output_layer.weight is None
         table = materialize_input_embedding(model)
         r["table"] = table
+        with torch.no_grad():  # the table is the input representation (positions excluded)
+            emb = model.embedding.arm(tokens) if hasattr(model.embedding, "arm") else \
+                model.embedding.word_embeddings(tokens).transpose(0, 1)
+        r["table_err"] = float((emb - table[tokens].transpose(0, 1)).abs().max())
+        r["lev_modules"] = len(list(lev_modules(model)))
         r["unchecked"] = unchecked_parameters([model])
         save_weights([model], os.path.join(root, variant, arm, "weights"))
         wrapped = wrap_ddp([model], config)

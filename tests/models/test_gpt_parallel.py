@@ -101,6 +101,8 @@ def test_tp1_forward_backward(ref, arm):
     assert r["zero_or_nonfinite_grad"] == [], r["zero_or_nonfinite_grad"]
     assert r["unchecked"] == [], f"parameters missing from sharded_state_dict: {r['unchecked']}"
     assert tuple(r["table"].shape) == (H.VOCAB, H.HIDDEN)
+    assert r["table_err"] < 1e-5, r["table_err"]  # materialize_input_embedding == the arm's rows
+    assert r["lev_modules"] == (1 if arm == "lev" else 0)
 
 
 @pytest.mark.parametrize("arm", ARMS)
