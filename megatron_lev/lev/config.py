@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 COMPUTE_MODES = ("token", "unique", "table")
-BASIS_KINDS = ("auto", "dense", "sparse")
+BASIS_KINDS = ("auto", "dense", "sparse", "fused")
 MIN_INIT_SAMPLE_SIZE = 4096
 
 
@@ -54,8 +54,10 @@ class LEVConfig:
     or "table" (all V ids once per optimizer step) (flag --lev-compute-mode)."""
 
     basis: str = "auto"
-    """Spline-basis evaluation: "dense" (kappa-wide einsum), "sparse" (gather of the 3 non-zero knots)
-    or "auto" (dense on CPU, sparse on CUDA) (flag --lev-basis)."""
+    """Spline-basis evaluation: "dense" (kappa-wide einsum), "sparse" (gather of the 3 non-zero knots),
+    "fused" (a registered fused kernel for the device, e.g. ``megatron_lev.kernels``' numba kernel on
+    CPU; falls back to the eager form where none is registered or for non-fp32 inputs), or "auto"
+    (fused where registered, else dense on CPU and sparse on CUDA) (flag --lev-basis)."""
 
     log_eps: float = 1e-30
     """Floor on |phi| before the log in the stable product; far below 1 (flag --lev-log-eps)."""
@@ -82,6 +84,10 @@ class LEVConfig:
         """"dense" or "sparse" for a device type ("cpu", "cuda", ...)."""
         if self.basis != "auto":
             return self.basis
+        from .functional import has_fused_product
+
+        if has_fused_product(device_type):
+            return "fused"
         return "sparse" if device_type == "cuda" else "dense"
 
     def validate(self, vocab_size: int, hidden_size: Optional[int] = None, tp_size: int = 1) -> None:

@@ -21,6 +21,8 @@ __all__ = [
     "separable_product",
     "separable_product_reference",
     "compute_dtype",
+    "register_fused_product",
+    "has_fused_product",
 ]
 
 
@@ -315,9 +317,33 @@ def separable_product(
     if x.shape[1:] != delta.shape[:2] or delta.shape[2] != num_knots:
         raise ValueError(f"separable_product: shapes x {tuple(x.shape)} and delta {tuple(delta.shape)} "
                          f"do not match (kappa={num_knots})")
+    if basis == "fused":
+        fused = _FUSED_PRODUCTS.get(x.device.type)
+        if fused is not None and compute_dtype(x, delta) == torch.float32:
+            return fused(
+                x, delta, int(num_knots),
+                fallback=lambda x_, d_: separable_product(
+                    x_, d_, num_knots, basis="dense", product_chunk=product_chunk, log_eps=log_eps),
+            )
+        basis = "sparse" if x.device.type == "cuda" else "dense"
     if basis not in ("dense", "sparse"):
-        raise ValueError(f"separable_product: basis must be 'dense' or 'sparse', got {basis!r}")
+        raise ValueError(f"separable_product: basis must be 'dense', 'sparse' or 'fused', got {basis!r}")
     return _SeparableProduct.apply(x, delta, int(num_knots), basis, max(1, int(product_chunk)), float(log_eps))
+
+
+# Fused kernels by device type, registered by accelerator modules (megatron_lev.kernels) so that this
+# file stays plain torch. Signature: fn(x, delta, num_knots, *, fallback) -> M [N, h, r] fp32, where
+# fallback(x, delta) is the eager form for inputs the kernel flags (products out of range).
+_FUSED_PRODUCTS: dict = {}
+
+
+def register_fused_product(device_type: str, fn) -> None:
+    """Make ``fn`` the "fused" separable product for tensors on ``device_type``."""
+    _FUSED_PRODUCTS[device_type] = fn
+
+
+def has_fused_product(device_type: str) -> bool:
+    return device_type in _FUSED_PRODUCTS
 
 
 def separable_product_reference(x: torch.Tensor, delta: torch.Tensor, num_knots: int) -> torch.Tensor:

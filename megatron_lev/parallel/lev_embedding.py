@@ -42,6 +42,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+import megatron_lev.kernels  # noqa: F401  (registers the fused CPU kernel)
 from megatron_lev.lev.config import LEVConfig
 from megatron_lev.lev.layer import (
     LEVHeads,

@@ -1,0 +1,178 @@
+"""Fused CPU kernel for LEV's separable product (numba).
+
+The eager form of the product (``megatron_lev.lev.functional``) moves the N x h x d_s x r factors
+through memory several times per chunk (matmul out, product, division, gradient matmuls); on a CPU
+that memory traffic, not the arithmetic, sets its speed. Here each (id, head) is one loop nest that
+builds phi[d, :] from the 3 non-zero spline knots in registers and multiplies it into M[:] straight
+away, so the factors never exist in memory; the backward recomputes them the same way and writes
+dL/dw (the 3 spline weights) and dL/dS directly.
+
+Same values and gradients as the eager form (tested); used for fp32 on CPU when numba is installed
+(``LEVConfig.basis = "auto"`` or ``"fused"``). Numerics:
+- forward multiplies the factors directly in fp32. A product that leaves [1e-30, 1e30] at a block
+  boundary, or any exact zero factor, is flagged and the caller redoes the call in the eager log form
+  (spec step 6), so tiny/huge products and phi = 0 keep an exact, finite gradient.
+- backward uses dM/dphi_d = M / phi_d, exact when the forward was not flagged.
+- dL/dS is accumulated per thread block, then summed: deterministic for a fixed thread count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:  # numba is an optional accelerator
+    numba = None
+
+_LO, _HI = 1e-30, 1e30
+_BLOCK = 16  # seed dimensions between range checks
+
+
+def available() -> bool:
+    return numba is not None
+
+
+if numba is not None:
+    _FM = {"reassoc", "contract", "arcp"}  # lets LLVM vectorise the r-loops; no nan/inf assumptions
+
+    @njit(parallel=True, cache=True, fastmath=_FM)
+    def _forward(idx, w, S2, K, M):  # pragma: no cover - compiled
+        # S2 = S.reshape(h * d_s * kappa, r); rows addressed as (h * d_s + d) * kappa + knot.
+        N, H, DS, _ = idx.shape
+        R = S2.shape[1]
+        bad = np.zeros(N, dtype=np.bool_)
+        for n in prange(N):
+            m = np.empty(R, dtype=np.float32)
+            for h in range(H):
+                for r in range(R):
+                    m[r] = 1.0
+                for d in range(DS):
+                    base = (h * DS + d) * K
+                    j0 = base + idx[n, h, d, 0]
+                    j1 = base + idx[n, h, d, 1]
+                    j2 = base + idx[n, h, d, 2]
+                    w0 = w[n, h, d, 0]
+                    w1 = w[n, h, d, 1]
+                    w2 = w[n, h, d, 2]
+                    for r in range(R):
+                        m[r] *= w0 * S2[j0, r] + w1 * S2[j1, r] + w2 * S2[j2, r]
+                    if (d + 1) % _BLOCK == 0 or d == DS - 1:
+                        for r in range(R):
+                            a = abs(m[r])
+                            if not (a >= _LO and a <= _HI):
+                                bad[n] = True
+                for r in range(R):
+                    M[n, h, r] = m[r]
+        return bad
+
+    @njit(parallel=True, cache=True, fastmath=_FM)
+    def _backward(idx, w, S2, K, GM, grad_w, grad_s_blocks):  # pragma: no cover - compiled
+        N, H, DS, _ = idx.shape
+        R = S2.shape[1]
+        T = grad_s_blocks.shape[0]
+        per = (N + T - 1) // T
+        for t in prange(T):
+            gs = grad_s_blocks[t]  # [h * d_s * kappa, r]
+            gp = np.empty(R, dtype=np.float32)
+            for n in range(t * per, min(N, (t + 1) * per)):
+                for h in range(H):
+                    for d in range(DS):
+                        base = (h * DS + d) * K
+                        j0 = base + idx[n, h, d, 0]
+                        j1 = base + idx[n, h, d, 1]
+                        j2 = base + idx[n, h, d, 2]
+                        w0 = w[n, h, d, 0]
+                        w1 = w[n, h, d, 1]
+                        w2 = w[n, h, d, 2]
+                        a0 = np.float32(0.0)
+                        a1 = np.float32(0.0)
+                        a2 = np.float32(0.0)
+                        for r in range(R):
+                            s0 = S2[j0, r]
+                            s1 = S2[j1, r]
+                            s2 = S2[j2, r]
+                            g = GM[n, h, r] / (w0 * s0 + w1 * s1 + w2 * s2)  # dL/dphi_d
+                            gp[r] = g
+                            a0 += g * s0
+                            a1 += g * s1
+                            a2 += g * s2
+                        grad_w[n, h, d, 0] = a0
+                        grad_w[n, h, d, 1] = a1
+                        grad_w[n, h, d, 2] = a2
+                        # Separate loops: j0..j2 may coincide at the ends (weight 0 there).
+                        for r in range(R):
+                            gs[j0, r] += w0 * gp[r]
+                        for r in range(R):
+                            gs[j1, r] += w1 * gp[r]
+                        for r in range(R):
+                            gs[j2, r] += w2 * gp[r]
+
+
+def forward(idx: np.ndarray, w: np.ndarray, S: np.ndarray):
+    """M [N, h, r] and a per-id flag (product out of [1e-30, 1e30] or a zero factor).
+
+    idx [N, h, d_s, 3] int64, w [N, h, d_s, 3] fp32, S = 1 + Delta [h, d_s, kappa, r] fp32, contiguous.
+    """
+    N, H = idx.shape[:2]
+    M = np.empty((N, H, S.shape[3]), dtype=np.float32)
+    bad = _forward(idx, w, S.reshape(-1, S.shape[3]), S.shape[2], M)
+    return M, bad
+
+
+def backward(idx: np.ndarray, w: np.ndarray, S: np.ndarray, gm: np.ndarray):
+    """(dL/dw [N, h, d_s, 3], dL/dS [h, d_s, kappa, r]) from gm = dL/dM * M [N, h, r]."""
+    threads = numba.get_num_threads()
+    grad_w = np.empty(w.shape, dtype=np.float32)
+    r = S.shape[3]
+    blocks = np.zeros((threads, S.size // r, r), dtype=np.float32)
+    _backward(idx, w, S.reshape(-1, r), S.shape[2], gm, grad_w, blocks)
+    return grad_w, blocks.sum(axis=0).reshape(S.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# autograd wrapper
+
+import torch  # noqa: E402
+
+from megatron_lev.lev.functional import _sparse_weights  # noqa: E402
+
+
+class _FusedProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, delta, m, idx, w, s, num_knots):
+        ctx.save_for_backward(x, m, idx, w, s)
+        ctx.num_knots = num_knots
+        ctx.delta_dtype = delta.dtype
+        return m
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_m):
+        x, m, idx, w, s = ctx.saved_tensors
+        gm = (grad_m.float() * m).contiguous()
+        grad_w, grad_s = backward(idx.numpy(), w.numpy(), s.numpy(), gm.numpy())
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            x_req = x.detach().float().requires_grad_(True)
+            with torch.enable_grad():
+                _, weights = _sparse_weights(x_req, ctx.num_knots)
+            (grad_x,) = torch.autograd.grad(weights, x_req, torch.from_numpy(grad_w))
+            grad_x = grad_x.to(x.dtype)
+        grad_delta = torch.from_numpy(grad_s).to(ctx.delta_dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_delta, None, None, None, None, None
+
+
+def fused_separable_product(x, delta, num_knots, *, fallback):
+    """M [N, h, r] fp32 from x [N, h, d_s] and delta [h, d_s, kappa, r] (CPU); ``fallback(x, delta)``
+    computes it in the eager log form when the fused forward flags a product out of range."""
+    with torch.no_grad():
+        xf = x.detach().float().contiguous()
+        idx, w = _sparse_weights(xf, num_knots)
+        idx, w = idx.contiguous(), w.contiguous()
+        s = (delta.detach().float() + 1.0).contiguous()
+        m, bad = forward(idx.numpy(), w.numpy(), s.numpy())
+    if bad.any():
+        return fallback(x, delta)
+    return _FusedProduct.apply(x, delta, torch.from_numpy(m), idx, w, s, int(num_knots))
