@@ -234,35 +234,10 @@ class FlatMLPEmbedding(_TableArm):
         return _mlp(x, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
 
 
-class _FallbackSeed(torch.nn.Module):
-    """z(i) = sum_m C_m[i_m] (spec step 2), used only where ``megatron_lev.lev.LEVSeed`` is absent."""
-
-    def __init__(self, vocab_size: int, config, base: Optional[int] = None):
-        super().__init__()
-        from megatron_lev.lev.functional import token_digits
-
-        self._digits = token_digits
-        self.num_digits = config.num_digits
-        self.base = int(base) if base is not None else config.resolved_base(vocab_size)
-        self.codebooks = torch.nn.Parameter(torch.randn(self.num_digits, self.base, config.seed_dim) * 0.02)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        d = self._digits(ids, self.base, self.num_digits)  # [..., k]
-        offs = torch.arange(self.num_digits, device=ids.device) * self.base
-        flat = self.codebooks.reshape(-1, self.codebooks.shape[-1])
-        return flat[d + offs].sum(dim=-2)
-
-
 def _make_seed(vocab_size: int, lev_config):
-    try:
-        from megatron_lev.lev import LEVSeed  # type: ignore[attr-defined]
-    except ImportError:
-        try:
-            from megatron_lev.lev.seed import LEVSeed  # type: ignore[no-redef]
-        except ImportError:
-            LEVSeed = None
-    if LEVSeed is None:
-        return _FallbackSeed(vocab_size, lev_config)
+    from megatron_lev.lev import LEVSeed
+
+    # LEVSeed initialises its codebooks from its own fixed-seed stream: identical on every rank.
     return LEVSeed(vocab_size, lev_config, base=lev_config.resolved_base(vocab_size))
 
 
