@@ -8,6 +8,7 @@ Exit status: 0 done; 2 usage or input error (missing files, mixed dtypes, existi
 import argparse
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,6 +23,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-prefix", required=True, help="merged dataset prefix, e.g. out_text_document")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
+    # megatron-core's import notes that fused kernels are missing; add_index needs none.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     try:
         written = merge_datasets(a.input, a.output_prefix, overwrite=a.overwrite)
     except PreprocessError as e:

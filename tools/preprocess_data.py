@@ -8,6 +8,7 @@ Exit status: 0 done (bad lines, if any, are skipped and reported); 1 bad input w
 import argparse
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,6 +52,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    # megatron-core's import notes that fused kernels are missing; the indexed-dataset writer needs none.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     cfg = PreprocessConfig(
         inputs=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
         vocab_file=a.vocab_file, merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,

@@ -1,12 +1,14 @@
 """jsonl(.gz/.zst) -> megatron-core indexed datasets (.bin/.idx), in parallel, in input order.
 
 Pipeline: the main process streams lines (bounded memory), cuts them into batches of at most
-``batch_docs`` lines / ``batch_bytes`` bytes, and hands them to ``workers`` processes (or encodes
-them itself with ``workers=1``). A worker parses JSON, checks every key, tokenises each document
+``batch_docs`` lines / ``batch_bytes`` bytes, and hands them to ``workers`` forked processes (one
+with ``workers=1``, as Megatron-LM's tool). A worker parses JSON, checks every key, tokenises each document
 into a numpy array and returns one concatenated array per key plus the document lengths. The main
-process takes results strictly in submission order (a bounded window of pending batches), writes
-them as whole batches (format of megatron-core's ``IndexedDatasetBuilder``, see ``indexed.py``) under temporary names, and renames the
-``.bin`` then the ``.idx`` into place at the very end.
+process takes results strictly in submission order (a bounded window of pending batches) and
+writes them, document by document, through megatron-core's ``IndexedDatasetBuilder`` under
+temporary names; it renames the ``.bin`` then the ``.idx`` into place at the very end. The builder's
+module is imported in a background thread started at the beginning of the run (see ``indexed.py``);
+results that arrive before the import is done are held in memory and written once it is.
 
 Document conventions:
 
@@ -19,6 +21,9 @@ Document conventions:
   Not errors (never stop a run): ``blank`` (empty line), ``empty`` (a key's text has no tokens;
   the whole line is dropped so every key has the same documents), ``filtered`` (pile_set_name
   not selected), and lines of other partitions.
+* Output dtype: megatron-core's ``DType.optimal_dtype(tokenizer.vocab_size)`` (uint16 below 65,500
+  ids, int32 otherwise). Workers send ids in the smallest integer dtype that holds every id below
+  the vocabulary size; the builder casts them.
 * Token counts (``output_token_counts``) count every id written to ``.bin``, EODs included, so
   ``counts.sum() == total tokens`` in the dataset; length = ``tokenizer.vocab_size``.
 * Partitions: with ``partitions=N, partition_index=i`` only physical input lines ``k`` (0-based,
@@ -40,7 +45,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_lev.data.indexed import IndexWriter, optimal_dtype
+from megatron_lev.data.indexed import BackgroundImport
 from megatron_lev.data.jsonl import expand_inputs, iter_lines
 
 ERROR_REASONS = ("invalid_utf8", "malformed_json", "missing_key", "non_string")
@@ -136,9 +141,13 @@ def token_counts_path(ds_prefix: str) -> str:
     return base + "_token_counts.npy"
 
 
-def output_dtype(vocab_size: int) -> np.dtype:
-    """The smallest dtype megatron-core's IndexedDataset takes for this vocabulary (its optimal_dtype)."""
-    return optimal_dtype(vocab_size)
+def transport_dtype(vocab_size: int) -> np.dtype:
+    """Smallest integer dtype holding every id below ``vocab_size`` (how workers send ids; not the output dtype)."""
+    if vocab_size <= 1 << 16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 1 << 31:
+        return np.dtype(np.int32)
+    return np.dtype(np.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,24 +307,28 @@ def _iter_batches(
 
 
 class _Output:
-    """One key's output: .bin/.idx written under temporary names, renamed at the end."""
+    """One key's output: megatron-core's ``IndexedDatasetBuilder`` writing under temporary names, renamed at the end.
 
-    def __init__(self, ds_prefix: str, dtype, vocab_size: int, counts: bool) -> None:
+    The builder is made by :meth:`open` (once megatron-core's module is imported); token counts are
+    kept from the first batch on.
+    """
+
+    def __init__(self, ds_prefix: str, vocab_size: int, counts: bool) -> None:
         self.prefix = ds_prefix
         self.tmp_bin = ds_prefix + ".bin.partial"
         self.tmp_idx = ds_prefix + ".idx.partial"
         self.tmp_counts = token_counts_path(ds_prefix) + ".partial"
         os.makedirs(os.path.dirname(os.path.abspath(ds_prefix)), exist_ok=True)
-        self.writer = IndexWriter(self.tmp_bin, dtype)
+        self.builder = None
         self.counts = np.zeros(vocab_size, dtype=np.int64) if counts else None
         self.tokens = 0
 
-    def add_batch(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        if lengths.size == 0:
-            return
-        self.writer.add_batch(tokens, lengths)
+    def open(self, indexed_dataset, dtype) -> None:
+        self.builder = indexed_dataset.IndexedDatasetBuilder(self.tmp_bin, dtype=dtype)
+
+    def count(self, tokens: np.ndarray) -> None:
         self.tokens += int(tokens.size)
-        if self.counts is not None:
+        if self.counts is not None and tokens.size:
             c = np.bincount(tokens, minlength=self.counts.size)
             if c.size > self.counts.size:
                 raise PreprocessError(
@@ -323,8 +336,19 @@ class _Output:
                 )
             self.counts += c
 
+    def write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Add the batch's documents (one sequence each) to the builder, as numpy views of ``tokens``."""
+        if lengths.size == 0:
+            return
+        add = self.builder.add_document
+        ends = np.cumsum(lengths).tolist()
+        start = 0
+        for n, end in zip(lengths.tolist(), ends):
+            add(tokens[start:end], [n])
+            start = end
+
     def commit(self) -> List[str]:
-        self.writer.finalize(self.tmp_idx)
+        self.builder.finalize(self.tmp_idx)
         done = []
         if self.counts is not None:
             with open(self.tmp_counts, "wb") as f:
@@ -337,10 +361,48 @@ class _Output:
         return [self.prefix + ".bin", self.prefix + ".idx"] + done
 
     def abort(self) -> None:
-        self.writer.close()
+        if self.builder is not None and not self.builder.data_file.closed:
+            self.builder.data_file.close()
         for p in (self.tmp_bin, self.tmp_idx, self.tmp_counts):
             if os.path.exists(p):
                 os.remove(p)
+
+
+class _Writer:
+    """Writes results in order once megatron-core's indexed_dataset module is imported; holds them until then."""
+
+    def __init__(self, importer: BackgroundImport, outputs: Dict[str, "_Output"], vocab_size: int) -> None:
+        self.importer = importer
+        self.outputs = outputs
+        self.vocab_size = vocab_size
+        self.held: List[Dict[str, Any]] = []
+        self.ready = False
+
+    def _open(self) -> None:
+        mod = self.importer.module()  # joins the import thread
+        dtype = mod.DType.optimal_dtype(self.vocab_size)
+        for out in self.outputs.values():
+            out.open(mod, dtype)
+        self.ready = True
+
+    def _write(self, res: Dict[str, Any]) -> None:
+        for k, out in self.outputs.items():
+            out.write(*res[k])
+
+    def add(self, res: Dict[str, Any]) -> None:
+        if not self.ready:
+            if not self.importer.done():
+                self.held.append(res)
+                return
+            self.flush()
+        self._write(res)
+
+    def flush(self) -> None:
+        if not self.ready:
+            self._open()
+        for res in self.held:
+            self._write(res)
+        self.held.clear()
 
 
 def _check_outputs(cfg: PreprocessConfig) -> None:
@@ -402,12 +464,11 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
         tokenizer = build_tokenizer(cfg.tokenizer_type, **cfg.tokenizer_kwargs())
     except (ValueError, FileNotFoundError) as e:
         raise PreprocessError(str(e)) from None
-    dtype = output_dtype(tokenizer.vocab_size)
     opts = dict(
         json_keys=tuple(cfg.json_keys),
         append_eod=cfg.append_eod,
         pile_set_names=None if cfg.pile_set_names is None else frozenset(cfg.pile_set_names),
-        dtype=np.dtype(dtype),
+        dtype=transport_dtype(tokenizer.vocab_size),
     )
     _STATE.clear()
     _STATE["tokenizer"] = tokenizer
@@ -416,28 +477,32 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
 
     stats = PreprocessStats()
     outputs = {
-        k: _Output(dataset_prefix(cfg.output_prefix, k), dtype, tokenizer.vocab_size, cfg.output_token_counts)
+        k: _Output(dataset_prefix(cfg.output_prefix, k), tokenizer.vocab_size, cfg.output_token_counts)
         for k in cfg.json_keys
     }
     progress = _Progress(cfg, stats)
     pool = None
     t0 = time.perf_counter()
     try:
+        # Workers encode (one worker too, as Megatron-LM's Pool(1)); this process reads, writes and
+        # meanwhile imports megatron-core's indexed_dataset module in a thread, started after the
+        # fork so that no child inherits a half-done import.
+        methods = mp.get_all_start_methods()
+        ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+        pool = ctx.Pool(
+            cfg.workers,
+            initializer=_worker_init,
+            initargs=(cfg.tokenizer_type, cfg.tokenizer_kwargs(), opts),
+        )
+        importer = BackgroundImport()
         batches = _iter_batches(files, cfg, stats)
-        if cfg.workers == 1:
-            results: Iterator[Dict[str, Any]] = (encode_batch(b) for b in batches)
-        else:
-            methods = mp.get_all_start_methods()
-            ctx = mp.get_context("fork" if "fork" in methods else "spawn")
-            pool = ctx.Pool(
-                cfg.workers,
-                initializer=_worker_init,
-                initargs=(cfg.tokenizer_type, cfg.tokenizer_kwargs(), opts),
-            )
-            results = _ordered_results(pool, batches, window=4 * cfg.workers)
+        results = _ordered_results(pool, batches, window=4 * cfg.workers)
+        writer = _Writer(importer, outputs, tokenizer.vocab_size)
         for res in results:
             _consume(res, files, cfg, stats, outputs)
+            writer.add(res)
             progress.update(res["docs"])
+        writer.flush()
         stats.seconds = time.perf_counter() - t0
         for out in outputs.values():
             stats.outputs += out.commit()
@@ -479,6 +544,6 @@ def _consume(res, files, cfg: PreprocessConfig, stats: PreprocessStats, outputs:
     stats.lines += res["lines"]
     stats.docs += res["docs"]
     for k, out in outputs.items():
-        tokens, lengths = res[k]
-        out.add_batch(tokens, lengths)
+        tokens, _ = res[k]
+        out.count(tokens)
         stats.tokens += int(tokens.size)

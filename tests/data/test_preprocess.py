@@ -81,26 +81,68 @@ def test_workers_1_and_2_byte_identical(tok_args, valid_path, tmp_path):
         assert a == b, ext
 
 
-def test_writer_matches_megatron_builder(tmp_path):
-    """IndexWriter output is byte-identical to megatron-core's IndexedDatasetBuilder."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-    import torch
+@pytest.mark.parametrize("vocab_size, dtype", [(65498, np.uint16), (65499, np.int32), (70000, np.int32)])
+def test_output_dtype_is_megatrons_optimal_dtype(vocab_size, dtype, tmp_path):
+    """NullTokenizer(V) has V + 1 ids: uint16 below 65,500 ids (megatron's DType.optimal_dtype), int32 above."""
+    ids = [[0, 1, vocab_size - 1], [65535 % vocab_size, vocab_size - 2], [7]]
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(map(str, d))}) + "\n" for d in ids))
+    prefix = str(tmp_path / "o")
+    preprocess(PreprocessConfig(inputs=[str(path)], output_prefix=prefix, tokenizer_type="NullTokenizer",
+                                vocab_size=vocab_size, append_eod=True, workers=2, batch_docs=1))
+    ds, docs = _read_docs(prefix + "_text_document")
+    assert ds.index.dtype == dtype
+    assert [d.tolist() for d in docs] == [d + [vocab_size] for d in ids]
+    info = read_index_info(prefix + "_text_document.idx")
+    assert (info.dtype, info.num_documents, info.num_tokens) == (np.dtype(dtype), 3, sum(len(d) + 1 for d in ids))
 
-    from megatron_lev.data import IndexWriter
+
+class _FakeImport:
+    def __init__(self, indexed_dataset):
+        self.mod, self.ready, self.joined = indexed_dataset, False, 0
+
+    def done(self):
+        return self.ready
+
+    def module(self):
+        self.joined += 1
+        return self.mod
+
+
+def test_writer_holds_results_until_import_done(tmp_path):
+    """Results that arrive while megatron-core is importing are written, in order, once it is imported."""
+    from megatron.core.datasets import indexed_dataset
+
+    from megatron_lev.data.preprocessing import _Output, _Writer
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 50000, size=int(n)).astype(np.uint16) for n in rng.integers(1, 300, size=40)]
-    b = IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
-    for d in docs:
-        b.add_document(torch.from_numpy(d.astype(np.int64)), [d.size])
-    b.finalize(str(tmp_path / "m.idx"))
-    w = IndexWriter(str(tmp_path / "o.bin"), np.uint16)
-    w.add_batch(np.concatenate(docs[:15]), np.array([d.size for d in docs[:15]]))
-    for d in docs[15:]:
-        w.add_document(d)
-    w.finalize(str(tmp_path / "o.idx"))
-    for ext in (".bin", ".idx"):
-        assert (tmp_path / ("m" + ext)).read_bytes() == (tmp_path / ("o" + ext)).read_bytes()
+    results = [{"text": (np.concatenate(docs[i:i + 8]), np.array([d.size for d in docs[i:i + 8]]))}
+               for i in range(0, 40, 8)]
+    results.insert(2, {"text": (np.zeros(0, np.uint16), np.zeros(0, np.int64))})  # a batch with no documents
+    imp = _FakeImport(indexed_dataset)
+    out = _Output(str(tmp_path / "o"), 50257, counts=False)
+    w = _Writer(imp, {"text": out}, 50257)
+    w.add(results[0])
+    w.add(results[1])
+    assert out.builder is None and imp.joined == 0 and len(w.held) == 2
+    imp.ready = True
+    for r in results[2:]:
+        w.add(r)
+    w.flush()
+    assert imp.joined == 1 and not w.held
+    out.commit()
+    ds = indexed_dataset.IndexedDataset(str(tmp_path / "o"))
+    assert ds.index.dtype == np.uint16 and len(ds) == 40
+    assert all(np.array_equal(ds[i], d) for i, d in enumerate(docs))
+    assert np.array_equal(ds.document_indices, np.arange(41))
+
+
+def test_background_import_reraises():
+    from megatron_lev.data import BackgroundImport
+
+    with pytest.raises(ModuleNotFoundError, match="no_such_module_for_lev"):
+        BackgroundImport("no_such_module_for_lev").module()
 
 
 BAD_LINES = [
@@ -164,21 +206,25 @@ def test_missing_input_is_one_line_error(tok_args, tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == f"error: {tmp_path / 'nope*.jsonl.zst'}: no such input file"
 
 
-def test_interrupted_run_leaves_no_pair(tok_args, valid_path, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["_consume", "write"])
+def test_interrupted_run_leaves_no_pair(where, tok_args, valid_path, tmp_path, monkeypatch):
+    """Interrupted before the first write (``_consume``) or with the builder's files open (``write``)."""
     import megatron_lev.data.preprocessing as pp
 
-    real, calls = pp.encode_batch, []
+    owner = pp._Output if where == "write" else pp
+    real, calls = getattr(owner, where), []
 
-    def flaky(batch):
+    def flaky(*args):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(batch)
+        return real(*args)
 
-    monkeypatch.setattr(pp, "encode_batch", flaky)
+    monkeypatch.setattr(owner, where, flaky)
     with pytest.raises(KeyboardInterrupt):
         preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(tmp_path / "o"), batch_docs=16,
                                     output_token_counts=True, **tok_args["gpt2"]))
+    assert len(calls) == 3
     assert os.listdir(tmp_path) == []
 
 
