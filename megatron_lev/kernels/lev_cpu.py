@@ -37,10 +37,45 @@ def available() -> bool:
 if numba is not None:
     _FM = {"reassoc", "contract", "arcp"}  # lets LLVM vectorise the r-loops; no nan/inf assumptions
 
+    @njit(inline="always")
+    def _basis(xv, K):  # pragma: no cover - compiled
+        """Nearest knot c and the 3 normalised weights, as ``functional._sparse_weights``; plus the
+        derivatives of the weights with respect to x."""
+        u = xv * (K - 1)
+        c = np.floor(u + 0.5)
+        if c < 0.0:
+            c = 0.0
+        if c > K - 1:
+            c = np.float32(K - 1)
+        f = u - c
+        lo = 0.5 * (0.5 - f) * (0.5 - f)
+        dlo = f - 0.5
+        if c <= 0.0:
+            lo = 0.0
+            dlo = 0.0
+        mid = 0.75 - f * f
+        dmid = -2.0 * f
+        hi = 0.5 * (0.5 + f) * (0.5 + f)
+        dhi = 0.5 + f
+        if c >= K - 1:
+            hi = 0.0
+            dhi = 0.0
+        tot = lo + mid + hi
+        dtot = dlo + dmid + dhi
+        w0 = lo / tot
+        w1 = mid / tot
+        w2 = hi / tot
+        scale = (K - 1) / tot  # df/dx over the normaliser
+        d0 = (dlo - w0 * dtot) * scale
+        d1 = (dmid - w1 * dtot) * scale
+        d2 = (dhi - w2 * dtot) * scale
+        ci = int(c)
+        return max(ci - 1, 0), ci, min(ci + 1, K - 1), w0, w1, w2, d0, d1, d2
+
     @njit(parallel=True, cache=True, fastmath=_FM)
-    def _forward(idx, w, S2, K, M):  # pragma: no cover - compiled
+    def _forward(x, S2, K, M):  # pragma: no cover - compiled
         # S2 = S.reshape(h * d_s * kappa, r); rows addressed as (h * d_s + d) * kappa + knot.
-        N, H, DS, _ = idx.shape
+        N, H, DS = x.shape
         R = S2.shape[1]
         bad = np.zeros(N, dtype=np.bool_)
         for n in prange(N):
@@ -49,13 +84,11 @@ if numba is not None:
                 for r in range(R):
                     m[r] = 1.0
                 for d in range(DS):
+                    k0, k1, k2, w0, w1, w2, _, _, _ = _basis(x[n, h, d], K)
                     base = (h * DS + d) * K
-                    j0 = base + idx[n, h, d, 0]
-                    j1 = base + idx[n, h, d, 1]
-                    j2 = base + idx[n, h, d, 2]
-                    w0 = w[n, h, d, 0]
-                    w1 = w[n, h, d, 1]
-                    w2 = w[n, h, d, 2]
+                    j0 = base + k0
+                    j1 = base + k1
+                    j2 = base + k2
                     for r in range(R):
                         m[r] *= w0 * S2[j0, r] + w1 * S2[j1, r] + w2 * S2[j2, r]
                     if (d + 1) % _BLOCK == 0 or d == DS - 1:
@@ -68,8 +101,8 @@ if numba is not None:
         return bad
 
     @njit(parallel=True, cache=True, fastmath=_FM)
-    def _backward(idx, w, S2, K, GM, grad_w, grad_s_blocks):  # pragma: no cover - compiled
-        N, H, DS, _ = idx.shape
+    def _backward(x, S2, K, GM, grad_x, grad_s_blocks):  # pragma: no cover - compiled
+        N, H, DS = x.shape
         R = S2.shape[1]
         T = grad_s_blocks.shape[0]
         per = (N + T - 1) // T
@@ -79,13 +112,11 @@ if numba is not None:
             for n in range(t * per, min(N, (t + 1) * per)):
                 for h in range(H):
                     for d in range(DS):
+                        k0, k1, k2, w0, w1, w2, d0, d1, d2 = _basis(x[n, h, d], K)
                         base = (h * DS + d) * K
-                        j0 = base + idx[n, h, d, 0]
-                        j1 = base + idx[n, h, d, 1]
-                        j2 = base + idx[n, h, d, 2]
-                        w0 = w[n, h, d, 0]
-                        w1 = w[n, h, d, 1]
-                        w2 = w[n, h, d, 2]
+                        j0 = base + k0
+                        j1 = base + k1
+                        j2 = base + k2
                         a0 = np.float32(0.0)
                         a1 = np.float32(0.0)
                         a2 = np.float32(0.0)
@@ -98,9 +129,7 @@ if numba is not None:
                             a0 += g * s0
                             a1 += g * s1
                             a2 += g * s2
-                        grad_w[n, h, d, 0] = a0
-                        grad_w[n, h, d, 1] = a1
-                        grad_w[n, h, d, 2] = a2
+                        grad_x[n, h, d] = a0 * d0 + a1 * d1 + a2 * d2
                         # Separate loops: j0..j2 may coincide at the ends (weight 0 there).
                         for r in range(R):
                             gs[j0, r] += w0 * gp[r]
@@ -110,25 +139,25 @@ if numba is not None:
                             gs[j2, r] += w2 * gp[r]
 
 
-def forward(idx: np.ndarray, w: np.ndarray, S: np.ndarray):
+def forward(x: np.ndarray, S: np.ndarray):
     """M [N, h, r] and a per-id flag (product out of [1e-30, 1e30] or a zero factor).
 
-    idx [N, h, d_s, 3] int64, w [N, h, d_s, 3] fp32, S = 1 + Delta [h, d_s, kappa, r] fp32, contiguous.
+    x [N, h, d_s] fp32 coordinates, S = 1 + Delta [h, d_s, kappa, r] fp32, both contiguous.
     """
-    N, H = idx.shape[:2]
+    N, H = x.shape[:2]
     M = np.empty((N, H, S.shape[3]), dtype=np.float32)
-    bad = _forward(idx, w, S.reshape(-1, S.shape[3]), S.shape[2], M)
+    bad = _forward(x, S.reshape(-1, S.shape[3]), S.shape[2], M)
     return M, bad
 
 
-def backward(idx: np.ndarray, w: np.ndarray, S: np.ndarray, gm: np.ndarray):
-    """(dL/dw [N, h, d_s, 3], dL/dS [h, d_s, kappa, r]) from gm = dL/dM * M [N, h, r]."""
+def backward(x: np.ndarray, S: np.ndarray, gm: np.ndarray):
+    """(dL/dx [N, h, d_s], dL/dS [h, d_s, kappa, r]) from gm = dL/dM * M [N, h, r]."""
     threads = numba.get_num_threads()
-    grad_w = np.empty(w.shape, dtype=np.float32)
+    grad_x = np.empty(x.shape, dtype=np.float32)
     r = S.shape[3]
     blocks = np.zeros((threads, S.size // r, r), dtype=np.float32)
-    _backward(idx, w, S.reshape(-1, r), S.shape[2], gm, grad_w, blocks)
-    return grad_w, blocks.sum(axis=0).reshape(S.shape)
+    _backward(x, S.reshape(-1, r), S.shape[2], gm, grad_x, blocks)
+    return grad_x, blocks.sum(axis=0).reshape(S.shape)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,32 +165,24 @@ def backward(idx: np.ndarray, w: np.ndarray, S: np.ndarray, gm: np.ndarray):
 
 import torch  # noqa: E402
 
-from megatron_lev.lev.functional import _sparse_weights  # noqa: E402
-
 
 class _FusedProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, delta, m, idx, w, s, num_knots):
-        ctx.save_for_backward(x, m, idx, w, s)
-        ctx.num_knots = num_knots
-        ctx.delta_dtype = delta.dtype
+    def forward(ctx, x, delta, m, xf, s):
+        ctx.save_for_backward(m, xf, s)
+        ctx.dtypes = (x.dtype, delta.dtype)
         return m
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_m):
-        x, m, idx, w, s = ctx.saved_tensors
+        m, xf, s = ctx.saved_tensors
         gm = (grad_m.float() * m).contiguous()
-        grad_w, grad_s = backward(idx.numpy(), w.numpy(), s.numpy(), gm.numpy())
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            x_req = x.detach().float().requires_grad_(True)
-            with torch.enable_grad():
-                _, weights = _sparse_weights(x_req, ctx.num_knots)
-            (grad_x,) = torch.autograd.grad(weights, x_req, torch.from_numpy(grad_w))
-            grad_x = grad_x.to(x.dtype)
-        grad_delta = torch.from_numpy(grad_s).to(ctx.delta_dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_delta, None, None, None, None, None
+        grad_x, grad_s = backward(xf.numpy(), s.numpy(), gm.numpy())
+        x_dtype, delta_dtype = ctx.dtypes
+        grad_x = torch.from_numpy(grad_x).to(x_dtype) if ctx.needs_input_grad[0] else None
+        grad_delta = torch.from_numpy(grad_s).to(delta_dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_delta, None, None, None
 
 
 def fused_separable_product(x, delta, num_knots, *, fallback):
@@ -169,10 +190,10 @@ def fused_separable_product(x, delta, num_knots, *, fallback):
     computes it in the eager log form when the fused forward flags a product out of range."""
     with torch.no_grad():
         xf = x.detach().float().contiguous()
-        idx, w = _sparse_weights(xf, num_knots)
-        idx, w = idx.contiguous(), w.contiguous()
         s = (delta.detach().float() + 1.0).contiguous()
-        m, bad = forward(idx.numpy(), w.numpy(), s.numpy())
+        if s.shape[2] != num_knots:
+            raise ValueError(f"fused product: delta has {s.shape[2]} knots, expected {num_knots}")
+        m, bad = forward(xf.numpy(), s.numpy())
     if bad.any():
         return fallback(x, delta)
-    return _FusedProduct.apply(x, delta, torch.from_numpy(m), idx, w, s, int(num_knots))
+    return _FusedProduct.apply(x, delta, torch.from_numpy(m), xf, s)

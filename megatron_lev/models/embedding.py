@@ -62,12 +62,6 @@ class InputArmEmbedding(MegatronModule):
             reduce_scatter_embeddings=self.reduce_scatter_embeddings,
             tp_group=self.tp_group,
         )
-        offset = getattr(self.arm, "offset", None)
-        if isinstance(offset, torch.nn.Parameter) and not self.reduce_scatter_embeddings:
-            # The LEV offset is added to the full, reduced sequence here (positions are added before
-            # the scatter), so its gradient is already complete on every TP rank: it must not be
-            # summed again by finalize_model_grads as a sequence-parallel parameter.
-            offset.sequence_parallel = False
         if self.add_position_embedding:
             self.position_embeddings = torch.nn.Embedding(self.max_sequence_length, config.hidden_size)
             if config.perform_initialization:

@@ -93,8 +93,9 @@ class LEVParallelEmbedding(MegatronModule):
 
         for name in _HEAD_PARAMS:
             set_tensor_model_parallel_attributes(getattr(self.heads, name), True, 0, 1)
-        if config.sequence_parallel:
-            self.offset.sequence_parallel = True
+        # Only when this module reduce-scatters does each rank add c to its own sequence shard; a
+        # full-sequence output (scattered later by the caller) already gives every rank c's full grad.
+        self.offset.sequence_parallel = bool(config.sequence_parallel and reduce_scatter_embeddings)
 
         self.register_buffer("_seen", torch.zeros(self.vocab_size, dtype=torch.bool), persistent=False)
         self._table: Optional[torch.Tensor] = None

@@ -73,7 +73,8 @@ def test_layer_with_kernel_matches_dense_layer():
     ids = torch.randint(0, 300, (3, 7))
     for m in (a, b):
         m(ids).square().sum().backward()
-    torch.testing.assert_close(a.materialize(), b.materialize(), rtol=1e-5, atol=1e-7)
+    ta, tb = a.materialize(), b.materialize()
+    torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-5 * float(tb.abs().max()))
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         # fp32 rounding through the LayerNorm backward: compare relative to the gradient's scale.
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-5 * float(pb.grad.abs().max()),
