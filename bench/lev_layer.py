@@ -116,7 +116,12 @@ def _init_parallel(device: str):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
@@ -233,6 +238,28 @@ def main(argv=None) -> dict:
         results["modes"][mode] = entry
         del lev
 
+    # Memory scaling: extra peak of one unique-mode forward+backward at two numbers of distinct ids.
+    # A layer that held phi would grow by h*d_s*r*4 bytes per id (256 KiB at the defaults).
+    lev = LEVParallelEmbedding(config=tcfg, lev_config=LEVConfig(compute_mode="unique"), vocab_size=args.vocab,
+                               init_statistics=False).to(dev)
+    lc = lev.lev_config
+    scaling = {}
+    for n in (min(1024, args.vocab // 4), min(4096, args.vocab)):
+        uniq = torch.randperm(args.vocab, generator=torch.Generator().manual_seed(n))[:n].to(dev).view(1, n)
+        up = torch.randn(n, 1, args.hidden, device=dev, dtype=dtype)
+        for _ in range(2):  # the first call compiles/warms up; measure the second
+            lev.zero_grad(set_to_none=True)
+            with PeakMemory(args.device) as mem:
+                lev(uniq).backward(up)
+        scaling[n] = mem.mib
+    (n1, m1), (n2, m2) = sorted(scaling.items())
+    results["memory_scaling"] = {
+        "ids": [n1, n2], "peak_extra_mib": [m1, m2],
+        "kib_per_id": (m2 - m1) * 1024 / (n2 - n1),
+        "phi_kib_per_id": lc.num_heads * lc.seed_dim * lc.rank * 4 / 1024,
+    }
+    del lev
+
     # When does "table" beat "unique"? table costs F + m * g per step, unique m * u.
     if "table" in results["modes"] and "unique" in results["modes"]:
         tab, uni = results["modes"]["table"], results["modes"]["unique"]
@@ -254,6 +281,11 @@ def _report(r: dict) -> None:
     e = r["vocab_parallel_embedding"]
     print(f"  VocabParallelEmbedding fwd+bwd : {e['ms']:9.1f} ms   peak +{e['peak_extra_mib']:.0f} MiB")
     print(f"  tied GPT step ({r['tied_step']['layers']} layers) fwd+bwd: {r['tied_step']['ms']:9.1f} ms")
+    ms = r.get("memory_scaling")
+    if ms:
+        print(f"  memory: unique fwd+bwd peak +{ms['peak_extra_mib'][0]:.0f} MiB at {ms['ids'][0]} ids, "
+              f"+{ms['peak_extra_mib'][1]:.0f} MiB at {ms['ids'][1]} ids -> {ms['kib_per_id']:.1f} KiB per id "
+              f"(holding phi would take {ms['phi_kib_per_id']:.0f} KiB per id)")
     for mode, m in r["modes"].items():
         if mode == "table":
             print(f"  LEV table: per step begin {m['begin_ms']:.0f} ms + finish {m['finish_ms']:.0f} ms, "
