@@ -1,0 +1,103 @@
+"""Reshard a megatron-lev checkpoint to another tensor/pipeline-parallel layout.
+
+megatron-core's dist_checkpointing does the work: the model is built at the *target* layout on
+``tp x pp`` CPU ranks, the source checkpoint (any layout: its ``torch_dist`` shards are pieces of
+global tensors) is loaded into it, and it is saved with the training checkpointer
+(``megatron_lev.training.checkpointing.save_checkpoint``), so the result has the structure of a
+training checkpoint: ``iter_XXXXXXX/`` with the model shards, the iteration, consumed samples and
+counters, the LR-scheduler state, fresh RNG states and ``config.yaml`` with the new layout; the
+tracker file is written last. Every input arm is handled the same way (the LEV heads are split over
+TP on dim 0, codebooks and offset replicated, as their sharded state dict says).
+
+Optimizer state is not converted (model-only conversion). To continue training from the result,
+run ``pretrain_lev.py --load DST`` at the new layout: the checkpoint has no optimizer, so the loader
+restores the weights, the iteration and the data position and starts Adam's moments afresh (as
+``--no-load-optim`` does). The converted ``config.yaml`` holds the new TP/PP and a
+``make_vocab_size_divisible_by`` that pads the tokenizer's vocabulary to the checkpoint's row count
+at the new TP; pass ``--config DST/iter_XXXXXXX/config.yaml`` (or that flag) when resuming.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+from .launch import run_ranks
+from .source import ConversionError, open_checkpoint
+from megatron_lev.training.checkpointing import TRACKER
+
+
+class _SchedulerState:
+    """Carries the source's LR-scheduler state into the new checkpoint unchanged."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def state_dict(self):
+        return self._state
+
+
+def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],
+                  progress: bool) -> Dict[str, Any]:
+    import torch
+
+    from megatron_lev.training import checkpointing
+
+    from .model_io import build_model, load_model_weights, namespace, set_seed
+
+    rank = torch.distributed.get_rank()
+
+    def log(msg: str) -> None:
+        if progress and rank == 0:
+            print(msg, flush=True)
+
+    set_seed(int(a.get("seed", 1234)))
+    chunks, _config, _mc = build_model(a)
+    log(f"  loading {src_path} at TP={a['tensor_model_parallel_size']} PP={a['pipeline_model_parallel_size']}")
+    load_model_weights(chunks, src_path)
+    args = namespace(dict(a, no_save_optim=False, no_save_rng=False, debug_kill_during_save=None))
+    if not hasattr(args, "dist_ckpt_optim_fully_reshardable"):
+        args.dist_ckpt_optim_fully_reshardable = False
+    sched = common.get("opt_param_scheduler")
+    checkpointing.save_checkpoint(
+        dst_root, iteration, chunks, None, _SchedulerState(sched) if sched is not None else None,
+        consumed_train_samples=int(common.get("consumed_train_samples", 0) or 0),
+        counters=dict(common.get("counters") or {}), config=a, args=args, log=log if progress else (lambda m: None))
+    n = sum(p.numel() for c in chunks for p in c.parameters())
+    return {"rank": rank, "params": int(n)}
+
+
+def reshard_checkpoint(src: str, dst: str, *, tp: int, pp: int = 1, vpp: Optional[int] = None,
+                       iteration: Optional[int] = None, progress: bool = True) -> str:
+    """Write the checkpoint at ``src`` (root or ``iter_*`` dir) to the root ``dst`` at layout
+    TP=``tp`` x PP=``pp`` (x ``vpp`` virtual stages); return the new ``iter_*`` directory."""
+    from .model_io import layout_args
+
+    source = open_checkpoint(src, iteration)
+    dst = os.path.abspath(os.path.expanduser(str(dst)))
+    if os.path.realpath(dst) == os.path.realpath(source.root):
+        raise ConversionError(f"{dst}: the target is the source checkpoint's directory; choose another --save")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise ConversionError(f"{dst}: exists and is not a directory")
+    if os.path.isfile(os.path.join(dst, TRACKER)):
+        raise ConversionError(f"{dst}: already holds a checkpoint ({TRACKER}); choose an empty --save directory")
+    a = layout_args(source.args, tp, pp, vpp)
+    num_layers = int(a["num_layers"])
+    stages = pp * (a["virtual_pipeline_model_parallel_size"] or 1)
+    if num_layers % stages != 0:
+        raise ConversionError(f"target layout: --num-layers {num_layers} is not divisible by "
+                              f"{stages} pipeline stages (--target-pp {pp}" + (f" x --target-vpp {vpp})" if vpp else ")"))
+    if progress:
+        lay = source.layout
+        print(f"resharding {source.path} (TP={lay['tp']} PP={lay['pp']}, iteration {source.iteration}) "
+              f"-> {dst} (TP={tp} PP={pp}{f' VPP={vpp}' if vpp else ''})", flush=True)
+    common = {k: source.common.get(k) for k in ("consumed_train_samples", "counters", "opt_param_scheduler")}
+    os.makedirs(dst, exist_ok=True)
+    run_ranks(_reshard_rank, tp=tp, pp=pp, vpp=a["virtual_pipeline_model_parallel_size"],
+              args=(source.path, dst, source.iteration, a, common, progress))
+    out = os.path.join(dst, f"iter_{source.iteration:07d}")
+    if progress:
+        print(f"done: {out} (model weights, iteration {source.iteration}; no optimizer state). Resume with "
+              f"pretrain_lev.py --load {dst} --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+              f"--make-vocab-size-divisible-by {a['make_vocab_size_divisible_by']} ...", flush=True)
+    return out
