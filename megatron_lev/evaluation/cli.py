@@ -1,0 +1,274 @@
+"""Command line of ``tools/evaluate.py`` (the library entry point is :func:`main`).
+
+Evaluate a checkpoint (at any TP/PP, under torchrun) or a Hugging Face directory::
+
+    torchrun --nproc-per-node 2 tools/evaluate.py --load runs/lev/ckpt --tensor-model-parallel-size 2 \\
+        --valid-data data/pile_val_text_document --token-counts data/pile_train_text_token_counts.npy \\
+        --zeroshot-data ../shared/data/corpus/zeroshot_wiki.jsonl.zst \\
+        --tasks all --downstream-dir ../shared/data/downstream --output-dir runs/lev/eval
+
+    python tools/evaluate.py --hf-model runs/lev/hf --valid-data val.jsonl.zst --output-dir runs/lev/eval_hf
+
+Compare result files (the first is the reference)::
+
+    python tools/evaluate.py --compare runs/tied/eval/results.json runs/lev/eval/results.json \\
+        --labels tied lev --output-dir runs/compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+EXIT_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(message)
+
+
+class UsageError(ValueError):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="evaluate.py", description="Perplexity, frequency-stratified perplexity, zero-shot "
+                "perplexity, LAMBADA and multiple-choice evaluation of a megatron-lev checkpoint or a HF model.",
+                allow_abbrev=False)
+    g = p.add_argument_group("model (one of)")
+    g.add_argument("--load", help="checkpoint directory of pretrain_lev.py (--save DIR)")
+    g.add_argument("--hf-model", help="Hugging Face causal-LM directory (e.g. an export)")
+    g.add_argument("--compare", nargs="+", metavar="RESULTS.json",
+                   help="compare result files instead of evaluating (the first is the reference)")
+    g.add_argument("--labels", nargs="+", help="names of the compared runs (default: input_embedding or file name)")
+
+    g = p.add_argument_group("layout and batching")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
+    g.add_argument("--num-microbatches", type=int, default=None, help="micro-batches per forward (default 2 x PP)")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
+    g.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None, help="HF model device (default cuda if available)")
+
+    g = p.add_argument_group("tokenizer (default: the checkpoint's)")
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+
+    g = p.add_argument_group("perplexity")
+    g.add_argument("--valid-data", nargs="*", default=[], metavar="[NAME=]PATH",
+                   help="indexed prefix (PATH.bin/.idx) or .jsonl(.gz/.zst) file(s); NAME defaults to 'valid'")
+    g.add_argument("--zeroshot-data", nargs="*", default=[], metavar="[NAME=]PATH",
+                   help="distribution-shifted text (e.g. zeroshot_wiki.jsonl.zst, WikiText-103); NAME 'zeroshot'")
+    g.add_argument("--json-key", default="text")
+    g.add_argument("--seq-length", type=int, default=None, help="window length (default: the model's)")
+    g.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: --seq-length)")
+    g.add_argument("--max-tokens", type=int, default=None, help="stop after about this many tokens per set")
+    g.add_argument("--max-documents", type=int, default=None, help="documents per set")
+    g.add_argument("--token-counts", default=None, help="training *_token_counts.npy for frequency buckets")
+    g.add_argument("--freq-edges", default=None, help="comma-separated relative-frequency edges "
+                   "(default the paper's 1e-7,1e-6,1e-5,1e-4)")
+
+    g = p.add_argument_group("downstream tasks")
+    g.add_argument("--tasks", default="", help="comma list of lambada,hellaswag,piqa,winogrande,arc_easy,"
+                   "arc_challenge, or 'all'")
+    g.add_argument("--downstream-dir", default=None, help="folder with the tasks' jsonl files (standard names)")
+    g.add_argument("--task-file", nargs="*", default=[], metavar="TASK=PATH", help="a task's file, overriding the folder")
+    g.add_argument("--limit", type=int, default=None, help="first N examples per task (quick runs)")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", required=False, help="results.json, results.md and PNGs go here")
+    g.add_argument("--label", default=None, help="name of this run in comparisons")
+    g.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _named(items: Sequence[str], default: str) -> List[Tuple[str, str]]:
+    out = []
+    for i, it in enumerate(items):
+        if "=" in it and not os.path.exists(it):
+            name, path = it.split("=", 1)
+        else:
+            name, path = (default if i == 0 else f"{default}{i + 1}"), it
+        out.append((name, path))
+    return out
+
+
+def task_files(args) -> Dict[str, str]:
+    from .tasks import ALL_TASKS, LAMBADA_FILE, MC_TASKS
+
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if names == ["all"]:
+        names = list(ALL_TASKS)
+    for t in names:
+        if t not in ALL_TASKS:
+            raise UsageError(f"--tasks: unknown task {t!r} (choose from {', '.join(ALL_TASKS)} or all)")
+    explicit = {}
+    for it in args.task_file:
+        if "=" not in it:
+            raise UsageError(f"--task-file {it!r}: expected TASK=PATH")
+        t, path = it.split("=", 1)
+        if t not in ALL_TASKS:
+            raise UsageError(f"--task-file: unknown task {t!r}")
+        explicit[t] = path
+        if t not in names:
+            names.append(t)
+    out = {}
+    for t in names:
+        if t in explicit:
+            out[t] = explicit[t]
+        elif args.downstream_dir:
+            out[t] = os.path.join(args.downstream_dir, LAMBADA_FILE if t == "lambada" else MC_TASKS[t][0])
+        else:
+            raise UsageError(f"task {t}: give --downstream-dir DIR or --task-file {t}=PATH")
+    return out
+
+
+def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print) -> Dict[str, Any]:
+    """Every requested evaluation; returns the result dictionary (see ``report``)."""
+    import numpy as np
+
+    from .perplexity import documents_from_path, evaluate_perplexity, load_token_counts, parse_edges, stratify
+    from .tasks import evaluate_lambada, evaluate_multiple_choice
+
+    progress = not args.no_progress
+    results: Dict[str, Any] = {"meta": meta, "perplexity": {}, "tasks": {}}
+    edges = parse_edges(args.freq_edges)
+    counts = load_token_counts(args.token_counts) if args.token_counts else None
+    sets = _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot")
+    if (sets or task_files(args)) and tokenizer is None:
+        raise UsageError("no tokenizer: give --tokenizer-type and its files")
+    for name, path in sets:
+        t0 = time.time()
+        docs = documents_from_path(path, tokenizer, key=args.json_key, limit=args.max_documents)
+        res = evaluate_perplexity(scorer, docs, eod=tokenizer.eod, name=name, source=os.path.abspath(path),
+                                  seq_length=args.seq_length, stride=args.stride, max_tokens=args.max_tokens,
+                                  progress=progress)
+        entry = res.to_dict()
+        if counts is not None:
+            entry["frequency_buckets"] = stratify(res.nll_by_id, res.count_by_id, counts, edges)
+            entry["token_counts"] = os.path.abspath(args.token_counts)
+            entry["freq_edges"] = list(edges)
+        entry["seconds"] = round(time.time() - t0, 2)
+        results["perplexity"][name] = entry
+        if scorer.is_main and args.output_dir:
+            os.makedirs(args.output_dir, exist_ok=True)
+            res.save_per_token(os.path.join(args.output_dir, f"{name}_per_token.npz"))
+        log(f"{name}: {res.tokens} tokens, NLL {res.nll:.4f}, PPL {res.ppl:.3f}"
+            + (f", bits/byte {res.bits_per_byte:.4f}" if res.bits_per_byte else ""))
+    for task, path in task_files(args).items():
+        t0 = time.time()
+        if task == "lambada":
+            r = evaluate_lambada(scorer, tokenizer, path, args.limit, progress)
+        else:
+            r = evaluate_multiple_choice(scorer, tokenizer, task, path, args.limit, progress)
+        r["seconds"] = round(time.time() - t0, 2)
+        results["tasks"][task] = r
+        log(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items()
+                                    if k in ("acc", "acc_norm", "ppl") and v is not None) + f" ({r['examples']} examples)")
+    _ = np
+    return results
+
+
+def _tokenizer_for_checkpoint(args, cfg):
+    from megatron_lev.tokenizer import build_tokenizer
+
+    ttype = args.tokenizer_type or cfg.get("tokenizer_type")
+    if ttype is None:
+        return None
+    kw = dict(vocab_file=args.vocab_file or cfg.get("vocab_file"), merge_file=args.merge_file or cfg.get("merge_file"),
+              tokenizer_model=args.tokenizer_model or cfg.get("tokenizer_model"), vocab_size=cfg.get("vocab_size"),
+              tiktoken_pattern=cfg.get("tiktoken_pattern", "o200k"))
+    try:
+        return build_tokenizer(ttype, **kw)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise UsageError(f"tokenizer {ttype}: {str(e).splitlines()[0]} (override with --tokenizer-type/--vocab-file/"
+                         "--merge-file/--tokenizer-model)") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    rank0 = os.environ.get("RANK", "0") == "0"
+
+    def log(msg: str) -> None:
+        if rank0:
+            print(msg, flush=True)
+
+    def fail(msg: str) -> int:
+        if rank0:
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+
+    try:
+        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as e:
+        return fail(str(e))
+    if args.compare:
+        from .report import write_comparison
+
+        if not args.output_dir:
+            return fail("--compare needs --output-dir")
+        try:
+            out = write_comparison(args.compare, args.output_dir, args.labels)
+        except ValueError as e:
+            return fail(str(e))
+        with open(out["markdown"], encoding="utf-8") as f:
+            log(f.read())
+        log(f"wrote {', '.join(out.values())}")
+        return 0
+    if bool(args.load) == bool(args.hf_model):
+        return fail("give exactly one of --load DIR, --hf-model DIR (or --compare FILES)")
+    if not args.output_dir:
+        return fail("--output-dir is required")
+
+    from .megatron_scorer import EvalSetupError
+    from .perplexity import DataFormatError
+    from .report import write_report
+
+    errors = (UsageError, EvalSetupError, DataFormatError, ValueError, FileNotFoundError)
+    meta: Dict[str, Any] = {"label": args.label, "command": " ".join(sys.argv if argv is None else ["evaluate.py", *argv]),
+                            "limit": args.limit, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    distributed = False
+    try:
+        task_files(args)  # check the task list before loading anything
+        if args.hf_model:
+            from .hf_scorer import HFScorer
+
+            scorer = HFScorer(args.hf_model, batch_size=args.micro_batch_size, device=args.device, dtype=args.hf_dtype,
+                              max_length=args.seq_length)
+            tokenizer = scorer.tokenizer() if args.tokenizer_type is None else _tokenizer_for_checkpoint(args, {})
+            meta.update(model=scorer.description, hf_model=os.path.abspath(args.hf_model))
+        else:
+            from .megatron_scorer import MegatronScorer, setup_distributed
+
+            distributed = True
+            tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+            setup_distributed(tp, pp, backend=args.distributed_backend)
+            scorer, margs, info = MegatronScorer.from_checkpoint(
+                args.load, tp=tp, pp=pp, micro_batch_size=args.micro_batch_size,
+                num_microbatches=args.num_microbatches, max_length=args.seq_length, log=log)
+            tokenizer = _tokenizer_for_checkpoint(args, info["config"])
+            import torch
+
+            meta.update(model=scorer.description, checkpoint=info["checkpoint"], iteration=info["iteration"],
+                        iteration_dir=info["iteration_dir"], config=info["config"], tp=tp, pp=pp,
+                        world_size=torch.distributed.get_world_size())
+        t0 = time.time()
+        results = run_evaluation(scorer, tokenizer, args, meta, log=log)
+        meta["seconds"] = round(time.time() - t0, 2)
+        if scorer.is_main:
+            paths = write_report(results, args.output_dir)
+            log(f"wrote {', '.join(paths.values())}")
+        return 0
+    except errors as e:
+        return fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    finally:
+        if distributed:
+            from .megatron_scorer import teardown_distributed
+
+            teardown_distributed()

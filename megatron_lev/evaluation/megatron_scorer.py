@@ -1,0 +1,330 @@
+"""A megatron-lev checkpoint as a :class:`~megatron_lev.evaluation.scorer.Scorer`, at any TP/PP.
+
+Loading: the checkpoint's ``config.yaml`` (the resolved training arguments saved beside every
+checkpoint) gives the model; the tensor/pipeline sizes of *this* run choose the layout and
+``dist_checkpointing`` reshards the weights (``training.checkpointing.load_checkpoint``, model only:
+no optimizer, no RNG). The padded vocabulary of the checkpoint is kept (padding it again for another
+TP size would change the output layer's shape); it must be divisible by the new TP size. Virtual
+pipeline stages, sequence parallelism and dropout are switched off for evaluation.
+
+Scoring: each batch is cut into micro-batches that run through megatron-core's
+``get_forward_backward_func`` with ``forward_only=True, collect_non_loss_data=True``; the last
+stage turns its vocab-parallel logits into per-token log-probs and argmax flags (reductions over the
+TP group, so nothing of size V is gathered), and broadcasts them over the pipeline group. With data
+parallelism (world size > TP x PP) the batches are shared out between data-parallel ranks and the
+results gathered, so every rank ends with every score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from datetime import timedelta
+from functools import partial
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .scorer import Scorer, TokenScores, logprobs_from_logits, progress_bar
+
+
+class EvalSetupError(RuntimeError):
+    """The checkpoint cannot be evaluated with the requested layout; one-line message."""
+
+
+# ------------------------------------------------------------------------------------------------
+# process groups
+
+
+def setup_distributed(tp: int = 1, pp: int = 1, backend: Optional[str] = None, timeout_minutes: int = 30) -> None:
+    """Initialise torch.distributed (from torchrun's environment, or as a single process) and
+    megatron's model-parallel groups, unless already done. Installs the CPU backend without CUDA."""
+    if not torch.cuda.is_available():
+        from megatron_lev import compat
+
+        compat.apply()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(minutes=timeout_minutes))
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise EvalSetupError(f"TP {tp} x PP {pp} = {tp * pp} does not divide the world size {world}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+        raise EvalSetupError(
+            f"model parallelism already initialised with TP={ps.get_tensor_model_parallel_world_size()} "
+            f"PP={ps.get_pipeline_model_parallel_world_size()}, not TP={tp} PP={pp}")
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def teardown_distributed() -> None:
+    try:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    except Exception:  # pragma: no cover
+        pass
+
+
+def is_main_process() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint -> arguments -> model
+
+
+def checkpoint_config(load_dir: str) -> Tuple[Dict[str, Any], int, str]:
+    """(saved config, iteration, iteration directory) of the newest checkpoint under ``load_dir``.
+
+    ``load_dir`` is the ``--save`` directory of training (with ``latest_checkpointed_iteration.txt``).
+    """
+    import yaml
+
+    from megatron_lev.training.checkpointing import CONFIG_NAME, CheckpointError, find_checkpoint
+
+    if not os.path.isdir(load_dir):
+        raise EvalSetupError(f"{load_dir}: no such checkpoint directory")
+    try:
+        found = find_checkpoint(load_dir)
+    except CheckpointError as e:
+        raise EvalSetupError(str(e)) from None
+    if found is None:
+        raise EvalSetupError(f"{load_dir}: no checkpoint (latest_checkpointed_iteration.txt missing)")
+    iteration, path = found
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(cfg_path):
+        raise EvalSetupError(f"{cfg_path}: missing (the model configuration saved with the checkpoint)")
+    with open(cfg_path, "r", encoding="utf-8") as f:
+        cfg = yaml.safe_load(f) or {}
+    return cfg, iteration, path
+
+
+def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1,
+              micro_batch_size: int = 4) -> argparse.Namespace:
+    """Training arguments of the checkpoint, re-laid-out for evaluation at TP x PP."""
+    from megatron_lev.training.arguments import build_parser
+
+    args = build_parser().parse_args([])
+    for k, v in cfg.items():
+        setattr(args, k, v)
+    name = lambda n: f"the checkpoint's {n}"  # noqa: E731
+    if args.num_layers % pp:
+        raise EvalSetupError(f"{name('num_layers')} {args.num_layers} is not divisible by PP {pp}")
+    if args.num_attention_heads % tp:
+        raise EvalSetupError(f"{name('num_attention_heads')} {args.num_attention_heads} is not divisible by TP {tp}")
+    if args.num_query_groups is not None and args.num_query_groups % tp:
+        raise EvalSetupError(f"{name('num_query_groups')} {args.num_query_groups} is not divisible by TP {tp}")
+    if args.input_embedding in ("lev", "factored_mlp") and args.lev_heads % tp:
+        raise EvalSetupError(f"{name('lev_heads')} {args.lev_heads} is not divisible by TP {tp}")
+    if args.padded_vocab_size % tp:
+        raise EvalSetupError(f"{name('padded_vocab_size')} {args.padded_vocab_size} is not divisible by TP {tp}")
+    args.tensor_model_parallel_size = tp
+    args.pipeline_model_parallel_size = pp
+    args.virtual_pipeline_model_parallel_size = None
+    args.num_layers_per_virtual_pipeline_stage = None
+    args.sequence_parallel = False
+    args.hidden_dropout = 0.0
+    args.attention_dropout = 0.0
+    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+    args.micro_batch_size = micro_batch_size
+    args.global_batch_size = micro_batch_size * args.data_parallel_size
+    args.num_microbatches = 1
+    if not torch.cuda.is_available():
+        args.fp8_format = None
+    # Model weights only.
+    args.no_load_optim = True
+    args.no_load_rng = True
+    args.finetune = False
+    args.exit_on_missing_checkpoint = True
+    return args
+
+
+def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 4, log=None):
+    """Build this rank's model chunk and load the newest checkpoint under ``load_dir`` into it.
+
+    Needs :func:`setup_distributed` (TP/PP groups) first. Returns ``(chunks, transformer_config, args,
+    info)`` with ``info`` = {checkpoint, iteration, iteration_dir, config}.
+    """
+    from megatron_lev.training import checkpointing
+    from megatron_lev.training.model_provider import build_configs, build_model_chunks
+
+    cfg, iteration, path = checkpoint_config(load_dir)
+    args = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
+    config, model_config = build_configs(args)
+    chunks = build_model_chunks(args, config, model_config)
+    if torch.cuda.is_available():
+        chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
+    if args.bf16 or args.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, c) for c in chunks]
+    quiet = (lambda *a, **k: None) if log is None else log
+    try:
+        checkpointing.load_checkpoint(load_dir, chunks, None, None, args, log=quiet)
+    except checkpointing.CheckpointError as e:
+        raise EvalSetupError(str(e)) from None
+    for c in chunks:
+        c.eval()
+    info = {"checkpoint": os.path.abspath(load_dir), "iteration": iteration, "iteration_dir": os.path.abspath(path),
+            "config": cfg}
+    return chunks, config, args, info
+
+
+# ------------------------------------------------------------------------------------------------
+# vocab-parallel log-probs
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Vocab-parallel logits [B, S, V/tp] -> (log p(target) [B, S], target == argmax [B, S]).
+
+    The argmax is torch's (first index among equal maxima) over the full vocabulary.
+    """
+    import torch.distributed as dist
+
+    if group is None:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(group)
+    logits = logits.float()
+    if tp == 1:
+        return logprobs_from_logits(logits, targets)
+    rank = dist.get_rank(group)
+    v_local = logits.size(-1)
+    start = rank * v_local
+    local_max, local_arg = logits.max(dim=-1)
+    gmax = local_max.clone()
+    dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+    sumexp = torch.exp(logits - gmax.unsqueeze(-1)).sum(dim=-1)
+    dist.all_reduce(sumexp, group=group)
+    in_range = (targets >= start) & (targets < start + v_local)
+    idx = (targets - start).clamp(0, v_local - 1)
+    tlogit = logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * in_range
+    dist.all_reduce(tlogit, group=group)
+    big = torch.iinfo(torch.long).max
+    cand = torch.where(local_max == gmax, local_arg + start, torch.full_like(local_arg, big))
+    dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)
+    return tlogit - gmax - torch.log(sumexp), cand == targets
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None)
+    return output, partial(_collect, batch["targets"])
+
+
+def _collect(targets, output_tensor, non_loss_data: bool = False):
+    lp, greedy = vocab_parallel_logprobs(output_tensor, targets)
+    return {"logprobs": lp.double(), "greedy": greedy}
+
+
+class MegatronScorer(Scorer):
+    """Scores with the loaded model chunk(s) of this rank; every rank must call :meth:`score` with the
+    same sequences (collective)."""
+
+    def __init__(self, chunks, config, *, max_length: int, vocab_size: int, micro_batch_size: int = 4,
+                 num_microbatches: Optional[int] = None, description: str = "megatron-lev") -> None:
+        from megatron.core import parallel_state as ps
+
+        self.model = list(chunks)
+        self.config = config
+        self.max_length = int(max_length)
+        self.vocab_size = int(vocab_size)
+        self.micro_batch_size = int(micro_batch_size)
+        pp = ps.get_pipeline_model_parallel_world_size()
+        self.num_microbatches = int(num_microbatches or (1 if pp == 1 else 2 * pp))
+        self.batch_size = self.micro_batch_size * self.num_microbatches
+        self.description = description
+        self.is_main = is_main_process()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    @classmethod
+    def from_checkpoint(cls, load_dir: str, *, tp: int = 1, pp: int = 1, micro_batch_size: int = 4,
+                        num_microbatches: Optional[int] = None, max_length: Optional[int] = None, log=None):
+        """Load ``load_dir`` (after :func:`setup_distributed`) and return ``(scorer, args, info)``."""
+        chunks, config, args, info = load_model(load_dir, tp, pp, micro_batch_size, log=log)
+        # Learned absolute positions cap the window at max_position_embeddings; RoPE models may be
+        # given a longer window than they were trained on.
+        limit = args.seq_length
+        if args.position_embedding_type == "learned_absolute":
+            limit = min(max_length or limit, args.max_position_embeddings)
+        elif max_length:
+            limit = max_length
+        scorer = cls(chunks, config, max_length=limit, vocab_size=args.padded_vocab_size,
+                     micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                     description=f"megatron-lev {info['checkpoint']} (iteration {info['iteration']}, TP={tp}, PP={pp})")
+        return scorer, args, info
+
+    def _score_batches(self, batches, progress) -> Iterable[List[TokenScores]]:
+        from megatron.core import parallel_state as ps
+
+        dp = ps.get_data_parallel_world_size()
+        rank = ps.get_data_parallel_rank()
+        mine = list(range(rank, len(batches), dp))
+        results = {}
+        for i in progress_bar(mine, progress, self.is_main):
+            results[i] = self._score_batch(batches[i])
+        if dp > 1:
+            gathered: List[Any] = [None] * dp
+            torch.distributed.all_gather_object(gathered, results, group=ps.get_data_parallel_group())
+            for part in gathered:
+                results.update(part)
+        for i in range(len(batches)):
+            yield results[i]
+
+    @torch.no_grad()
+    def _score_padded(self, tokens: torch.Tensor) -> Tuple[np.ndarray, np.ndarray]:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        b, length = tokens.shape
+        s = length - 1
+        mbs = min(self.micro_batch_size, b)
+        n_mb = -(-b // mbs)
+        padded = torch.zeros((n_mb * mbs, length), dtype=torch.long)
+        padded[:b] = tokens
+        padded = padded.to(self.device)
+        pos = torch.arange(s, device=self.device).unsqueeze(0).expand(mbs, s)
+        micro = [{"tokens": padded[j * mbs:(j + 1) * mbs, :-1].contiguous(), "position_ids": pos,
+                  "targets": padded[j * mbs:(j + 1) * mbs, 1:].contiguous()} for j in range(n_mb)]
+        out = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter(micro), model=self.model, num_microbatches=n_mb,
+            seq_length=s, micro_batch_size=mbs, decoder_seq_length=s, forward_only=True, collect_non_loss_data=True)
+        lp = torch.zeros((n_mb * mbs, s), dtype=torch.float64, device=self.device)
+        greedy = torch.zeros((n_mb * mbs, s), dtype=torch.uint8, device=self.device)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            lp = torch.cat([d["logprobs"] for d in out]).to(self.device)
+            greedy = torch.cat([d["greedy"] for d in out]).to(torch.uint8).to(self.device)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            src = ps.get_pipeline_model_parallel_last_rank()
+            group = ps.get_pipeline_model_parallel_group()
+            torch.distributed.broadcast(lp, src=src, group=group)
+            torch.distributed.broadcast(greedy, src=src, group=group)
+        return lp[:b].cpu().numpy(), greedy[:b].bool().cpu().numpy()
