@@ -74,7 +74,8 @@ def indexed_documents(prefix: str, tokenizer=None, limit: Optional[int] = None) 
 
 def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: Optional[int] = None,
                     append_eod: bool = True) -> Iterator[Tuple[np.ndarray, int]]:
-    """Documents of .jsonl / .jsonl.gz / .jsonl.zst files, tokenised on the fly (EOD appended).
+    """Documents of .jsonl / .jsonl.gz / .jsonl.zst files, tokenised on the fly (EOD appended; empty
+    texts skipped).
 
     A line that is not a JSON object with a string under ``key`` is a :class:`DataFormatError`
     naming the file and line (empty lines are skipped).
@@ -101,6 +102,8 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
             if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
                 raise DataFormatError(f"{path}:{lineno}: expected a JSON object with a string field {key!r}")
             text = obj[key]
+            if not text:
+                continue  # nothing to score (and no separator: as if the line were absent)
             ids = tokenizer.tokenize(text)
             if append_eod:
                 ids = list(ids) + [tokenizer.eod]
@@ -224,7 +227,7 @@ def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], 
     nll_sum = 0.0
     tokens = 0
     windows = iter_windows(docs, seq_length, stride, eod, max_tokens, stats)
-    bar = progress_bar(_chunks(windows, chunk_windows), f"{name}", scorer.is_main, unit="chunk")
+    bar = progress_bar(_chunks(windows, chunk_windows), name if progress else None, scorer.is_main, unit="chunk")
     for chunk in bar:
         scores = scorer.score([w for w, _ in chunk])
         for (w, skip), sc in zip(chunk, scores):
