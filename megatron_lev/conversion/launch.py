@@ -30,6 +30,9 @@ def _rank_main(rank, world, port, tp, pp, vpp, fn, args, out_q, timeout_s) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")
     result, error, expected = None, None, False
+    import warnings
+
+    warnings.filterwarnings("ignore")  # megatron-core's notes on missing fused kernels, deprecations
     try:
         import torch
         import torch.distributed as dist

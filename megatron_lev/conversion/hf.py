@@ -1,0 +1,479 @@
+"""Hugging Face export: a megatron-lev checkpoint as a ``LlamaForCausalLM`` directory.
+
+Only Llama-style models have a faithful equivalent: RMSNorm, SwiGLU, RoPE over the whole head
+(non-interleaved), no biases, no QK-norm. Anything else is refused with one line naming the setting
+(:func:`check_hf_compatible`).
+
+Weight map (megatron-core GPT state-dict names, local or Transformer Engine layer spec, at TP=1 ->
+HF Llama names); ``{i}`` is the layer index:
+
+====================================================================  ==============================================
+megatron-core                                                         Hugging Face Llama
+====================================================================  ==============================================
+embedding.word_embeddings.weight (tied, untied)                       model.embed_tokens.weight
+embedding.arm.* (albert, flat_mlp, factored_mlp, lev)                 model.embed_tokens.weight = materialised table
+decoder.layers.{i}.input_layernorm.weight                             model.layers.{i}.input_layernorm.weight
+  (TE: decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight)
+decoder.layers.{i}.self_attention.linear_qkv.weight                   model.layers.{i}.self_attn.{q,k,v}_proj.weight
+decoder.layers.{i}.self_attention.linear_proj.weight                  model.layers.{i}.self_attn.o_proj.weight
+decoder.layers.{i}.pre_mlp_layernorm.weight                           model.layers.{i}.post_attention_layernorm.weight
+  (TE: decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight)
+decoder.layers.{i}.mlp.linear_fc1.weight                              model.layers.{i}.mlp.{gate,up}_proj.weight
+decoder.layers.{i}.mlp.linear_fc2.weight                              model.layers.{i}.mlp.down_proj.weight
+decoder.final_layernorm.weight                                        model.norm.weight
+output_layer.weight (every arm but tied)                              lm_head.weight
+====================================================================  ==============================================
+
+- ``linear_qkv`` rows are grouped per query group: for each of the ``g`` groups, its ``n/g`` query
+  heads, then its key head, then its value head (``head_dim`` rows each). They are split into
+  ``q_proj`` [n*hd, D], ``k_proj`` [g*hd, D], ``v_proj`` [g*hd, D]. No permutation is needed for RoPE:
+  megatron's rotary embedding (``rotary_interleaved=False``) rotates the two halves of each head
+  (``rotate_half``), as HF Llama does.
+- ``linear_fc1`` is ``[gate; up]`` (megatron's SwiGLU: ``silu(x W_gate) * (x W_up)``).
+- ``tie_word_embeddings`` is true only for the ``tied`` arm (then ``lm_head`` is not written).
+- Vocabulary: by default the padded row count (Megatron's ``padded_vocab_size``) is kept in
+  ``config.json`` (``vocab_size``) and in both ``embed_tokens`` and ``lm_head``: the logits equal
+  megatron's; the extra ids are never produced by the tokenizer. ``trim_vocab=True`` keeps only the
+  tokenizer's ids in both matrices (and ``vocab_size`` is the tokenizer's).
+
+Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (or
+``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` above ``max_shard_size``),
+tokenizer files when the checkpoint's tokenizer is known and its files exist, and for the ``lev``
+arm a ``lev/`` folder (:mod:`megatron_lev.conversion.lev_export`). Tensors are produced one at a time
+from the loaded TP=1 model and written shard by shard (peak: the model plus one shard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from .source import ConversionError, open_checkpoint
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+
+# megatron-core name (layer index as {i}) -> HF Llama name; None = split below.
+WEIGHT_MAP: Dict[str, Optional[str]] = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
+    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight": "model.layers.{i}.input_layernorm.weight",
+    "decoder.layers.{i}.self_attention.linear_qkv.weight": None,
+    "decoder.layers.{i}.self_attention.linear_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "decoder.layers.{i}.pre_mlp_layernorm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "decoder.layers.{i}.mlp.linear_fc1.weight": None,
+    "decoder.layers.{i}.mlp.linear_fc2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def parse_size(size) -> int:
+    """Bytes from an int or a string like "5GB", "500MB", "2GiB"."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ConversionError(f"--max-shard-size {size!r}: expected a size like 5GB or 500MB")
+    unit = (m.group(2) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+# ---------------------------------------------------------------------------------------- checks
+
+
+def check_hf_compatible(a: Dict[str, Any]) -> None:
+    """Raise ConversionError (one line naming the setting) when the saved model has no faithful
+    ``LlamaForCausalLM`` equivalent."""
+    def refuse(setting: str, why: str) -> None:
+        raise ConversionError(f"cannot export to Hugging Face Llama: {setting} ({why})")
+
+    if a.get("normalization", "LayerNorm") != "RMSNorm":
+        refuse(f"--normalization {a.get('normalization', 'LayerNorm')}", "Llama uses RMSNorm; train with --normalization RMSNorm")
+    if not a.get("swiglu", False):
+        refuse("GeLU MLP (--swiglu not set)", "Llama's MLP is SwiGLU")
+    if not a.get("disable_bias_linear", False):
+        refuse("linear-layer biases (--disable-bias-linear not set)", "Llama has no biases")
+    if a.get("position_embedding_type", "learned_absolute") != "rope":
+        refuse(f"--position-embedding-type {a.get('position_embedding_type', 'learned_absolute')}",
+               "Llama uses RoPE")
+    if float(a.get("rotary_percent", 1.0)) != 1.0:
+        refuse(f"--rotary-percent {a.get('rotary_percent')}", "Llama rotates every channel of a head")
+    for key, why in (("qk_layernorm", "Llama has no QK norm"), ("rotary_interleaved", "Llama rotates halves"),
+                     ("apply_layernorm_1p", "zero-centred norm weights"), ("add_qkv_bias", "Llama has no biases"),
+                     ("rope_scaling", "rope scaling"), ("num_experts", "mixture of experts")):
+        if a.get(key):
+            refuse(f"--{key.replace('_', '-')}", why)
+    if a.get("input_embedding") not in ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev"):
+        refuse(f"--input-embedding {a.get('input_embedding')}", "unknown input arm")
+
+
+def head_layout(a: Dict[str, Any]) -> Tuple[int, int, int]:
+    """(num_heads, num_query_groups, head_dim)."""
+    n = int(a["num_attention_heads"])
+    g = int(a.get("num_query_groups") or n)
+    hd = int(a.get("kv_channels") or (int(a["hidden_size"]) // n))
+    return n, g, hd
+
+
+# ------------------------------------------------------------------------------------ tensor map
+
+
+def split_qkv(w, n: int, g: int, hd: int):
+    """megatron's fused ``linear_qkv`` [g*(n/g+2)*hd, D] -> (q [n*hd, D], k [g*hd, D], v [g*hd, D])."""
+    per = n // g
+    d_in = w.shape[-1]
+    if w.shape[0] != g * (per + 2) * hd:
+        raise ConversionError(f"linear_qkv has {w.shape[0]} rows; expected {g}*({per}+2)*{hd} "
+                              "(num_query_groups / kv_channels in the config do not match the weights)")
+    w = w.reshape(g, per + 2, hd, d_in)
+    q = w[:, :per].reshape(n * hd, d_in)
+    k = w[:, per].reshape(g * hd, d_in)
+    v = w[:, per + 1].reshape(g * hd, d_in)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def split_fc1(w):
+    """megatron's SwiGLU ``linear_fc1`` [2F, D] = [gate; up] -> (gate, up)."""
+    f = w.shape[0] // 2
+    return w[:f].contiguous(), w[f:].contiguous()
+
+
+def hf_tensors(state_dict: Dict[str, Any], a: Dict[str, Any], input_table=None, vocab_rows: Optional[int] = None,
+               tied: bool = False) -> Iterator[Tuple[str, Any]]:
+    """(HF name, tensor) pairs for a TP=1 megatron-core state dict, in HF order.
+
+    ``input_table``: the dense [V, D] input table (materialised arm); when None, the state dict's
+    ``embedding.word_embeddings.weight`` is used. ``vocab_rows``: keep this many vocabulary rows.
+    ``tied``: write no ``lm_head`` (HF ties it to ``embed_tokens``)."""
+    n, g, hd = head_layout(a)
+    used = set()
+
+    def take(key):
+        used.add(key)
+        return state_dict[key].detach()
+
+    def rows(t):
+        return t[:vocab_rows] if vocab_rows is not None else t
+
+    if input_table is None:
+        if "embedding.word_embeddings.weight" not in state_dict:
+            raise ConversionError("the model has neither a word-embedding table nor a materialised input arm")
+        input_table = take("embedding.word_embeddings.weight")
+    else:
+        used.update(k for k in state_dict if k.startswith("embedding."))
+    yield "model.embed_tokens.weight", rows(input_table)
+    layers = sorted({int(m.group(1)) for k in state_dict for m in [_LAYER.match(k)] if m})
+    for i in layers:
+        p = f"decoder.layers.{i}."
+        h = f"model.layers.{i}."
+        ln1 = p + "input_layernorm.weight"
+        if ln1 not in state_dict:
+            ln1 = p + "self_attention.linear_qkv.layer_norm_weight"
+        yield h + "input_layernorm.weight", take(ln1)
+        q, k, v = split_qkv(take(p + "self_attention.linear_qkv.weight"), n, g, hd)
+        yield h + "self_attn.q_proj.weight", q
+        yield h + "self_attn.k_proj.weight", k
+        yield h + "self_attn.v_proj.weight", v
+        yield h + "self_attn.o_proj.weight", take(p + "self_attention.linear_proj.weight")
+        ln2 = p + "pre_mlp_layernorm.weight"
+        if ln2 not in state_dict:
+            ln2 = p + "mlp.linear_fc1.layer_norm_weight"
+        yield h + "post_attention_layernorm.weight", take(ln2)
+        gate, up = split_fc1(take(p + "mlp.linear_fc1.weight"))
+        yield h + "mlp.gate_proj.weight", gate
+        yield h + "mlp.up_proj.weight", up
+        yield h + "mlp.down_proj.weight", take(p + "mlp.linear_fc2.weight")
+    yield "model.norm.weight", take("decoder.final_layernorm.weight")
+    if not tied:
+        yield "lm_head.weight", rows(take("output_layer.weight"))
+    else:
+        used.add("output_layer.weight")
+    left = [k for k in state_dict if k not in used and not k.endswith("_extra_state")
+            and state_dict[k] is not None and getattr(state_dict[k], "numel", lambda: 0)() > 0]
+    if left:
+        raise ConversionError(f"cannot export to Hugging Face Llama: megatron parameter {left[0]} has no Llama "
+                              "equivalent")
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors into safetensors shards of at most ``max_shard_size`` bytes as they come.
+
+    One shard -> ``model.safetensors``; several -> ``model-0000i-of-0000n.safetensors`` and
+    ``model.safetensors.index.json`` (HF's layout)."""
+
+    def __init__(self, out_dir: str, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, dtype=None) -> None:
+        self.out_dir = out_dir
+        self.max = int(max_shard_size)
+        self.dtype = dtype
+        self._buf: Dict[str, Any] = {}
+        self._buf_bytes = 0
+        self._shards: List[Tuple[str, List[str]]] = []
+        self.total_size = 0
+
+    def add(self, name: str, tensor) -> None:
+        if self.dtype is not None:
+            tensor = tensor.to(self.dtype)
+        tensor = tensor.detach().contiguous().clone()  # own storage: no views of the model's parameters
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buf and self._buf_bytes + nbytes > self.max:
+            self._flush()
+        self._buf[name] = tensor
+        self._buf_bytes += nbytes
+        self.total_size += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = os.path.join(self.out_dir, f".shard-{len(self._shards):05d}.safetensors")
+        save_file(self._buf, tmp, metadata={"format": "pt"})
+        self._shards.append((tmp, list(self._buf)))
+        self._buf, self._buf_bytes = {}, 0
+
+    def close(self) -> List[str]:
+        if self._buf or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        if n == 1:
+            final = os.path.join(self.out_dir, "model.safetensors")
+            os.replace(self._shards[0][0], final)
+            return [final]
+        weight_map, files = {}, []
+        for i, (tmp, names) in enumerate(self._shards):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, os.path.join(self.out_dir, name))
+            files.append(os.path.join(self.out_dir, name))
+            weight_map.update({k: name for k in names})
+        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": self.total_size}, "weight_map": weight_map}, f, indent=2,
+                      sort_keys=True)
+        return files
+
+
+# ------------------------------------------------------------------------------ config/tokenizer
+
+
+def tokenizer_info(a: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Vocabulary size and special ids of the checkpoint's tokenizer (None when it cannot be built)."""
+    t = a.get("tokenizer_type")
+    if not t:
+        return None
+    try:
+        from megatron_lev.tokenizer import build_tokenizer
+
+        tok = build_tokenizer(t, vocab_file=a.get("vocab_file"), merge_file=a.get("merge_file"),
+                              tokenizer_model=a.get("tokenizer_model"), vocab_size=a.get("vocab_size"),
+                              tiktoken_pattern=a.get("tiktoken_pattern", "o200k"))
+    except Exception:
+        return None
+    bos = getattr(tok, "bos", None)
+    return {"type": t, "vocab_size": int(tok.vocab_size), "eod": int(tok.eod),
+            "bos": int(bos) if isinstance(bos, int) and bos >= 0 else None}
+
+
+def export_tokenizer(a: Dict[str, Any], out_dir: str, log=print) -> List[str]:
+    """Write the checkpoint's tokenizer in HF form (or copy its files); return the written names."""
+    t = a.get("tokenizer_type")
+    before = set(os.listdir(out_dir))
+    if t in (None, "NullTokenizer"):
+        return []
+    try:
+        if t == "GPT2BPETokenizer":
+            from transformers import GPT2TokenizerFast
+
+            special = dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+            tok = GPT2TokenizerFast(vocab=a["vocab_file"], merges=a["merge_file"], **special)
+            if len(tok) < 1000:  # transformers < 5 names the files vocab_file / merges_file
+                tok = GPT2TokenizerFast(vocab_file=a["vocab_file"], merges_file=a["merge_file"], **special)
+            tok.save_pretrained(out_dir)
+        elif t == "HuggingFaceTokenizer":
+            path = a["tokenizer_model"]
+            if os.path.isdir(path):
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(path).save_pretrained(out_dir)
+            else:
+                from transformers import PreTrainedTokenizerFast
+
+                PreTrainedTokenizerFast(tokenizer_file=path).save_pretrained(out_dir)
+        elif t in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+            shutil.copy(a["tokenizer_model"], os.path.join(out_dir, "tokenizer.model"))
+            try:
+                from transformers import LlamaTokenizer
+
+                LlamaTokenizer(vocab_file=a["tokenizer_model"], add_bos_token=False,
+                               legacy=False).save_pretrained(out_dir)
+            except Exception as e:  # keep the raw model file
+                log(f"WARNING: SentencePiece model copied as tokenizer.model but not converted ({e})")
+        else:  # TikTokenizer: no HF class reads its file
+            shutil.copy(a["tokenizer_model"], out_dir)
+            log(f"WARNING: --tokenizer-type {t}: its file was copied; transformers cannot load it directly")
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        log(f"WARNING: tokenizer not exported ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return sorted(set(os.listdir(out_dir)) - before)
+
+
+def llama_config(a: Dict[str, Any], vocab_size: int, dtype: str, tok: Optional[Dict[str, Any]]):
+    from transformers import LlamaConfig
+
+    n, g, hd = head_layout(a)
+    eos = tok["eod"] if tok else None
+    bos = (tok["bos"] if tok and tok["bos"] is not None else eos)
+    cfg = LlamaConfig(
+        vocab_size=int(vocab_size), hidden_size=int(a["hidden_size"]), intermediate_size=int(a["ffn_hidden_size"]),
+        num_hidden_layers=int(a["num_layers"]), num_attention_heads=n, num_key_value_heads=g, head_dim=hd,
+        hidden_act="silu", max_position_embeddings=int(a.get("max_position_embeddings") or a.get("seq_length")),
+        initializer_range=float(a.get("init_method_std", 0.02)), rms_norm_eps=float(a.get("norm_epsilon", 1e-5)),
+        rope_theta=float(a.get("rotary_base", 10000)), tie_word_embeddings=a["input_embedding"] == "tied",
+        attention_bias=False, mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
+        architectures=["LlamaForCausalLM"],
+    )
+    if hasattr(cfg, "dtype"):
+        cfg.dtype = dtype
+    else:  # transformers < 5
+        cfg.torch_dtype = dtype
+    return cfg
+
+
+# ------------------------------------------------------------------------------------- the run
+
+
+def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+
+    from megatron_lev.models import materialize_input_embedding
+
+    from .model_io import build_model, load_model_weights
+
+    progress = opts["progress"]
+    log = print if progress else (lambda m: None)
+    chunks, _config, model_config = build_model(a)
+    model = chunks[0]
+    log(f"  loading {src_path}")
+    load_model_weights(chunks, src_path)
+    arm = a["input_embedding"]
+    dtype = getattr(torch, opts["dtype"])
+    table = None
+    if arm not in ("tied", "untied"):
+        log(f"  materialising the {arm} input layer over {a['padded_vocab_size']} ids")
+        table = materialize_input_embedding(model)
+    state = model.state_dict()
+    vocab_rows = opts.get("vocab_rows")
+    total = 2 + 9 * int(a["num_layers"]) + (0 if arm == "tied" else 1)
+    writer = ShardedSafetensorsWriter(out_dir, opts["max_shard_size"], dtype=dtype)
+    try:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="writing safetensors", unit="tensor", disable=not progress)
+    except ImportError:  # pragma: no cover
+        bar = None
+    for name, tensor in hf_tensors(state, a, input_table=table, vocab_rows=vocab_rows, tied=arm == "tied"):
+        writer.add(name, tensor)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    files = writer.close()
+    result: Dict[str, Any] = {"files": [os.path.basename(f) for f in files], "total_size": writer.total_size}
+    if arm == "lev" and opts.get("lev", True):
+        from .lev_export import write_lev
+
+        write_lev(model, a, os.path.join(out_dir, "lev"), table=table)
+        result["lev"] = True
+    ids = opts.get("reference_ids")
+    if ids is not None:
+        result["logits"] = megatron_logits(model, torch.as_tensor(ids)).numpy()
+    return result
+
+
+def megatron_logits(model, ids):
+    """Logits [b, s, V] of a TP=1, PP=1 model for token ids [b, s] (fp32, eval mode, no mask: causal)."""
+    import torch
+
+    ids = ids.long()
+    if ids.dim() == 1:
+        ids = ids[None]
+    pos = torch.arange(ids.shape[1], dtype=torch.long).unsqueeze(0).expand_as(ids)
+    model.eval()
+    with torch.no_grad():
+        out = model(ids, pos, None)
+    return out.float().cpu()
+
+
+def resolve_dtype(dtype: Optional[str], a: Dict[str, Any]) -> str:
+    name = dtype if dtype is not None else a.get("params_dtype_name", "float32")
+    if name not in _DTYPES:
+        raise ConversionError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype: Optional[str] = None,
+              max_shard_size=DEFAULT_MAX_SHARD_SIZE, trim_vocab: bool = False, tokenizer: bool = True,
+              lev: bool = True, overwrite: bool = False, progress: bool = True,
+              reference_ids=None) -> Dict[str, Any]:
+    """Export the checkpoint at ``src`` as a ``LlamaForCausalLM`` directory ``out_dir``.
+
+    ``dtype``: float32/bfloat16/float16 (default: the training dtype). ``trim_vocab``: keep only the
+    tokenizer's ids (default: keep the padded vocabulary). ``tokenizer``: write the tokenizer files
+    when the checkpoint names a tokenizer whose files exist. ``lev``: for the lev arm, also write
+    ``out_dir/lev`` (the LEV parameters and config). ``reference_ids`` ([b, s] ints): also return the
+    megatron model's logits for them (``result["logits"]``, numpy) to check the export.
+    Returns a summary dict (files, sizes, vocab size, tokenizer files)."""
+    from .launch import run_ranks
+    from .model_io import layout_args
+
+    source = open_checkpoint(src, iteration)
+    a = source.args
+    check_hf_compatible(a)
+    dt = resolve_dtype(dtype, a)
+    shard = parse_size(max_shard_size)
+    out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConversionError(f"{out_dir}: exists and is not a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ConversionError(f"{out_dir}: not empty; choose an empty --save directory (or --overwrite)")
+    tok = tokenizer_info(a)
+    padded = int(a["padded_vocab_size"])
+    vocab_rows = None
+    if trim_vocab:
+        if tok is None:
+            raise ConversionError("--trim-vocab needs the checkpoint's tokenizer (its files were not found)")
+        if tok["vocab_size"] > padded:
+            raise ConversionError(f"tokenizer has {tok['vocab_size']} ids but the model only {padded} rows")
+        vocab_rows = tok["vocab_size"]
+    os.makedirs(out_dir, exist_ok=True)
+    if overwrite:
+        for name in os.listdir(out_dir):
+            if name.startswith("model") and name.endswith((".safetensors", ".json")):
+                os.remove(os.path.join(out_dir, name))
+    if progress:
+        print(f"exporting {source.path} ({a['input_embedding']}, iteration {source.iteration}) -> {out_dir} "
+              f"as LlamaForCausalLM ({dt})", flush=True)
+    a1 = dict(layout_args(a, 1, 1), _iteration=source.iteration)
+    opts = {"dtype": dt, "max_shard_size": shard, "vocab_rows": vocab_rows, "progress": progress, "lev": lev,
+            "reference_ids": None if reference_ids is None else [list(map(int, r)) for r in reference_ids]}
+    result = run_ranks(_export_rank, tp=1, pp=1, args=(source.path, out_dir, a1, opts))[0]
+    vocab = vocab_rows if vocab_rows is not None else padded
+    llama_config(a, vocab, dt, tok).save_pretrained(out_dir)
+    from transformers import GenerationConfig
+
+    eos = tok["eod"] if tok else None
+    bos = tok["bos"] if tok and tok["bos"] is not None else eos
+    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out_dir)
+    result["tokenizer_files"] = export_tokenizer(a, out_dir, log=print if progress else (lambda m: None)) \
+        if tokenizer else []
+    result.update(vocab_size=vocab, padded_vocab_size=padded, dtype=dt, out_dir=out_dir,
+                  tokenizer_vocab_size=tok["vocab_size"] if tok else None)
+    if progress:
+        print(f"done: {out_dir} ({len(result['files'])} safetensors file(s), {result['total_size'] / 2**20:.1f} MiB, "
+              f"vocab {vocab}{' (padded)' if vocab_rows is None and tok and tok['vocab_size'] != vocab else ''})",
+              flush=True)
+    return result
