@@ -165,7 +165,11 @@ def _build_optimizer(args, model):
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
     )
-    optimizer = get_megatron_optimizer(opt_config, model)
+    from megatron_lev.parallel.weight_decay import weight_decay_overrides
+
+    # Megatron's rule (no decay on 1-D params and biases) plus LEV's: decay Delta, A, W and the
+    # codebooks; never its LayerNorm parameters, biases or the offset.
+    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=weight_decay_overrides(opt_config))
     gbs = args.global_batch_size
     decay_steps = args.lr_decay_iters * gbs
     warmup_steps = (int(args.lr_warmup_fraction * decay_steps) if args.lr_warmup_fraction is not None
