@@ -130,10 +130,29 @@ def task_files(args) -> Dict[str, str]:
     return out
 
 
-def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print) -> Dict[str, Any]:
-    """Every requested evaluation; returns the result dictionary (see ``report``)."""
-    import numpy as np
+def check_inputs(args) -> Dict[str, Any]:
+    """Read every task file and check the data paths before any model is loaded, so a malformed
+    file fails fast with one line naming the file and line. Returns the parsed task examples."""
+    from .perplexity import DataFormatError, is_indexed_prefix
+    from .tasks import load_lambada, load_mc_examples
 
+    from megatron_lev.data.jsonl import expand_inputs
+
+    for _, path in _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot"):
+        if not is_indexed_prefix(path):
+            try:
+                expand_inputs([p for p in path.split(",") if p])
+            except FileNotFoundError:
+                raise DataFormatError(f"{path}: neither an indexed prefix ({path}.bin/.idx) nor a jsonl file") from None
+    if args.token_counts and not os.path.isfile(args.token_counts):
+        raise DataFormatError(f"--token-counts {args.token_counts}: no such file")
+    return {t: (load_lambada(p, args.limit) if t == "lambada" else load_mc_examples(t, p, args.limit))
+            for t, p in task_files(args).items()}
+
+
+def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
+                   examples: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Every requested evaluation; returns the result dictionary (see ``report``)."""
     from .perplexity import documents_from_path, evaluate_perplexity, load_token_counts, parse_edges, stratify
     from .tasks import evaluate_lambada, evaluate_multiple_choice
 
@@ -162,17 +181,18 @@ def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print) -> 
             res.save_per_token(os.path.join(args.output_dir, f"{name}_per_token.npz"))
         log(f"{name}: {res.tokens} tokens, NLL {res.nll:.4f}, PPL {res.ppl:.3f}"
             + (f", bits/byte {res.bits_per_byte:.4f}" if res.bits_per_byte else ""))
+    examples = examples or {}
     for task, path in task_files(args).items():
         t0 = time.time()
         if task == "lambada":
-            r = evaluate_lambada(scorer, tokenizer, path, args.limit, progress)
+            r = evaluate_lambada(scorer, tokenizer, path, args.limit, progress, requests=examples.get(task))
         else:
-            r = evaluate_multiple_choice(scorer, tokenizer, task, path, args.limit, progress)
+            r = evaluate_multiple_choice(scorer, tokenizer, task, path, args.limit, progress,
+                                         examples=examples.get(task))
         r["seconds"] = round(time.time() - t0, 2)
         results["tasks"][task] = r
         log(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items()
                                     if k in ("acc", "acc_norm", "ppl") and v is not None) + f" ({r['examples']} examples)")
-    _ = np
     return results
 
 
@@ -235,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "limit": args.limit, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     distributed = False
     try:
-        task_files(args)  # check the task list before loading anything
+        examples = check_inputs(args)  # before loading anything
         if args.hf_model:
             from .hf_scorer import HFScorer
 
@@ -259,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         iteration_dir=info["iteration_dir"], config=info["config"], tp=tp, pp=pp,
                         world_size=torch.distributed.get_world_size())
         t0 = time.time()
-        results = run_evaluation(scorer, tokenizer, args, meta, log=log)
+        results = run_evaluation(scorer, tokenizer, args, meta, log=log, examples=examples)
         meta["seconds"] = round(time.time() - t0, 2)
         if scorer.is_main:
             paths = write_report(results, args.output_dir)

@@ -230,8 +230,8 @@ def loglikelihood(scorer: Scorer, tokenizer, requests: Sequence[Tuple[str, str]]
 
 
 def evaluate_lambada(scorer: Scorer, tokenizer, path: str, limit: Optional[int] = None,
-                     progress: bool = True) -> Dict[str, Any]:
-    reqs = load_lambada(path, limit)
+                     progress: bool = True, requests: Optional[List[Tuple[str, str]]] = None) -> Dict[str, Any]:
+    reqs = requests if requests is not None else load_lambada(path, limit)
     res = loglikelihood(scorer, tokenizer, reqs, progress="lambada" if progress else None)
     lls = np.array([r[0] for r in res])
     acc = np.array([r[1] for r in res], dtype=np.float64)

@@ -98,5 +98,10 @@ def hf_tiny_dir(gpt2_files, tmp_path_factory):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=128, vocab_size=50257))
     model.save_pretrained(out)
-    GPT2TokenizerFast(vocab_file=gpt2_files["vocab"], merges_file=gpt2_files["merges"]).save_pretrained(out)
+    try:  # transformers >= 5
+        tok = GPT2TokenizerFast(vocab=gpt2_files["vocab"], merges=gpt2_files["merges"])
+    except TypeError:
+        tok = GPT2TokenizerFast(vocab_file=gpt2_files["vocab"], merges_file=gpt2_files["merges"])
+    assert tok.encode("Hello world") == [15496, 995]
+    tok.save_pretrained(out)
     return str(out)
