@@ -76,7 +76,7 @@ train() {  # $1 = arm
   "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" pretrain_lev.py "${COMMON[@]}" \
     --input-embedding "$arm" --save "$dir/ckpt" --load "$dir/ckpt" --quiet-config \
     --tensorboard-dir "$dir/tensorboard" --metrics-file "$dir/metrics.jsonl" 2>"$dir/stderr.log" \
-    | tee "$dir/train.log" | grep -E "^ \[|validation loss|parameters|^  (input side|total)|successfully" || true
+    | tee "$dir/train.log" | grep --line-buffered -E "^ \[|validation loss|parameters|^  (input side|total)|successfully" || true
   if ! tail -n 20 "$dir/train.log" | grep -q "validation loss at iteration $TRAIN_ITERS on validation set"; then
     echo "$arm: training failed; see $dir/stderr.log" >&2; tail -n 20 "$dir/stderr.log" >&2; exit 1
   fi

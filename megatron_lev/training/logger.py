@@ -107,7 +107,7 @@ class TrainingLogger:
         s += f" iteration {iteration:8d}/{train_iters:8d} |"
         s += f" consumed samples: {consumed_samples:12d} |"
         s += f" elapsed time per iteration (ms): {ms_per_iter:.1f} |"
-        s += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_device:.1f} |"
+        s += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_device:.3f} |"
         s += f" learning rate: {lr:.6E} |"
         s += f" global batch size: {global_batch_size:5d} |"
         for k, v in losses.items():

@@ -541,6 +541,7 @@ def _run(args, tokenizer, config, model_config) -> int:
                     "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
                 }, consumed_samples=state.consumed_train_samples)
                 interval_start, interval_iters, interval_losses = time.time(), 0, []
+            t_side = time.time()  # evaluation and checkpointing are kept out of the per-iteration time
             if args.eval_interval and state.iteration % args.eval_interval == 0 and state.iteration < args.train_iters:
                 run_eval(f"iteration {state.iteration}", state.iteration)
             stop = False
@@ -558,10 +559,9 @@ def _run(args, tokenizer, config, model_config) -> int:
             if args.save and (stop or (args.save_interval and state.iteration % args.save_interval == 0)):
                 save(state.iteration)
                 last_saved = state.iteration
+            interval_start += time.time() - t_side
             if stop:
                 break
-        else:
-            pass
         if exit_code == 0 and not args.skip_train and state.iteration >= args.train_iters:
             run_eval(f"iteration {state.iteration} on validation set", state.iteration)
             if args.save and last_saved != state.iteration:
