@@ -1,0 +1,166 @@
+"""Evaluation of a tiny trained megatron-lev checkpoint: the scorer's perplexity equals exp(mean NLL)
+of the model's own per-token loss; tools/evaluate.py gives the same numbers at TP=1 (one process),
+PP=2 (two gloo ranks) and TP=2 (torchrun); result files, tables and plots are written; the same
+evaluation on the Hugging Face export agrees (when the exporter is available).
+
+Launches are grouped: one training run (session fixture), one 1-rank and one 2-rank
+``run_distributed`` call, one torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from megatron_lev.testing import run_distributed
+from tests.evaluation.conftest import REPO, torchrun
+
+EOD = 50256
+pytestmark = pytest.mark.slow  # a training run and four evaluation launches
+
+
+def eval_flags(tiny, shared_data, out_dir):
+    return ["--load", tiny["dir"], "--valid-data", tiny["prefix"], "--max-tokens", "1200",
+            "--zeroshot-data", str(shared_data / "corpus" / "zeroshot_wiki.jsonl.zst"), "--max-documents", "4",
+            "--stride", "48", "--token-counts", tiny["counts"], "--tasks", "all",
+            "--downstream-dir", str(shared_data / "downstream"), "--limit", "4", "--micro-batch-size", "4",
+            "--output-dir", str(out_dir), "--no-progress"]
+
+
+def _rank_direct_and_cli(tiny, flags):
+    """TP=1: scorer vs the model's per-token loss; then the CLI in this process."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_lev.evaluation import evaluate_perplexity
+    from megatron_lev.evaluation.cli import main
+    from megatron_lev.evaluation.megatron_scorer import MegatronScorer
+
+    scorer, args, info = MegatronScorer.from_checkpoint(tiny["dir"], micro_batch_size=3)
+    model = scorer.model[0]
+    ds = IndexedDataset(tiny["prefix"], multimodal=False, mmap=True)
+    docs = [np.asarray(ds[i][:n], dtype=np.int64) for i, n in zip(range(4), (40, 70, 5, 33))]
+    stream = np.concatenate([[EOD]] + docs)
+    seq = args.seq_length
+    losses = []
+    with torch.no_grad():
+        for s in range(0, len(stream) - 1, seq):
+            w = torch.as_tensor(stream[s:s + seq + 1])[None]
+            pos = torch.arange(w.shape[1] - 1)[None]
+            losses.append(model(w[:, :-1], pos, None, labels=w[:, 1:])[0].double())
+    direct = torch.cat(losses)
+    res = evaluate_perplexity(scorer, iter([(d, 0) for d in docs]), eod=EOD, progress=False)
+    # independent per-sequence check of the batched scorer (padding, sorting)
+    seqs = [stream[:20], stream[5:70], stream[:2]]
+    got = scorer.score(seqs)
+    per_seq = []
+    with torch.no_grad():
+        for s in seqs:
+            t = torch.as_tensor(s)[None]
+            per_seq.append(model(t[:, :-1], torch.arange(len(s) - 1)[None], None, labels=t[:, 1:])[0].double().numpy())
+    rc = main(flags)
+    return {"direct_nll": direct.numpy(), "tokens": res.tokens, "nll": res.nll, "ppl": res.ppl,
+            "scored": [-g.logprobs for g in got], "per_seq": per_seq, "rc": rc}
+
+
+def _rank_cli(flags):
+    from megatron_lev.evaluation.cli import main
+
+    return main(flags)
+
+
+def _load(out_dir):
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def _assert_same(a, b, rel=2e-5):
+    for name in a["perplexity"]:
+        pa, pb = a["perplexity"][name], b["perplexity"][name]
+        assert pa["tokens"] == pb["tokens"] and pa["bytes"] == pb["bytes"], name
+        assert pb["nll"] == pytest.approx(pa["nll"], rel=rel), name
+        for x, y in zip(pa["frequency_buckets"], pb["frequency_buckets"]):
+            assert x["tokens"] == y["tokens"]
+            if x["tokens"]:
+                assert y["nll"] == pytest.approx(x["nll"], rel=rel)
+    for task in a["tasks"]:
+        for m in ("acc", "acc_norm", "ppl"):
+            if a["tasks"][task].get(m) is not None:
+                assert b["tasks"][task][m] == pytest.approx(a["tasks"][task][m], rel=1e-4), (task, m)
+
+
+@pytest.fixture(scope="module")
+def tp1_run(tiny_ckpt, shared_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_tp1")
+    r = run_distributed(_rank_direct_and_cli, 1, args=(tiny_ckpt, eval_flags(tiny_ckpt, shared_data, out)))[0]
+    return r, out
+
+
+def test_perplexity_equals_exp_mean_nll_of_the_model_loss(tp1_run):
+    r, _ = tp1_run
+    d = r["direct_nll"]
+    assert r["tokens"] == len(d) == 40 + 70 + 5 + 33
+    assert r["nll"] == pytest.approx(float(d.mean()), rel=1e-6)
+    assert r["ppl"] == pytest.approx(math.exp(float(d.mean())), rel=1e-6)
+    for got, ref in zip(r["scored"], r["per_seq"]):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_results_files_and_buckets(tp1_run, tiny_ckpt):
+    r, out = tp1_run
+    assert r["rc"] == 0
+    res = _load(out)
+    meta = res["meta"]
+    assert meta["checkpoint"] == tiny_ckpt["dir"] and meta["iteration"] == 6 and meta["tp"] == 1
+    assert meta["config"]["input_embedding"] == "lev"
+    for name in ("valid", "zeroshot"):
+        p = res["perplexity"][name]
+        assert p["tokens"] > 0 and p["ppl"] == pytest.approx(math.exp(p["nll"]))
+        assert p["bits_per_byte"] == pytest.approx(p["nll"] * p["tokens"] / math.log(2) / p["bytes"])
+        b = p["frequency_buckets"]
+        assert len(b) == 5 and sum(x["tokens"] for x in b) == p["tokens"]  # the buckets partition the tokens
+        assert sum(x["nll"] * x["tokens"] for x in b if x["tokens"]) == pytest.approx(p["nll"] * p["tokens"])
+        per = np.load(out / f"{name}_per_token.npz")
+        assert per["count_by_id"].sum() == p["tokens"]
+    assert res["perplexity"]["valid"]["stride"] == 48 and res["perplexity"]["valid"]["seq_length"] == 64
+    assert set(res["tasks"]) == {"lambada", "hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge"}
+    assert all(t["examples"] == 4 for t in res["tasks"].values())
+    for f in ("results.md", "freq_ppl.png", "tasks.png"):
+        assert (out / f).stat().st_size > 100
+    md = (out / "results.md").read_text()
+    assert "| valid |" in md and "| hellaswag | 4 |" in md and "≥ 1e-4" in md
+
+
+def test_tp2_and_pp2_equal_tp1(tp1_run, tiny_ckpt, shared_data, tmp_path):
+    _, out1 = tp1_run
+    ref = _load(out1)
+    out_pp = tmp_path / "pp2"
+    rcs = run_distributed(_rank_cli, 2, pp=2, args=(eval_flags(tiny_ckpt, shared_data, out_pp)
+                                                    + ["--pipeline-model-parallel-size", "2"],))
+    assert rcs == [0, 0]
+    _assert_same(ref, _load(out_pp))
+    out_tp = tmp_path / "tp2"
+    r = torchrun(2, REPO / "tools" / "evaluate.py", eval_flags(tiny_ckpt, shared_data, out_tp)
+                 + ["--tensor-model-parallel-size", "2"])
+    assert r.stdout.count("valid:") == 1  # rank 0 prints
+    tp2 = _load(out_tp)
+    assert tp2["meta"]["tp"] == 2 and tp2["meta"]["world_size"] == 2
+    _assert_same(ref, tp2)
+
+
+def test_hf_export_gives_the_same_numbers(tp1_run, tiny_ckpt, shared_data, tmp_path):
+    hf = pytest.importorskip("megatron_lev.conversion.hf")
+    from megatron_lev.evaluation.cli import main
+
+    _, out1 = tp1_run
+    ref = _load(out1)
+    export = tmp_path / "hf"
+    hf.export_hf(tiny_ckpt["dir"], str(export), progress=False)
+    out = tmp_path / "eval_hf"
+    flags = eval_flags(tiny_ckpt, shared_data, out)
+    i = flags.index("--load")
+    flags[i:i + 2] = ["--hf-model", str(export), "--device", "cpu"]
+    assert main(flags) == 0
+    _assert_same(ref, _load(out), rel=1e-4)
