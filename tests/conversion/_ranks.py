@@ -1,0 +1,59 @@
+"""Rank-side helpers of the conversion tests (module level: run_distributed spawns fresh processes).
+
+``checkpoint_logits`` builds each checkpoint's model at the layout of the launch, loads it and
+returns the full-vocabulary logits for the given ids: the first pipeline stage sends its hidden
+states to the second by point-to-point messages, the last stage's vocab-parallel logits are
+gathered over TP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _forward(chunks, ids: torch.Tensor):
+    from megatron.core import parallel_state as ps
+
+    model = chunks[0]
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    with torch.no_grad():
+        if pp == 1:
+            out = model(ids, pos, None)
+        elif ps.is_pipeline_first_stage(ignore_virtual=True):
+            hidden = model(ids, pos, None)
+            torch.distributed.send(hidden.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            return None
+        else:
+            b, s = ids.shape
+            hidden = torch.empty(s, b, model.config.hidden_size)
+            torch.distributed.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+            out = model(ids, pos, None)
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            parts = [torch.empty_like(out) for _ in range(tp)]
+            torch.distributed.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+            out = torch.cat(parts, dim=-1)
+    return out.float()
+
+
+def checkpoint_logits(checkpoints, ids):
+    """{path: logits [b, s, V]} on the rank that holds them (TP rank 0 of the last stage), else {}."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lev.conversion.model_io import build_model, layout_args, load_model_weights
+    from megatron_lev.conversion.source import open_checkpoint
+
+    ids = torch.as_tensor(ids).long()
+    out = {}
+    for path in checkpoints:
+        src = open_checkpoint(path)
+        a = layout_args(src.args, ps.get_tensor_model_parallel_world_size(),
+                        ps.get_pipeline_model_parallel_world_size())
+        chunks, _c, _m = build_model(a)
+        load_model_weights(chunks, src.path)
+        logits = _forward(chunks, ids)
+        if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
+            out[path] = logits
+    return out

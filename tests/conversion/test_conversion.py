@@ -1,0 +1,319 @@
+"""Checkpoint conversion end to end on CPU ranks.
+
+Tiny Llama-style models (2 layers, hidden 64, GQA with 2 query groups, GPT-2 vocabulary, mock data)
+of the tied (TP=2 x PP=2), untied (TP=2) and lev (TP=2) arms are trained for two iterations with
+pretrain_lev.py, resharded to TP=1 (and the tied one back to TP=2 x PP=2), exported to Hugging Face
+and reloaded with transformers. Checks: the TP=1 model's logits equal the source's (1e-5, fp32); the
+round trip is exact; HF logits on real text equal megatron's (1e-4), ``generate()`` runs; the LEV
+parameters reload into the pure-torch LEVEmbedding; pretrain_lev.py resumes from a converted
+checkpoint; bad inputs give one-line errors. Each launch costs several seconds of imports, so the
+launches are shared (session fixtures) and independent ones run side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN = str(REPO / "pretrain_lev.py")
+CONVERT = str(REPO / "tools" / "convert_checkpoint.py")
+ARMS = ("tied", "untied", "lev")
+LAYOUT = {"tied": (2, 2), "untied": (2, 1), "lev": (2, 1)}  # (TP, PP) of the training run
+GPT2_VOCAB = 50257
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_args(tok_dir: Path):
+    return [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "1e-3", "--mock-data", "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", str(tok_dir / "vocab.json"), "--merge-file", str(tok_dir / "merges.txt"),
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--eval-interval", "100",
+        "--eval-iters", "0", "--quiet-config", "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2",
+        "--lev-knots", "8", "--lev-init-sample-size", "4096",
+    ]
+
+
+def _launch(nproc, args, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(_free_port()), PRETRAIN] + args
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            cwd=str(REPO))
+
+
+def _wait(proc, timeout=600):
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-5000:]}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def runs(shared_data, tmp_path_factory):
+    """Source checkpoints (2 iterations) of every arm, trained side by side; then TP=1 conversions."""
+    from megatron_lev.conversion import reshard_checkpoint
+
+    root = tmp_path_factory.mktemp("conversion")
+    tok = shared_data / "tokenizers" / "gpt2"
+    procs = {}
+    for arm in ARMS:
+        tp, pp = LAYOUT[arm]
+        procs[arm] = _launch(tp * pp, _model_args(tok) + [
+            "--input-embedding", arm, "--train-iters", "2", "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--save", str(root / f"{arm}_src")])
+    for arm in ARMS:
+        _wait(procs[arm])
+
+    def convert(arm):
+        reshard_checkpoint(root / f"{arm}_src", root / f"{arm}_tp1", tp=1, pp=1, progress=False)
+        if arm == "tied":  # and back to the training layout
+            reshard_checkpoint(root / "tied_tp1", root / "tied_back", tp=2, pp=2, progress=False)
+
+    with ThreadPoolExecutor(len(ARMS)) as ex:
+        list(ex.map(convert, ARMS))
+    return {"root": root, "tok": tok}
+
+
+@pytest.fixture(scope="session")
+def text_ids(shared_data):
+    """Two 24-token windows of real text (valid.jsonl.zst) in the GPT-2 vocabulary."""
+    from megatron_lev.data.jsonl import iter_json_docs
+    from megatron_lev.tokenizer import build_tokenizer
+
+    tok_dir = shared_data / "tokenizers" / "gpt2"
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tok_dir / "vocab.json"),
+                          merge_file=str(tok_dir / "merges.txt"))
+    rows = []
+    for doc in iter_json_docs([str(shared_data / "corpus" / "valid.jsonl.zst")]):
+        ids = tok.tokenize(doc)
+        if len(ids) >= 24:
+            rows.append(ids[:24])
+        if len(rows) == 2:
+            break
+    return torch.tensor(rows)
+
+
+@pytest.fixture(scope="session")
+def evaluated(runs, text_ids):
+    """Logits of the sources at their layouts (and the round trip), and HF exports of the TP=1 models
+    (the exporter also returns the TP=1 megatron model's logits on the same ids)."""
+    from megatron_lev.conversion import export_hf
+    from megatron_lev.testing import run_distributed
+
+    from . import _ranks
+
+    root = runs["root"]
+    ids = text_ids.tolist()
+
+    def src_tied():
+        res = run_distributed(_ranks.checkpoint_logits, 4, tp=2, pp=2,
+                              args=([str(root / "tied_src"), str(root / "tied_back")], ids))
+        return {k: v for r in res for k, v in r.items()}
+
+    def src_tp2():
+        res = run_distributed(_ranks.checkpoint_logits, 2, tp=2,
+                              args=([str(root / "untied_src"), str(root / "lev_src")], ids))
+        return {k: v for r in res for k, v in r.items()}
+
+    def export(arm):
+        kw = {"trim_vocab": True, "max_shard_size": "5MB"} if arm == "untied" else {}
+        return export_hf(root / f"{arm}_tp1", root / f"{arm}_hf", reference_ids=ids, progress=False, **kw)
+
+    with ThreadPoolExecutor(5) as ex:
+        futs = [ex.submit(src_tied), ex.submit(src_tp2)] + [ex.submit(export, arm) for arm in ARMS]
+        results = [f.result() for f in futs]
+    source = {**results[0], **results[1]}
+    return {"source": source, "hf": dict(zip(ARMS, results[2:]))}
+
+
+# ---------------------------------------------------------------------------------------------- resharding
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_tp1_conversion_matches_source_logits(runs, evaluated, arm):
+    root = runs["root"]
+    src = evaluated["source"][str(root / f"{arm}_src")]
+    tp1 = torch.from_numpy(evaluated["hf"][arm]["logits"])
+    assert src.shape == (2, 24, 50432) and tp1.shape == src.shape
+    torch.testing.assert_close(tp1, src, atol=1e-5, rtol=0)
+    # The converted checkpoint is a training checkpoint at the new layout.
+    ck = root / f"{arm}_tp1"
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    import yaml
+
+    cfg = yaml.safe_load((ck / "iter_0000002" / "config.yaml").read_text())
+    assert cfg["tensor_model_parallel_size"] == 1 and cfg["pipeline_model_parallel_size"] == 1
+    assert cfg["padded_vocab_size"] == 50432 and cfg["make_vocab_size_divisible_by"] == 128 * LAYOUT[arm][0]
+    from megatron_lev.tokenizer import padded_vocab_size
+
+    assert padded_vocab_size(GPT2_VOCAB, cfg["make_vocab_size_divisible_by"], 1) == 50432
+
+
+def test_round_trip_back_to_tp2_pp2_is_exact(runs, evaluated):
+    root = runs["root"]
+    back = evaluated["source"][str(root / "tied_back")]
+    assert torch.equal(back, evaluated["source"][str(root / "tied_src")])
+    from megatron_lev.conversion import open_checkpoint
+
+    c = open_checkpoint(root / "tied_back")
+    assert c.layout == {"tp": 2, "pp": 2, "world_size": 4} and c.iteration == 2
+    assert c.common["consumed_train_samples"] == 8
+
+
+def test_training_resumes_from_converted_checkpoint(runs, tmp_path):
+    """pretrain_lev.py --load on the TP=1 lev checkpoint (its config.yaml as --config) continues at
+    iteration 3 without optimizer state."""
+    root = runs["root"]
+    cfg = root / "lev_tp1" / "iter_0000002" / "config.yaml"
+    r = subprocess.run([sys.executable, PRETRAIN, "--config", str(cfg), "--load", str(root / "lev_tp1"),
+                        "--save", str(tmp_path / "resumed"), "--train-iters", "3", "--metrics-file",
+                        str(tmp_path / "m.jsonl")], capture_output=True, text=True, env=_env(), timeout=600,
+                       cwd=str(REPO))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "successfully loaded checkpoint from" in r.stdout and "at iteration 2" in r.stdout
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    its = [x["iteration"] for x in rows if x["kind"] == "train"]
+    assert its == [3]
+    assert (tmp_path / "resumed" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+# ---------------------------------------------------------------------------------------------- HF export
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_hf_export_matches_megatron_and_generates(runs, evaluated, text_ids, arm):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = runs["root"] / f"{arm}_hf"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["tie_word_embeddings"] is (arm == "tied")
+    assert cfg["num_key_value_heads"] == 2 and cfg["head_dim"] == 16
+    assert (out / "generation_config.json").is_file() and (out / "tokenizer.json").is_file()
+    if arm == "untied":  # trimmed to the tokenizer, sharded with an index
+        assert cfg["vocab_size"] == GPT2_VOCAB
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" in index["weight_map"]
+    else:
+        assert cfg["vocab_size"] == 50432 and (out / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        hf = model(text_ids).logits
+    ref = torch.from_numpy(evaluated["hf"][arm]["logits"])[..., : cfg["vocab_size"]]
+    torch.testing.assert_close(hf, ref, atol=1e-4, rtol=0)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    prompt = tok("The quick brown fox", return_tensors="pt")
+    assert prompt.input_ids.tolist() == [[464, 2068, 7586, 21831]]
+    gen = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert gen.shape == (1, 8)
+
+
+def test_lev_parameters_reload_into_pure_layer(runs):
+    from safetensors.torch import load_file
+
+    from megatron_lev.conversion import load_lev_embedding
+    from megatron_lev.lev import LEVEmbedding
+
+    out = runs["root"] / "lev_hf"
+    emb = load_lev_embedding(str(out / "lev"))
+    assert isinstance(emb, LEVEmbedding) and emb.config.num_heads == 2 and emb.vocab_size == 50432
+    table = load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"]
+    torch.testing.assert_close(emb.materialize(), table, atol=1e-5, rtol=0)
+    assert (out / "lev" / "lev_embedding.safetensors").stat().st_size < 100_000
+
+
+def test_qkv_and_fc1_split_follow_megatron_grouping():
+    from megatron_lev.conversion import split_fc1, split_qkv
+
+    n, g, hd, d = 6, 2, 3, 5
+    q = torch.randn(n * hd, d)
+    k = torch.randn(g * hd, d)
+    v = torch.randn(g * hd, d)
+    per = n // g
+    fused = torch.cat([torch.cat([q.view(g, per * hd, d)[i], k.view(g, hd, d)[i], v.view(g, hd, d)[i]])
+                       for i in range(g)])
+    q2, k2, v2 = split_qkv(fused, n, g, hd)
+    assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(v2, v)
+    gate, up = split_fc1(torch.cat([torch.ones(4, d), torch.zeros(4, d)]))
+    assert torch.equal(gate, torch.ones(4, d)) and torch.equal(up, torch.zeros(4, d))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ({"normalization": "LayerNorm"}, "--normalization LayerNorm"),
+    ({"swiglu": False}, "--swiglu not set"),
+    ({"disable_bias_linear": False}, "--disable-bias-linear not set"),
+    ({"position_embedding_type": "learned_absolute"}, "--position-embedding-type learned_absolute"),
+    ({"rotary_percent": 0.5}, "--rotary-percent 0.5"),
+])
+def test_hf_export_refuses_non_llama_settings(setting, expected):
+    from megatron_lev.conversion import ConversionError, check_hf_compatible
+
+    ok = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
+          "position_embedding_type": "rope", "rotary_percent": 1.0, "input_embedding": "lev"}
+    check_hf_compatible(ok)
+    with pytest.raises(ConversionError) as e:
+        check_hf_compatible({**ok, **setting})
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_inputs_give_one_line_errors(runs, tmp_path):
+    from megatron_lev.conversion import ConversionError, export_hf, export_lev, reshard_checkpoint
+
+    root = runs["root"]
+
+    def err(fn, *a, **kw):
+        with pytest.raises(ConversionError) as e:
+            fn(*a, progress=False, **kw)
+        msg = str(e.value)
+        assert "\n" not in msg
+        return msg
+
+    assert "no such checkpoint directory" in err(reshard_checkpoint, tmp_path / "nope", tmp_path / "o", tp=1)
+    # No tracker file: the iter_ directories are listed in the message.
+    bare = tmp_path / "bare"
+    shutil.copytree(root / "lev_tp1" / "iter_0000002", bare / "iter_0000002")
+    msg = err(export_hf, bare, tmp_path / "hf")
+    assert "latest_checkpointed_iteration.txt" in msg and "iter_0000002" in msg and "--iteration" in msg
+    # A config.yaml that does not describe the checkpoint beside it.
+    cfg = bare / "iter_0000002" / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("num_layers: 2", "num_layers: 4"))
+    assert "num_layers" in err(export_hf, bare / "iter_0000002", tmp_path / "hf")
+    assert "num_layers" in err(export_hf, bare, tmp_path / "hf", iteration=2)
+    # Impossible target layouts; occupied output; wrong arm for the LEV export.
+    assert "--target-tp 3" in err(reshard_checkpoint, root / "lev_tp1", tmp_path / "o3", tp=3)
+    assert "already holds a checkpoint" in err(reshard_checkpoint, root / "lev_src", root / "lev_tp1", tp=1)
+    assert "not lev" in err(export_lev, root / "tied_tp1", tmp_path / "lev")
+    # The CLI prints the same single line and exits 2.
+    r = subprocess.run([sys.executable, CONVERT, "export-hf", "--load", str(tmp_path / "nope"), "--save",
+                        str(tmp_path / "hf")], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "no such checkpoint directory" in lines[0]
