@@ -49,6 +49,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .source import ConversionError, open_checkpoint
@@ -71,6 +72,7 @@ WEIGHT_MAP: Dict[str, Optional[str]] = {
     "decoder.final_layernorm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
 }
+_HF_LOCK = threading.Lock()
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -440,7 +442,8 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
         raise ConversionError(f"{out_dir}: exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConversionError(f"{out_dir}: not empty; choose an empty --save directory (or --overwrite)")
-    tok = tokenizer_info(a)
+    with _HF_LOCK:
+        tok = tokenizer_info(a)
     padded = int(a["padded_vocab_size"])
     vocab_rows = None
     if trim_vocab:
@@ -462,14 +465,15 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
             "reference_ids": None if reference_ids is None else [list(map(int, r)) for r in reference_ids]}
     result = run_ranks(_export_rank, tp=1, pp=1, args=(source.path, out_dir, a1, opts))[0]
     vocab = vocab_rows if vocab_rows is not None else padded
-    llama_config(a, vocab, dt, tok).save_pretrained(out_dir)
-    from transformers import GenerationConfig
+    with _HF_LOCK:  # transformers' lazy imports are not thread-safe (exports may run side by side)
+        llama_config(a, vocab, dt, tok).save_pretrained(out_dir)
+        from transformers import GenerationConfig
 
-    eos = tok["eod"] if tok else None
-    bos = tok["bos"] if tok and tok["bos"] is not None else eos
-    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out_dir)
-    result["tokenizer_files"] = export_tokenizer(a, out_dir, log=print if progress else (lambda m: None)) \
-        if tokenizer else []
+        eos = tok["eod"] if tok else None
+        bos = tok["bos"] if tok and tok["bos"] is not None else eos
+        GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out_dir)
+        result["tokenizer_files"] = export_tokenizer(a, out_dir, log=print if progress else (lambda m: None)) \
+            if tokenizer else []
     result.update(vocab_size=vocab, padded_vocab_size=padded, dtype=dt, out_dir=out_dir,
                   tokenizer_vocab_size=tok["vocab_size"] if tok else None)
     if progress:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -20,15 +20,8 @@ from typing import Any, Callable, List, Optional, Sequence
 from .source import ConversionError
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, port, tp, pp, vpp, fn, args, out_q, timeout_s) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")
+def _rank_main(rank, world, store_file, tp, pp, vpp, fn, args, out_q, timeout_s) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")
     result, error, expected = None, None, False
     import warnings
 
@@ -43,7 +36,9 @@ def _rank_main(rank, world, port, tp, pp, vpp, fn, args, out_q, timeout_s) -> No
         compat.apply()
         from megatron.core import parallel_state
 
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        # A file store: no TCP port to pick (and lose to a concurrent job) between choosing and binding.
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp)
@@ -74,8 +69,10 @@ def run_ranks(fn: Callable, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = No
     world = tp * pp
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, tp, pp, vpp, fn, tuple(args), out_q,
+    fd, store_file = tempfile.mkstemp(prefix="megatron_lev_convert_", suffix=".store")
+    os.close(fd)
+    os.remove(store_file)  # the file store creates it
+    procs = [ctx.Process(target=_rank_main, args=(r, world, store_file, tp, pp, vpp, fn, tuple(args), out_q,
                                                   collective_timeout)) for r in range(world)]
     for p in procs:
         p.start()
@@ -110,6 +107,8 @@ def run_ranks(fn: Callable, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = No
             if p.is_alive():
                 p.kill()
                 p.join()
+        if os.path.exists(store_file):
+            os.remove(store_file)
     if errors:
         expected = [msg for msg, exp in errors.values() if exp]
         if expected:

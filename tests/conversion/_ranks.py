@@ -57,3 +57,21 @@ def checkpoint_logits(checkpoints, ids):
         if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
             out[path] = logits
     return out
+
+
+def logits_at_layouts(plan, ids):
+    """``checkpoint_logits`` for each ``(tp, pp, [paths])`` of ``plan`` in turn, re-creating megatron's
+    parallel groups between layouts (a launch costs seconds of imports; a re-initialisation does not).
+    Ranks outside data-parallel rank 0 compute but return nothing."""
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for i, (tp, pp, paths) in enumerate(plan):
+        if i:
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp
+        res = checkpoint_logits(paths, ids)
+        if ps.get_data_parallel_rank() == 0:
+            out.update(res)
+    return out

@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -85,16 +86,20 @@ def runs(shared_data, tmp_path_factory):
         procs[arm] = _launch(tp * pp, _model_args(tok) + [
             "--input-embedding", arm, "--train-iters", "2", "--tensor-model-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), "--save", str(root / f"{arm}_src")])
+    t0 = time.time()
     for arm in ARMS:
         _wait(procs[arm])
+    print(f"[conversion tests] training: {time.time() - t0:.0f} s", file=sys.stderr)
 
     def convert(arm):
         reshard_checkpoint(root / f"{arm}_src", root / f"{arm}_tp1", tp=1, pp=1, progress=False)
         if arm == "tied":  # and back to the training layout
             reshard_checkpoint(root / "tied_tp1", root / "tied_back", tp=2, pp=2, progress=False)
 
+    t0 = time.time()
     with ThreadPoolExecutor(len(ARMS)) as ex:
         list(ex.map(convert, ARMS))
+    print(f"[conversion tests] resharding: {time.time() - t0:.0f} s", file=sys.stderr)
     return {"root": root, "tok": tok}
 
 
@@ -129,25 +134,22 @@ def evaluated(runs, text_ids):
     root = runs["root"]
     ids = text_ids.tolist()
 
-    def src_tied():
-        res = run_distributed(_ranks.checkpoint_logits, 4, tp=2, pp=2,
-                              args=([str(root / "tied_src"), str(root / "tied_back")], ids))
-        return {k: v for r in res for k, v in r.items()}
-
-    def src_tp2():
-        res = run_distributed(_ranks.checkpoint_logits, 2, tp=2,
-                              args=([str(root / "untied_src"), str(root / "lev_src")], ids))
+    def sources():  # one launch: TP=2 x PP=2 first, then TP=2 (x DP=2)
+        plan = [(2, 2, [str(root / "tied_src"), str(root / "tied_back")]),
+                (2, 1, [str(root / "untied_src"), str(root / "lev_src")])]
+        res = run_distributed(_ranks.logits_at_layouts, 4, tp=2, pp=2, args=(plan, ids))
         return {k: v for r in res for k, v in r.items()}
 
     def export(arm):
         kw = {"trim_vocab": True, "max_shard_size": "5MB"} if arm == "untied" else {}
         return export_hf(root / f"{arm}_tp1", root / f"{arm}_hf", reference_ids=ids, progress=False, **kw)
 
-    with ThreadPoolExecutor(5) as ex:
-        futs = [ex.submit(src_tied), ex.submit(src_tp2)] + [ex.submit(export, arm) for arm in ARMS]
+    t0 = time.time()
+    with ThreadPoolExecutor(4) as ex:
+        futs = [ex.submit(sources)] + [ex.submit(export, arm) for arm in ARMS]
         results = [f.result() for f in futs]
-    source = {**results[0], **results[1]}
-    return {"source": source, "hf": dict(zip(ARMS, results[2:]))}
+    print(f"[conversion tests] source logits + HF exports: {time.time() - t0:.0f} s", file=sys.stderr)
+    return {"source": results[0], "hf": dict(zip(ARMS, results[1:]))}
 
 
 # ---------------------------------------------------------------------------------------------- resharding
