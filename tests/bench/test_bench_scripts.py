@@ -1,0 +1,127 @@
+"""Plumbing of bench/reproduce.py and bench/throughput.py without training: argument handling,
+the commands each run gets, and the reports generated from fake run and result files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def rep():
+    return _load("reproduce")
+
+
+@pytest.fixture(scope="module")
+def tp():
+    return _load("throughput")
+
+
+def test_runs_and_outputs(rep, tmp_path):
+    a = rep.parse_args(["--quick", "--work-dir", str(tmp_path)])
+    names = [r["name"] for r in rep.runs_of(a)]
+    assert names == ["tied_s1234", "untied_s1234", "albert_s1234", "flat_mlp_s1234", "factored_mlp_s1234",
+                     "lev_s1234", "tied_s1235", "lev_s1235"]
+    assert a.output.name == "micro_reproduction_quick.md"
+    assert rep.parse_args([]).output.name == "micro_reproduction.md"
+    with pytest.raises(SystemExit):
+        rep.parse_args(["--arms", "tied,bogus"])
+    with pytest.raises(SystemExit):
+        rep.parse_args(["--seeds", "x"])
+
+
+def test_arms_share_every_flag_but_the_input_embedding(rep, tmp_path):
+    a = rep.parse_args(["--work-dir", str(tmp_path)])
+    runs = [r for r in rep.runs_of(a) if r["seed"] == 1234]
+    cmds = []
+    for r in runs:
+        c = rep.train_command(a, r)
+        i = c.index("--input-embedding")
+        assert c[i + 1] == r["arm"]
+        c = [x.replace(r["name"], "RUN") for x in c[:i] + c[i + 2:]]
+        cmds.append(c)
+    assert all(c == cmds[0] for c in cmds)
+    ev = rep.eval_command(a, runs[0])
+    for flag in ("--token-counts", "--zeroshot-data", "--tasks", "--limit", "--max-tokens"):
+        assert flag in ev
+
+
+def _fake_results(ppl: float, rare: float, label: str):
+    buckets = [{"bucket": b, "lo": 0.0, "hi": None, "tokens": n, "vocab_ids": 5, "nll": None, "ppl": p}
+               for b, n, p in (("<1e-05", 100, rare), ("1e-05..1e-04", 500, ppl), (">=1e-04", 2000, ppl * 0.8))]
+    per = {"tokens": 2600, "ppl": ppl, "nll": 1.0, "frequency_buckets": buckets}
+    return {"meta": {"label": label, "iteration": 20}, "perplexity": {"valid": per, "zeroshot": dict(per, ppl=ppl * 2)},
+            "tasks": {"lambada": {"examples": 8, "acc": 0.1, "ppl": 900.0},
+                      "piqa": {"examples": 8, "acc": 0.5, "acc_norm": 0.55}}}
+
+
+def test_report_from_fake_runs(rep, tmp_path):
+    a = rep.parse_args(["--quick", "--work-dir", str(tmp_path / "w"), "--output", str(tmp_path / "out" / "r.md")])
+    vals = {"tied": (100.0, 1000.0), "untied": (98.0, 900.0), "albert": (110.0, 1200.0), "flat_mlp": (105.0, 1100.0),
+            "factored_mlp": (102.0, 950.0), "lev": (95.0, 700.0)}
+    for r in rep.runs_of(a):
+        d = a.work_dir / r["name"]
+        (d / "eval").mkdir(parents=True)
+        ppl, rare = vals[r["arm"]]
+        ppl += r["seed"] - 1234
+        (d / "eval" / "results.json").write_text(json.dumps(_fake_results(ppl, rare, r["name"])))
+        with open(d / "metrics.jsonl", "w") as f:
+            for it in range(1, 21):
+                f.write(json.dumps({"kind": "train", "iteration": it, "lm loss": 10.0 - it * 0.1}) + "\n")
+            f.write(json.dumps({"kind": "valid", "iteration": 20, "lm loss": 8.0}) + "\n")
+        (d / "train.log").write_text(" iteration 5/ 20 | elapsed time per iteration (ms): 120.0 | tokens per second: 4000.0 |\n")
+    text = rep.build_report(a, rep.collect(a), a.output, "python bench/reproduce.py --quick", {"load_start": [1, 1, 1]})
+    assert "QUICK RUN" in text
+    for section in ("## Parameters of each arm", "## Final metrics", "### Seed spread", "## Loss curves",
+                    "## Perplexity by training frequency", "## Ablation ladder", "## Agreement with the paper"):
+        assert section in text, section
+    assert "LEV 95.50 beats tied 100.50" in text  # seed means: (95 + 96) / 2 vs (100 + 101) / 2
+    assert "the gain is larger on rare tokens" in text
+    fig = a.output.parent / a.output.stem
+    assert (fig / "loss_curves.png").stat().st_size > 0
+    assert (fig / "compare_valid.png").stat().st_size > 0
+
+
+def test_throughput_arms_and_report(tp, tmp_path):
+    arms = tp.arm_list("cpu")
+    names = [x["name"] for x in arms]
+    assert names[:2] == ["tied", "untied"] and len(names) == 8
+    assert [x["name"] for x in arms if x.get("default")] == ["lev unique/fused"]
+
+    def arm(name, a, ms, **kw):
+        return {"arm": a, "ms_per_iter": ms, "ms_min": ms, "ms_max": ms, "tokens_per_s": 2048 / ms * 1e3,
+                "input_layer_ms": 1.0, "input_layer_share": 1.0 / ms, "peak_step_mib": 10.0, "parameters": 1,
+                "input_side_parameters": 1, "vs_tied": ms / 100.0, **kw}
+
+    res = {"shape": tp.CONFIGS["cpu"], "device": "cpu", "dtype": "float32", "fp8": None, "ids": "x",
+           "unique_ids": 5, "tokens_per_step": 2048, "repeats": 3, "load_start": [1, 1, 1], "load_end": [1, 1, 1],
+           "arms": {"tied": arm("tied", "tied", 100.0), "untied": arm("untied", "untied", 110.0),
+                    "lev unique/dense": arm("", "lev", 104.0, mode="unique", basis="dense"),
+                    "lev unique/fused": arm("", "lev", 103.0, mode="unique", basis="fused", default=True)},
+           "lev_default": "lev unique/fused", "lev_fastest": "lev unique/fused"}
+    results = {"command": "python bench/throughput.py", "created": "now", "machine": {"cpu": "c", "cpus": 2, "threads": 2,
+               "gpu": None, "platform": "p"}, "versions": {"torch": "t"}, "load_start": [9, 9, 9], "load_end": [9, 9, 9],
+               "sections": [{"title": "CPU", "target": 1.05, "result": res}], "gpu_ran": False,
+               "preprocess": {"command": "python bench/preprocess.py", "returncode": 0, "output": "tok/s table",
+                              "load_start": [1], "load_end": [1], "seconds": 1.0}}
+    out = tmp_path / "t.md"
+    tp.write_report(out, results)
+    text = out.read_text()
+    assert "LEV/TIED step time = 1.030" in text and "met" in text
+    assert "The GPU section did not run" in text
+    assert "a loaded machine" in text
+    assert "tok/s table" in text
