@@ -52,8 +52,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "cpu": dict(
         model=["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256"],
         batch=["--micro-batch-size", "8", "--global-batch-size", "8"],
-        train_iters=700, lr="1e-3", min_lr="1e-4", warmup_frac=0.05, save_interval=100, log_interval=10,
-        eval_interval=100, eval_iters=10, eval_max_tokens=32768, eval_limit=50, train_docs=None, precision=[],
+        train_iters=200, lr="1e-3", min_lr="1e-4", warmup_frac=0.05, save_interval=50, log_interval=10,
+        eval_interval=50, eval_iters=10, eval_max_tokens=32768, eval_limit=50, train_docs=None, precision=[],
         description="4 layers, hidden 256, 4 heads, sequence 256, batch 8 x 256 = 2,048 tokens/step, fp32, 1 process",
     ),
     "quick": dict(

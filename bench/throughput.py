@@ -246,7 +246,8 @@ def run_preprocess(log=print) -> Dict[str, Any]:
     cmd = [sys.executable, str(REPO / "bench" / "preprocess.py")]
     load0 = _load()
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
     log(r.stdout.rstrip())
     return {"command": "python bench/preprocess.py", "returncode": r.returncode, "output": r.stdout.strip(),
             "load_start": load0, "load_end": _load(), "seconds": round(time.perf_counter() - t0, 1)}
