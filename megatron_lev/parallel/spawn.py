@@ -1,0 +1,185 @@
+"""Run a function on N local CPU ranks (gloo) with megatron-core's model-parallel groups.
+
+Shared by the test harness (``megatron_lev.testing.run_distributed``) and the checkpoint converter,
+which both need "build a model at some TP/PP layout on this machine and do something with it":
+
+    results = spawn_ranks(fn, world_size=4, tp=2, pp=2, args=(...))
+
+Each rank is a fresh process (multiprocessing "spawn"), so ``fn`` must be a module-level function.
+The rank installs the CPU backend (``megatron_lev.compat``), joins a gloo group through a file store
+(no TCP port to pick and lose to a concurrent job), initialises ``parallel_state`` and, if asked,
+seeds megatron's RNG tracker. Return values travel back as ``torch.save`` bytes (tensors sent through
+a multiprocessing queue are shared-memory handles that die with the rank). A failure on any rank
+raises ``failure_cls`` carrying every failed rank's traceback; exceptions of a ``passthrough`` type
+come back as that type with their one-line message. The process groups are always torn down, and
+ranks stuck behind a failed peer are stopped after a short grace period.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Type
+
+__all__ = ["RankFailure", "spawn_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed; the message holds each failed rank's traceback."""
+
+
+def _dumps(obj: Any) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: Optional[bytes]) -> Any:
+    import torch
+
+    return None if data is None else torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_main(rank, world, store_file, layout, seed, fn, args, kwargs, out_q, collective_timeout,
+               passthrough, hide_cuda, quiet):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if quiet:  # megatron-core's notes on missing fused kernels, deprecations
+        import warnings
+
+        warnings.filterwarnings("ignore")
+    if hide_cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    tp, pp, vpp = layout
+    result, error, one_line = None, None, False
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+        from megatron_lev import compat
+
+        compat.apply()
+        from megatron.core import parallel_state
+
+        # A short collective timeout turns a rank stuck behind a failed peer into an error.
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=collective_timeout))
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp)
+        if seed is not None:
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            torch.manual_seed(seed)
+            model_parallel_cuda_manual_seed(seed)
+        result = fn(*args, **kwargs)
+    except passthrough as e:
+        error, one_line = f"{type(e).__name__}: {e}", True
+    except BaseException:  # report everything, including assertion failures
+        error = traceback.format_exc()
+    finally:
+        try:
+            import torch.distributed as dist
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+    try:
+        payload = _dumps(result)
+    except Exception:
+        payload, error = None, (error or "") + "\nresult could not be serialised:\n" + traceback.format_exc()
+    out_q.put((rank, payload, error, one_line))
+
+
+def spawn_ranks(
+    fn: Callable,
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    seed: Optional[int] = None,
+    args: Sequence = (),
+    kwargs: Optional[dict] = None,
+    timeout: float = 600.0,
+    collective_timeout: float = 120.0,
+    passthrough: Tuple[Type[BaseException], ...] = (),
+    failure_cls: Type[Exception] = RankFailure,
+    hide_cuda: bool = False,
+    quiet: bool = False,
+) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    fd, store_file = tempfile.mkstemp(prefix="megatron_lev_ranks_", suffix=".store")
+    os.close(fd)
+    os.remove(store_file)  # the file store creates it
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, store_file, (tp, pp, vpp), seed, fn, tuple(args),
+                                             kwargs or {}, out_q, collective_timeout, tuple(passthrough),
+                                             hide_cuda, quiet))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: List[Any] = [None] * world_size
+    errors: dict = {}
+    received = 0
+    deadline = time.monotonic() + timeout
+    try:
+        while received < world_size:
+            # Once a rank failed, give the others a short grace period, then stop waiting.
+            wait = deadline - time.monotonic()
+            if errors:
+                wait = min(wait, 10.0)
+            try:
+                rank, payload, error, one_line = out_q.get(timeout=max(wait, 0.1))
+            except queue_mod.Empty:
+                if errors:
+                    break
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
+                raise failure_cls(
+                    f"timed out after {timeout:.0f}s waiting for ranks; ranks that died: {dead or 'none'} "
+                    f"(exit codes {[procs[r].exitcode for r in dead]})"
+                ) from None
+            received += 1
+            results[rank] = _loads(payload)
+            if error is not None:
+                errors[rank] = (error, one_line)
+            elif not errors:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
+                if dead:  # killed without reporting (e.g. out of memory)
+                    raise failure_cls(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]}); "
+                                      "out of memory?")
+    finally:
+        for p in procs:
+            p.join(timeout=2 if errors else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(store_file):
+            os.remove(store_file)
+    if errors:
+        for rank, (msg, one_line) in sorted(errors.items()):
+            if one_line:  # a passthrough error: re-raise its own type with its one-line message
+                for cls in passthrough:
+                    if msg.startswith(cls.__name__ + ": "):
+                        raise cls(msg[len(cls.__name__) + 2:])
+        parts = [f"--- rank {r} ---\n{msg}" for r, (msg, _) in sorted(errors.items())]
+        raise failure_cls(
+            f"{len(errors)} of {world_size} ranks failed (tp={tp}, pp={pp}):\n" + "\n".join(parts)
+        )
+    return results
