@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Quickstart on a CPU machine (run by `make demo`): sample corpus -> tokenizer -> .bin/.idx ->
-# pretrain a tiny `lev` and a tiny `tied` model with torchrun (2 processes, TP=2) -> compare their
-# validation loss / perplexity. About 10 minutes on 2 cores. Idempotent: finished steps are skipped,
-# an interrupted training run resumes from its last checkpoint.
+# pretrain a tiny `lev` and a tiny `tied` model with torchrun (2 processes, TP=2) -> evaluate both
+# (perplexity by training-frequency bucket) and compare. About 5 minutes on 2 idle cores.
+# Idempotent: finished steps are skipped, an interrupted training run resumes from its last checkpoint.
 #
 # Environment knobs: PYTHON (default .venv/bin/python), OUT (runs/quickstart), DATA (data/sample),
 # TRAIN_ITERS (100), NPROC (2), SHARED_TOKENIZER (../shared/data/tokenizers/gpt2).
@@ -43,11 +43,13 @@ fi
 step "3/5 preprocess to .bin/.idx"
 for split in train valid; do
   prefix="$DATA/${TOK_NAME}_${split}"
-  if [ -f "${prefix}_text_document.idx" ] && [ -f "${prefix}_text_document.bin" ]; then
+  if [ -f "${prefix}_text_document.idx" ] && [ -f "${prefix}_text_document.bin" ] && \
+     [ -f "${prefix}_text_token_counts.npy" ]; then
     echo "${prefix}_text_document: present"
   else
+    # Token counts of the training split feed the frequency-stratified evaluation.
     "$PYTHON" tools/preprocess_data.py --input "$DATA/$split.jsonl.zst" --output-prefix "$prefix" \
-      "${TOK_ARGS[@]}" --append-eod --workers 2 --no-progress-bar
+      "${TOK_ARGS[@]}" --append-eod --workers 2 --no-progress-bar --output-token-counts --overwrite
   fi
 done
 
@@ -96,7 +98,20 @@ train lev
 step "5/5 pretrain a tiny tied model (TP=$NPROC)"
 train tied
 
-step "comparison (validation set of the sample corpus, $TRAIN_ITERS iterations each)"
+step "evaluate both checkpoints (tools/evaluate.py, TP=$NPROC) and compare"
+for arm in lev tied; do
+  if [ -f "$OUT/$arm/eval/results.json" ]; then echo "$arm: evaluated earlier"; continue; fi
+  "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" tools/evaluate.py --load "$OUT/$arm/ckpt" \
+    --tensor-model-parallel-size "$NPROC" --valid-data "valid=$DATA/${TOK_NAME}_valid_text_document" \
+    --token-counts "$DATA/${TOK_NAME}_train_text_token_counts.npy" --label "$arm" \
+    --output-dir "$OUT/$arm/eval" --no-progress >"$OUT/$arm/eval.log" 2>&1 \
+    || { echo "$arm: evaluation failed; see $OUT/$arm/eval.log" >&2; tail -n 20 "$OUT/$arm/eval.log" >&2; exit 1; }
+done
+"$PYTHON" tools/evaluate.py --compare "$OUT/tied/eval/results.json" "$OUT/lev/eval/results.json" \
+  --labels tied lev --output-dir "$OUT/compare" 2>/dev/null | sed -n '1,40p'
+echo "(per-bucket plots: $OUT/compare/*.png; each run's results: $OUT/<arm>/eval/results.md)"
+
+step "training summary (validation set of the sample corpus, $TRAIN_ITERS iterations each)"
 "$PYTHON" - "$OUT" <<'EOF'
 import json, re, sys
 out = sys.argv[1]
