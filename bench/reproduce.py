@@ -600,7 +600,8 @@ def build_report(a, rows, out: Path, command: str, meta: Dict[str, Any]) -> str:
                  f"{_f(z, 2)} | {_pct(sz)} | {_pct(_ppl_relchange(arms[arm], tied, 'zeroshot_ppl'))} |")
         prev = (v, z)
     L.append("")
-    L += ["## Agreement with the paper", ""] + verdict(arms, cmp_md, quick=a.quick) + [""]
+    L += ["## Agreement with the paper", ""] + verdict(arms, cmp_md, quick=a.quick,
+                                                          train_tokens=a.train_iters * _tokens_per_step(cfg)) + [""]
     text = "\n".join(L)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
@@ -613,7 +614,7 @@ def _tokens_per_step(cfg) -> int:
     return int(b[b.index("--global-batch-size") + 1]) * int(s[s.index("--seq-length") + 1])
 
 
-def verdict(arms, cmp, quick: bool = False) -> List[str]:
+def verdict(arms, cmp, quick: bool = False, train_tokens: Optional[int] = None) -> List[str]:
     """Plain statements from the numbers: does LEV beat tied/untied/albert (beyond the seed spread),
     and is its gain concentrated on rare tokens."""
     out = []
@@ -668,7 +669,8 @@ def verdict(arms, cmp, quick: bool = False) -> List[str]:
                        + ("the gain is larger on rare tokens, as the paper reports." if conc and rare[1] < 0 else
                           "the change is not concentrated on rare tokens, unlike the paper." if not conc else
                           "rare tokens fare relatively better but LEV does not gain there, unlike the paper."))
-    out.append("- Scale: these are micro-scale runs (a few million training tokens on CPU); the paper's claims are "
+    budget = f"{train_tokens:,} training tokens per run" if train_tokens else "a small token budget"
+    out.append(f"- Scale: these are micro-scale runs ({budget}, on CPU); the paper's claims are "
                "at 200M+ parameters and billions of tokens, so a disagreement here is a data point, not a refutation.")
     return out
 
