@@ -376,20 +376,10 @@ class _StartupError(Exception):
 
 
 def _startup_errors():
-    errs: List[type] = [ConfigError, checkpointing.CheckpointError]
-    try:
-        from megatron_lev.models import ConfigError as ModelConfigError
+    from megatron_lev.data.datasets import DatasetValidationError
+    from megatron_lev.models import ConfigError as ModelConfigError
 
-        errs.append(ModelConfigError)
-    except ImportError:
-        pass
-    try:
-        from megatron_lev.data.datasets import DatasetValidationError
-
-        errs.append(DatasetValidationError)
-    except ImportError:
-        pass
-    return tuple(errs)
+    return (ConfigError, checkpointing.CheckpointError, ModelConfigError, DatasetValidationError)
 
 
 def _setup_configs(argv):
@@ -428,12 +418,9 @@ def _run(args, tokenizer, config, model_config) -> int:
 
     _set_seed(args.seed)
     chunks = build_model_chunks(args, config, model_config)
-    try:
-        from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
+    from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 
-        logger.log(format_parameter_breakdown(parameter_breakdown(model_config, config)))
-    except ImportError:  # pragma: no cover
-        pass
+    logger.log(format_parameter_breakdown(parameter_breakdown(model_config, config)))
     n_params = _count_params(chunks)
     logger.log(f" > number of parameters on (tensor, pipeline) model parallel rank "
                f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): {n_params}")
