@@ -37,6 +37,25 @@ PAPER_EDGES = (1e-7, 1e-6, 1e-5, 1e-4)
 LN2 = math.log(2.0)
 
 
+def iter_json_objects(path: str) -> Iterator[Tuple[int, Dict[str, Any]]]:
+    """(line number, object) of each non-empty line of a .jsonl(.gz/.zst) file; a line that is not a
+    JSON object is a :class:`DataFormatError` naming file:line."""
+    import json
+
+    from megatron_lev.data.jsonl import iter_lines
+
+    for lineno, line in iter_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise DataFormatError(f"{path}:{lineno}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        yield lineno, obj
+
+
 class DataFormatError(ValueError):
     """An evaluation data file is malformed; the message names the file (and line)."""
 
@@ -80,9 +99,7 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
     A line that is not a JSON object with a string under ``key`` is a :class:`DataFormatError`
     naming the file and line (empty lines are skipped).
     """
-    import json
-
-    from megatron_lev.data.jsonl import expand_inputs, iter_lines
+    from megatron_lev.data.jsonl import expand_inputs
 
     try:
         files = expand_inputs(list(paths))
@@ -90,16 +107,10 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
         raise DataFormatError(str(e)) from None
     n = 0
     for path in files:
-        for lineno, line in iter_lines(path):
+        for lineno, obj in iter_json_objects(path):
             if limit is not None and n >= limit:
                 return
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError) as e:
-                raise DataFormatError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+            if not isinstance(obj.get(key), str):
                 raise DataFormatError(f"{path}:{lineno}: expected a JSON object with a string field {key!r}")
             text = obj[key]
             if not text:

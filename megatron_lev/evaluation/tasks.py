@@ -36,7 +36,6 @@ from local jsonl files instead of ``datasets``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .perplexity import DataFormatError
+from .perplexity import DataFormatError, iter_json_objects
 from .scorer import Scorer, progress_bar
 
 # ------------------------------------------------------------------------------------------------
@@ -53,24 +52,14 @@ from .scorer import Scorer, progress_bar
 
 def read_jsonl(path: str, limit: Optional[int] = None) -> List[Tuple[int, Dict[str, Any]]]:
     """(line number, object) of each non-empty line; bad JSON is a DataFormatError naming file:line."""
-    from megatron_lev.data.jsonl import iter_lines
-
     import os
 
     if not os.path.isfile(path):
         raise DataFormatError(f"{path}: no such task file")
     out = []
-    for lineno, line in iter_lines(path):
+    for lineno, obj in iter_json_objects(path):
         if limit is not None and len(out) >= limit:
             break
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise DataFormatError(f"{path}:{lineno}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         out.append((lineno, obj))
     if not out:
         raise DataFormatError(f"{path}: no examples")
