@@ -20,14 +20,6 @@ HIDDEN, HEADS, LAYERS = 32, 4, 4
 ALL_ARMS = ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev")
 
 
-def lev_available() -> bool:
-    try:
-        import megatron_lev.parallel.lev_embedding  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 VARIANTS = {
     # Llama-style (the default) and GPT-2-style transformers.
     "llama": dict(position="rope", normalization="RMSNorm", activation="swiglu"),

@@ -20,13 +20,7 @@ from megatron_lev.testing import run_distributed
 from . import _harness as H
 
 ARMS = H.ALL_ARMS
-LEV_OK = H.lev_available()
-RUN_ARMS = tuple(a for a in ARMS if a != "lev" or LEV_OK)
-
-
-def _need(arm: str) -> None:
-    if arm == "lev" and not LEV_OK:
-        pytest.skip("megatron_lev.parallel.lev_embedding (LEVParallelEmbedding) is not available yet")
+RUN_ARMS = ARMS
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +88,6 @@ def _assert_same(ref_arm, got, what):
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_tp1_forward_backward(ref, arm):
-    _need(arm)
     r = ref[arm]
     assert math.isfinite(r["plain_loss"]) and math.isfinite(r["loss"])
     assert r["no_grad"] == [], f"parameters without a gradient: {r['no_grad']}"
@@ -107,7 +100,6 @@ def test_tp1_forward_backward(ref, arm):
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_only_dense_arms_have_vxd_input_parameters(ref, arm):
-    _need(arm)
     vxd = ref[arm]["vxd_params"]
     if arm == "tied":
         assert vxd == ["embedding.word_embeddings.weight"]  # one matrix, also the head
@@ -120,7 +112,6 @@ def test_only_dense_arms_have_vxd_input_parameters(ref, arm):
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_parameter_breakdown_matches_model(ref, arm):
-    _need(arm)
     assert ref[arm]["breakdown"]["total"] == ref[arm]["numel"]
 
 
@@ -129,7 +120,6 @@ def test_parameter_breakdown_matches_model(ref, arm):
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_tp2_matches_tp1(ref, tp2, arm):
-    _need(arm)
     got = tp2["tp2"][arm]
     _assert_same(ref[arm], got, "tp2")
     for row in got["rows"]:  # materialised table: same on both ranks and as at TP=1
@@ -138,7 +128,6 @@ def test_tp2_matches_tp1(ref, tp2, arm):
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_tp2_sequence_parallel_matches_tp1(ref, tp2, arm):
-    _need(arm)
     _assert_same(ref[arm], tp2["tp2sp"][arm], "tp2+sp")
 
 
@@ -146,7 +135,6 @@ def test_tp2_sequence_parallel_matches_tp1(ref, tp2, arm):
 def test_gpt2_style_tp2_sequence_parallel_matches_tp1(ref_gpt2, tp2, arm):
     """LayerNorm + GeLU + learned absolute positions; under SP the embedding output is scattered
     after the positions are added, so replicated input-side parameters see the full sequence."""
-    _need(arm)
     r = ref_gpt2[arm]
     assert r["no_grad"] == [] and r["zero_or_nonfinite_grad"] == []
     assert r["breakdown"]["total"] == r["numel"]
@@ -158,7 +146,6 @@ def test_gpt2_style_tp2_sequence_parallel_matches_tp1(ref_gpt2, tp2, arm):
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_pp2_matches_pp1(ref, pp2, arm):
-    _need(arm)
     got = pp2["pp2"][arm]
     _assert_same(ref[arm], got, "pp2")
     last = [r for r in got["rows"] if "last_stage_embedding_params" in r]
@@ -174,11 +161,9 @@ def test_pp2_matches_pp1(ref, pp2, arm):
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_pp2_virtual_stages_match_pp1(ref, pp2, arm):
-    _need(arm)
     _assert_same(ref[arm], pp2["pp2vpp2"][arm], "pp2 x vpp2")
 
 
 @pytest.mark.parametrize("arm", ARMS)
 def test_tp2_pp2_sequence_parallel_matches_pp1(ref, tp2pp2, arm):
-    _need(arm)
     _assert_same(ref[arm], tp2pp2["tp2pp2sp"][arm], "tp2 x pp2 + sp")
