@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import re
 import shutil
 import threading
@@ -274,7 +275,9 @@ def tokenizer_info(a: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         tok = build_tokenizer(t, vocab_file=a.get("vocab_file"), merge_file=a.get("merge_file"),
                               tokenizer_model=a.get("tokenizer_model"), vocab_size=a.get("vocab_size"),
                               tiktoken_pattern=a.get("tiktoken_pattern", "o200k"))
-    except Exception:
+    except Exception as e:  # the export goes on without tokenizer files, but says why
+        print(f"warning: the checkpoint's tokenizer ({t}) could not be loaded, so no tokenizer files are "
+              f"exported: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return None
     bos = getattr(tok, "bos", None)
     return {"type": t, "vocab_size": int(tok.vocab_size), "eod": int(tok.eod),
