@@ -57,18 +57,14 @@ def namespace(a: Dict[str, Any]) -> argparse.Namespace:
 def build_model(a: Dict[str, Any], *, fast_init: bool = True):
     """(chunks, TransformerConfig, LevModelConfig) of this rank for the arguments ``a``.
 
-    ``fast_init``: weights are about to be overwritten by a checkpoint, so megatron's initialisation
-    is skipped and LEV's initialisation statistics use a small id sample."""
+    ``fast_init``: weights are about to be overwritten by a checkpoint, so no layer (LEV included)
+    initialises its parameters."""
     from megatron_lev.models import ConfigError, build_transformer_config
     from megatron_lev.training.model_provider import build_model_chunks, model_config_from_args, \
         transformer_config_kwargs
 
     args = namespace(a)
     build = namespace(dict(a))
-    if fast_init:
-        v = int(a["padded_vocab_size"])
-        if v > 4096:
-            build.lev_init_sample_size = 4096
     try:
         model_config = model_config_from_args(build)
         kw = transformer_config_kwargs(build)

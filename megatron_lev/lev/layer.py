@@ -31,6 +31,7 @@ Design choices (the first four are the spec's, the rest are ours where the paper
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -54,9 +55,11 @@ __all__ = [
     "lev_init_scale",
     "apply_lev_init",
     "lev_initialize",
+    "initialize_lev_parameters",
     "check_token_ids",
     "compute_table",
     "table_backward",
+    "TableStep",
 ]
 
 LN_EPS = 1e-5
@@ -119,6 +122,7 @@ class LEVSeed(nn.Module):
         base: Optional[int] = None,
         device=None,
         dtype: Optional[torch.dtype] = None,
+        initialize: bool = True,
     ):
         super().__init__()
         self.vocab_size = int(vocab_size)
@@ -128,7 +132,7 @@ class LEVSeed(nn.Module):
         self.codebooks = nn.Parameter(
             torch.empty(self.num_digits, self.base, self.seed_dim, device=device, dtype=dtype)
         )
-        if not _is_meta(self.codebooks):
+        if initialize and not _is_meta(self.codebooks):
             self.reset_parameters()
 
     def reset_parameters(self, seed: int = 0) -> None:
@@ -159,6 +163,7 @@ class LEVHeads(nn.Module):
         head_offset: int = 0,
         device=None,
         dtype: Optional[torch.dtype] = None,
+        initialize: bool = True,
     ):
         super().__init__()
         self.config = config
@@ -173,7 +178,7 @@ class LEVHeads(nn.Module):
         self.norm_bias = nn.Parameter(torch.empty(h, ds, **kw))  # LayerNorm beta
         self.delta = nn.Parameter(torch.empty(h, ds, kappa, r, **kw))  # Delta_l, S_l = 1 + Delta_l
         self.out_weight = nn.Parameter(torch.empty(h, D, r, **kw))  # W_l
-        if not _is_meta(self.delta):
+        if initialize and not _is_meta(self.delta):
             self.reset_parameters()
 
     def reset_parameters(self, seed: int = 0) -> None:
@@ -189,9 +194,14 @@ class LEVHeads(nn.Module):
                 _normal_(self.out_weight[i], OUT_STD, g)
 
     def coordinates(self, z: torch.Tensor) -> torch.Tensor:
-        """x = sigmoid(LayerNorm_l(A_l z + a_l)): z [N, d_s] -> x [N, h, d_s] in (0, 1)."""
-        y = torch.einsum("nd,hed->nhe", z, self.proj_weight) + self.proj_bias
-        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight + self.norm_bias
+        """x = sigmoid(LayerNorm_l(A_l z + a_l)): z [N, d_s] -> x [N, h, d_s] in (0, 1).
+
+        Computed in max(fp32, parameter dtype): x feeds the spline basis and a product over d_s factors,
+        where bf16 rounding of x would be amplified (the cost, N h d_s^2, is small).
+        """
+        dt = torch.promote_types(self.proj_weight.dtype, torch.float32)
+        y = torch.einsum("nd,hed->nhe", z.to(dt), self.proj_weight.to(dt)) + self.proj_bias.to(dt)
+        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight.to(dt) + self.norm_bias.to(dt)
         return torch.sigmoid(y)
 
     def modes(self, z: torch.Tensor) -> torch.Tensor:
@@ -315,16 +325,71 @@ def lev_initialize(
     return scale, mean
 
 
+@torch.no_grad()
+def initialize_lev_parameters(
+    seed_module: nn.Module,
+    heads_module: nn.Module,
+    offset: Optional[torch.Tensor],
+    vocab_size: int,
+    config: LEVConfig,
+    init_method_std: float,
+    *,
+    init_seed: int = 0,
+    statistics: bool = True,
+    reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> None:
+    """The whole initialisation of one LEV layer (or of one tensor-parallel shard of its heads), in place.
+
+    Random draws from the per-stream generators of ``init_seed``, c = 0, then (``statistics``) W rescaled
+    and c set from the vocabulary statistics, computed on the parameters' device. Low-precision (bf16,
+    fp16) parameters are initialised through fp32 copies and rounded once, as megatron-core initialises
+    its own low-precision weights: the result is exactly the fp32 initialisation cast to that dtype.
+    """
+    low = heads_module.out_weight.dtype not in (torch.float32, torch.float64)
+    seed_w, heads_w, offset_w = seed_module, heads_module, offset
+    if low:
+        seed_w = copy.deepcopy(seed_module).float()
+        heads_w = copy.deepcopy(heads_module).float()
+        offset_w = None if offset is None else torch.zeros_like(offset, dtype=torch.float32)
+    seed_w.reset_parameters(init_seed)
+    heads_w.reset_parameters(init_seed)
+    if offset_w is not None:
+        offset_w.zero_()
+    if statistics:
+        lev_initialize(
+            seed_w, heads_w, offset_w, vocab_size, config, init_method_std,
+            reduce_fn=reduce_fn, sample_seed=init_seed,
+        )
+    if low:
+        for dst, src in zip(list(seed_module.parameters()) + list(heads_module.parameters()),
+                            list(seed_w.parameters()) + list(heads_w.parameters())):
+            dst.copy_(src)
+        if offset is not None:
+            offset.copy_(offset_w)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Id checks and the table mode (reusable by a tensor-parallel wrapper)
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError if any id lies outside [0, vocab_size) (one host sync; never clamps)."""
+    """Reject ids outside [0, vocab_size) (never clamps).
+
+    On the CPU: a ValueError naming the id. On an accelerator the check is an asynchronous device
+    assert (no host sync in the forward pass); the data pipeline checks the largest id of every dataset
+    against the vocabulary at start-up, so this only guards against a corrupted batch.
+    """
     if ids.numel() == 0:
         return
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"LEV embedding: token ids must be an integer tensor, got {ids.dtype}")
+    if ids.device.type != "cpu":
+        torch._assert_async(
+            ((ids >= 0) & (ids < vocab_size)).all(),
+            f"LEV embedding: a token id lies outside [0, {vocab_size}); check the tokenizer and the padded "
+            "vocabulary size",
+        )
+        return
     lo, hi = torch.aminmax(ids)
     lo, hi = int(lo), int(hi)
     if lo < 0 or hi >= vocab_size:
@@ -346,24 +411,85 @@ def compute_table(
 
 def table_backward(
     compute_fn: Callable[[torch.Tensor], torch.Tensor],
-    table_grad: torch.Tensor,
+    table_grad: Optional[torch.Tensor],
     chunk_size: int,
+    params: Sequence[torch.Tensor],
     rows: Optional[torch.Tensor] = None,
 ) -> None:
-    """Push accumulated row gradients [V, D] back through G: for each chunk of rows, recompute G with
-    autograd and backward with that chunk of ``table_grad``; parameter .grad accumulate.
+    """Push accumulated row gradients [V, D] back through G into ``params`` (the parameters of G).
+
+    For each chunk of rows, G is recomputed with autograd and the chunk's gradient with respect to
+    ``params`` is accumulated (in at least fp32); then the sums are delivered to the parameters in ONE
+    backward call. So every parameter's gradient hooks fire exactly once per optimizer step, whatever
+    the number of chunks: megatron DDP with ``overlap_grad_reduce`` counts those hooks to decide when a
+    bucket is complete. ``table_grad`` None (no row used) delivers zeros, keeping that count fixed.
 
     ``rows`` defaults to the rows whose gradient is not all zero (the ids that occurred). A wrapper whose
     ranks must run the same collectives passes the same ``rows`` on every rank.
     """
-    if rows is None:
-        rows = (table_grad != 0).any(dim=-1).nonzero().squeeze(-1)
-    rows = rows.to(table_grad.device)
-    for start in range(0, rows.numel(), chunk_size):
-        ids = rows[start : start + chunk_size]
-        with torch.enable_grad():
-            out = compute_fn(ids)
-        out.backward(table_grad[ids].to(out.dtype))
+    params = [p for p in params if p.requires_grad]
+    sums: List[Optional[torch.Tensor]] = [None] * len(params)
+    if table_grad is not None:
+        if rows is None:
+            rows = (table_grad != 0).any(dim=-1).nonzero().squeeze(-1)
+        rows = rows.to(table_grad.device)
+        for start in range(0, rows.numel(), chunk_size):
+            ids = rows[start : start + chunk_size]
+            with torch.enable_grad():
+                out = compute_fn(ids)
+                grads = torch.autograd.grad(out, params, table_grad[ids].to(out.dtype), allow_unused=True)
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                g = g.to(torch.promote_types(g.dtype, torch.float32))
+                sums[i] = g if sums[i] is None else sums[i].add_(g)
+    grads = [torch.zeros_like(p) if s is None else s.to(p.dtype) for p, s in zip(params, sums)]
+    with torch.enable_grad():
+        # view_as keeps each parameter's own AccumulateGrad node (and the hooks on it) as the target.
+        torch.autograd.backward([p.view_as(p) for p in params], grads)
+
+
+class TableStep:
+    """State of the ``table`` compute mode for one LEV layer (the pure one or a tensor-parallel shard).
+
+    ``begin`` evaluates G over all V ids once (no autograd) into a leaf table held in at least fp32, so the
+    micro-batches' row gradients accumulate in fp32 in its ``.grad`` as megatron accumulates main grads;
+    ``lookup`` gathers rows (in G's own dtype) and records which ids occurred; ``finish`` pushes the rows'
+    gradients back through G once (``table_backward``) and frees the table. The set of rows is the set of
+    ids seen, so tensor-parallel ranks that saw the same batch run the same chunks (and collectives).
+    Memory while active: V x D x 4 bytes for the table and as much for its gradient.
+    """
+
+    def __init__(self, vocab_size: int, chunk_size: int):
+        self.vocab_size = int(vocab_size)
+        self.chunk_size = int(chunk_size)
+        self.table: Optional[torch.Tensor] = None
+        self._seen: Optional[torch.Tensor] = None
+        self._dtype: Optional[torch.dtype] = None
+
+    @property
+    def active(self) -> bool:
+        return self.table is not None
+
+    @torch.no_grad()
+    def begin(self, compute_fn: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor:
+        table = compute_table(compute_fn, self.vocab_size, self.chunk_size, device)
+        self._dtype = table.dtype
+        self.table = table.to(torch.promote_types(table.dtype, torch.float32)).requires_grad_(True)
+        self._seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=table.device)
+        return self.table
+
+    def lookup(self, flat_ids: torch.Tensor) -> torch.Tensor:
+        self._seen[flat_ids] = True
+        return F.embedding(flat_ids, self.table).to(self._dtype)
+
+    def finish(self, compute_fn: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        table, seen = self.table, self._seen
+        self.table = self._seen = None
+        if table is None:
+            return
+        rows = torch.nonzero(seen, as_tuple=False).squeeze(1)
+        table_backward(compute_fn, table.grad, self.chunk_size, params, rows=rows)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -373,15 +499,17 @@ class LEVEmbedding(nn.Module):
     """G: ids [...] -> [..., D] (tensor-parallel size 1): codebooks seed + all h heads + offset c.
 
     ``init_statistics=False`` skips the vocabulary statistics (W stays N(0, 0.02^2), c = 0): for
-    parameter counting, or when a checkpoint is loaded right after. Built on the meta device, nothing
-    is initialised.
+    parameter counting, or when a checkpoint is loaded right after; ``initialize=False`` skips the whole
+    initialisation (parameters allocated only). Built on the meta device, nothing is initialised.
+    ``device`` and ``dtype`` place the parameters; bf16/fp16 parameters are initialised in fp32 and
+    rounded once, and the separable product always runs in at least fp32.
 
     Compute modes (config.compute_mode), all with the same values and gradients:
     - "token": G at every position;
     - "unique": G once per distinct id of the batch, then gathered;
-    - "table": G over all V ids once per optimizer step. Call ``begin_table_step()`` before the first
-      micro-batch (with grad enabled, the first forward without a table calls it automatically), and
-      ``finish_table_step()`` after the last backward, before the optimizer step: it pushes the
+    - "table": G over all V ids once per optimizer step (``TableStep``). The first forward with grad
+      enabled starts the step (``begin_table_step()`` may be called explicitly instead), and
+      ``finish_table_step()`` after the last backward, before the optimizer step, pushes the
       accumulated row gradients through G and frees the table. Without grad and without a table
       (evaluation), forward evaluates G directly, as in "unique" mode, and builds no table.
     """
@@ -395,6 +523,7 @@ class LEVEmbedding(nn.Module):
         init_method_std: float = 0.02,
         init_seed: int = 0,
         init_statistics: bool = True,
+        initialize: bool = True,
         device=None,
         dtype: Optional[torch.dtype] = None,
     ):
@@ -406,23 +535,19 @@ class LEVEmbedding(nn.Module):
         self.init_method_std = float(init_method_std)
         self.init_seed = int(init_seed)
         self.base = self.config.resolved_base(vocab_size)
-        self.seed = LEVSeed(vocab_size, self.config, base=self.base, device=device, dtype=dtype)
-        self.heads = LEVHeads(self.config, hidden_size, self.config.num_heads, device=device, dtype=dtype)
+        kw = dict(device=device, dtype=dtype, initialize=False)
+        self.seed = LEVSeed(vocab_size, self.config, base=self.base, **kw)
+        self.heads = LEVHeads(self.config, hidden_size, self.config.num_heads, **kw)
         self.offset = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))  # c
-        self._table: Optional[torch.Tensor] = None
-        if not _is_meta(self.offset):
+        self._table_step = TableStep(self.vocab_size, self.config.chunk_size)
+        if initialize and not _is_meta(self.offset):
             self.reset_parameters(init_statistics=init_statistics)
 
     def reset_parameters(self, init_statistics: bool = True) -> None:
-        self.seed.reset_parameters(self.init_seed)
-        self.heads.reset_parameters(self.init_seed)
-        with torch.no_grad():
-            self.offset.zero_()
-        if init_statistics:
-            lev_initialize(
-                self.seed, self.heads, self.offset, self.vocab_size, self.config, self.init_method_std,
-                sample_seed=self.init_seed,
-            )
+        initialize_lev_parameters(
+            self.seed, self.heads, self.offset, self.vocab_size, self.config, self.init_method_std,
+            init_seed=self.init_seed, statistics=init_statistics,
+        )
 
     def compute(self, ids: torch.Tensor) -> torch.Tensor:
         """G for a flat tensor of (valid) ids, [N] -> [N, D], with autograd."""
@@ -432,10 +557,10 @@ class LEVEmbedding(nn.Module):
         check_token_ids(ids, self.vocab_size)
         mode = self.config.compute_mode
         flat = ids.reshape(-1)
-        if mode == "table" and (self._table is not None or torch.is_grad_enabled()):
-            if self._table is None:
+        if mode == "table" and (self._table_step.active or torch.is_grad_enabled()):
+            if not self._table_step.active:
                 self.begin_table_step()
-            out = F.embedding(flat, self._table)
+            out = self._table_step.lookup(flat)
         elif mode == "token":
             out = self.compute(flat)
         else:  # "unique", and "table" without grad and without an active table
@@ -452,17 +577,12 @@ class LEVEmbedding(nn.Module):
     @property
     def table(self) -> Optional[torch.Tensor]:
         """The active [V, D] table (a leaf with requires_grad) between begin/finish_table_step, else None."""
-        return self._table
+        return self._table_step.table
 
     def begin_table_step(self) -> torch.Tensor:
         """Evaluate G over all V ids into a fresh leaf table; micro-batch gradients accumulate in its .grad."""
-        table = compute_table(self.compute, self.vocab_size, self.config.chunk_size, self.offset.device)
-        self._table = table.requires_grad_(True)
-        return self._table
+        return self._table_step.begin(self.compute, self.offset.device)
 
     def finish_table_step(self) -> None:
         """Push the table's accumulated gradient back through G (ids that occurred), then free the table."""
-        table, self._table = self._table, None
-        if table is None or table.grad is None:
-            return
-        table_backward(self.compute, table.grad, self.config.chunk_size)
+        self._table_step.finish(self.compute, list(self.parameters()))

@@ -72,6 +72,10 @@ class LevModelConfig:
     rotary_base: int = 10000
     """RoPE base period (flag --rotary-base)."""
 
+    init_seed: int = 0
+    """Seed of the LEV initialisation (codebooks, per-head streams, id sample) and of the factored_mlp
+    codebooks (flag --seed). The same seed gives the same initial function at any TP size."""
+
     albert_dim: Optional[int] = None
     """e of the albert arm (V x e table, then e -> D); None = parameter-matched to LEV
     (flag --albert-dim)."""

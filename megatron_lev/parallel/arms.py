@@ -53,6 +53,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_lev.parallel.collectives import broadcast_
+from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding, parameter_device
+
 __all__ = ["AlbertEmbedding", "FlatMLPEmbedding", "FactoredMLPEmbedding", "build_arm", "gelu_second_moment"]
 
 _GELU_M2: Optional[float] = None
@@ -69,8 +72,7 @@ def gelu_second_moment() -> float:
 
 
 def _param(shape, config) -> torch.nn.Parameter:
-    device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
-    return torch.nn.Parameter(torch.zeros(*shape, dtype=config.params_dtype, device=device))
+    return torch.nn.Parameter(torch.zeros(*shape, dtype=config.params_dtype, device=parameter_device(config)))
 
 
 class _ArmBase(MegatronModule):
@@ -96,7 +98,7 @@ class _ArmBase(MegatronModule):
             src = torch.distributed.get_global_rank(self.tp_group, 0)
             with torch.no_grad():
                 for p in params:
-                    torch.distributed.broadcast(p.data, src=src, group=self.tp_group)
+                    broadcast_(p.data, src=src, group=self.tp_group)
         for p in params:
             # Partial gradients (sequence shard per rank) only when this arm works on shards.
             setattr(p, "sequence_parallel", self.reduce_scatter_embeddings)
@@ -234,23 +236,28 @@ class FlatMLPEmbedding(_TableArm):
         return _mlp(x, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
 
 
-def _make_seed(vocab_size: int, lev_config):
+def _make_seed(vocab_size: int, lev_config, config, init_seed: int):
     from megatron_lev.lev import LEVSeed
 
-    # LEVSeed initialises its codebooks from its own fixed-seed stream: identical on every rank.
-    return LEVSeed(vocab_size, lev_config, base=lev_config.resolved_base(vocab_size))
+    seed = LEVSeed(vocab_size, lev_config, base=lev_config.resolved_base(vocab_size),
+                   device=parameter_device(config), dtype=config.params_dtype, initialize=False)
+    if config.perform_initialization:
+        # The codebook stream of ``init_seed`` (drawn in fp32, rounded once): identical on every rank.
+        master = LEVSeed(vocab_size, lev_config, base=seed.base, initialize=False)
+        master.reset_parameters(init_seed)
+        with torch.no_grad():
+            seed.codebooks.copy_(master.codebooks)
+    return seed
 
 
 class FactoredMLPEmbedding(_ArmBase):
     """factored_mlp: the LEV seed z(i) (replicated codebooks), then an MLP d_s -> m -> D (GELU)."""
 
     def __init__(self, *, config, vocab_size: int, lev_config, mlp_hidden: int,
-                 reduce_scatter_embeddings: bool = False, tp_group=None):
+                 reduce_scatter_embeddings: bool = False, tp_group=None, init_seed: int = 0):
         super().__init__(config=config, vocab_size=vocab_size,
                          reduce_scatter_embeddings=reduce_scatter_embeddings, tp_group=tp_group)
-        self.seed = _make_seed(self.vocab_size, lev_config)
-        dev = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
-        self.seed.to(device=dev, dtype=config.params_dtype)
+        self.seed = _make_seed(self.vocab_size, lev_config, config, init_seed)
         ds, D, m = lev_config.seed_dim, config.hidden_size, int(mlp_hidden)
         self.mlp_hidden = m
         self.fc1_weight = _param((m, ds), config)
@@ -276,10 +283,9 @@ def build_arm(arm: str, *, config, vocab_size: int, model_config, reduce_scatter
               tp_group=None):
     """The input module of ``arm`` (albert, flat_mlp, factored_mlp, lev) with widths from ``model_config``."""
     if arm == "lev":
-        from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
-
         return LEVParallelEmbedding(config=config, lev_config=model_config.lev, vocab_size=vocab_size,
-                                    reduce_scatter_embeddings=reduce_scatter_embeddings)
+                                    reduce_scatter_embeddings=reduce_scatter_embeddings,
+                                    init_seed=model_config.init_seed)
     w = model_config.resolved_widths(config.hidden_size)
     if arm == "albert":
         return AlbertEmbedding(config=config, vocab_size=vocab_size, albert_dim=w["albert_dim"],
@@ -291,5 +297,6 @@ def build_arm(arm: str, *, config, vocab_size: int, model_config, reduce_scatter
     if arm == "factored_mlp":
         return FactoredMLPEmbedding(config=config, vocab_size=vocab_size, lev_config=model_config.lev,
                                     mlp_hidden=w["factored_mlp_hidden"],
-                                    reduce_scatter_embeddings=reduce_scatter_embeddings, tp_group=tp_group)
+                                    reduce_scatter_embeddings=reduce_scatter_embeddings, tp_group=tp_group,
+                                    init_seed=model_config.init_seed)
     raise ValueError(f"no TP arm module for input embedding {arm!r}")

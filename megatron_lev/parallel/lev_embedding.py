@@ -14,15 +14,21 @@ Layout (spec, "Tensor parallelism"):
   rank adds it to its own sequence shard, so it is marked ``sequence_parallel`` and Megatron's
   ``finalize_model_grads`` all-reduces its gradient over TP, like the sequence-parallel norm weights.
 
-Initialisation draws each head from its own generator seeded by (init_seed, global head index),
-so TP = 1, 2, 4 start from the same function for the same seed. The statistics that scale W and set c are computed from the full G: each chunk's partial output is
-all-reduced over TP before it is accumulated.
+Parameters are created as megatron-core's own layers create theirs: in ``config.params_dtype``, on the
+current CUDA device (or the CPU under ``use_cpu_initialization`` or without CUDA), and initialised only when
+``config.perform_initialization`` (a checkpoint load overwrites them otherwise). Initialisation draws each
+head from its own generator seeded by (init_seed, global head index), so TP = 1, 2, 4 start from the same
+function for the same seed; low-precision parameters are initialised in fp32 and rounded once. The
+statistics that scale W and set c are computed on the parameters' device from the full G: each chunk's
+partial output is all-reduced over TP (on the group's device) before it is accumulated.
 
 Compute modes (``LEVConfig.compute_mode``): ``token`` evaluates G at every position, ``unique``
 once per distinct id of the micro-batch, ``table`` once per optimizer step over all V ids
-(``begin_table_step`` / ``finish_table_step``; the training loop calls them around the
-micro-batches of a step, and ``finish_table_step`` pushes the accumulated row gradients back
-through G once).
+(``lev.layer.TableStep``: the first forward with grad of a step evaluates the table; the training loop
+calls ``finish_table_step`` after the last backward, which pushes the accumulated row gradients back
+through G with one gradient delivery per parameter, as megatron DDP's overlapped grad reduce expects).
+Starting the table inside forward, not before the schedule, also means it is computed after megatron
+DDP's forward pre-hooks have finished any overlapped parameter all-gather.
 """
 
 from __future__ import annotations
@@ -47,16 +53,24 @@ from megatron_lev.lev.config import LEVConfig
 from megatron_lev.lev.layer import (
     LEVHeads,
     LEVSeed,
+    TableStep,
     check_token_ids,
     compute_table,
-    lev_initialize,
-    table_backward,
+    initialize_lev_parameters,
 )
+from megatron_lev.parallel.collectives import all_reduce_
 
 __all__ = ["LEVParallelEmbedding"]
 
 # Parameters of LEVHeads; all have the head index as dim 0.
 _HEAD_PARAMS = ("proj_weight", "proj_bias", "norm_weight", "norm_bias", "delta", "out_weight")
+
+
+def parameter_device(config: TransformerConfig) -> torch.device:
+    """Where megatron-core's layers create their parameters for ``config``."""
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class LEVParallelEmbedding(MegatronModule):
@@ -85,11 +99,12 @@ class LEVParallelEmbedding(MegatronModule):
         self._tp_size = tp_size
         self.init_seed = int(init_seed)
 
-        self.seed = LEVSeed(vocab_size, lev_config, base=self.base)
+        kw = dict(device=parameter_device(config), dtype=config.params_dtype, initialize=False)
+        self.seed = LEVSeed(vocab_size, lev_config, base=self.base, **kw)
         self.heads = LEVHeads(
-            lev_config, self.hidden_size, self.num_local_heads, head_offset=tp_rank * self.num_local_heads
+            lev_config, self.hidden_size, self.num_local_heads, head_offset=tp_rank * self.num_local_heads, **kw
         )
-        self.offset = torch.nn.Parameter(torch.zeros(self.hidden_size))
+        self.offset = torch.nn.Parameter(torch.zeros(self.hidden_size, device=kw["device"], dtype=kw["dtype"]))
 
         for name in _HEAD_PARAMS:
             set_tensor_model_parallel_attributes(getattr(self.heads, name), True, 0, 1)
@@ -97,30 +112,24 @@ class LEVParallelEmbedding(MegatronModule):
         # full-sequence output (scattered later by the caller) already gives every rank c's full grad.
         self.offset.sequence_parallel = bool(config.sequence_parallel and reduce_scatter_embeddings)
 
-        self.register_buffer("_seen", torch.zeros(self.vocab_size, dtype=torch.bool), persistent=False)
-        self._table: Optional[torch.Tensor] = None
-        self.reset_parameters(init_statistics=init_statistics)
+        self._table_step = TableStep(self.vocab_size, lev_config.chunk_size)
+        if config.perform_initialization:
+            self.reset_parameters(init_statistics=init_statistics)
 
     # ------------------------------------------------------------------ init
     def _reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
         if self._tp_size == 1:
             return partial
-        partial = partial.contiguous()
-        torch.distributed.all_reduce(partial, group=parallel_state.get_tensor_model_parallel_group())
-        return partial
+        return all_reduce_(partial.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
 
     @torch.no_grad()
     def reset_parameters(self, init_statistics: bool = True) -> None:
         """Random init per head, then (optionally) scale W so each coordinate of G has std
         ``init_method_std`` over the vocabulary and set c = -mean; the statistics see the full G."""
-        self.seed.reset_parameters(self.init_seed)
-        self.heads.reset_parameters(self.init_seed)
-        self.offset.zero_()
-        if init_statistics:
-            lev_initialize(
-                self.seed, self.heads, self.offset, self.vocab_size, self.lev_config,
-                self.config.init_method_std, reduce_fn=self._reduce_partial, sample_seed=self.init_seed,
-            )
+        initialize_lev_parameters(
+            self.seed, self.heads, self.offset, self.vocab_size, self.lev_config, self.config.init_method_std,
+            init_seed=self.init_seed, statistics=init_statistics, reduce_fn=self._reduce_partial,
+        )
 
     # --------------------------------------------------------------- forward
     def _partial(self, ids: torch.Tensor) -> torch.Tensor:
@@ -135,12 +144,10 @@ class LEVParallelEmbedding(MegatronModule):
         b, s = input_ids.shape
         flat = input_ids.reshape(-1)
         mode = self.lev_config.compute_mode
-        if mode == "table" and (torch.is_grad_enabled() or self._table is not None):
-            if self._table is None:
-                # First micro-batch of a step without an explicit begin: start the step here.
-                self.begin_table_step()
-            self._seen[flat] = True
-            partial = F.embedding(flat, self._table)
+        if mode == "table" and (torch.is_grad_enabled() or self._table_step.active):
+            if not self._table_step.active:
+                self.begin_table_step()  # first micro-batch of the step
+            partial = self._table_step.lookup(flat)
         elif mode == "token":
             partial = self._partial(flat)
         else:  # "unique", and "table" outside training (no grad, no table)
@@ -154,22 +161,19 @@ class LEVParallelEmbedding(MegatronModule):
         return emb + self.offset.to(emb.dtype)
 
     # ------------------------------------------------------------ table mode
+    @property
+    def compute_mode(self) -> str:
+        return self.lev_config.compute_mode
+
     @torch.no_grad()
     def begin_table_step(self) -> None:
         """Evaluate this rank's partial G over all V ids once; micro-batches gather rows from it."""
-        table = compute_table(self._partial, self.vocab_size, self.lev_config.chunk_size, self.offset.device)
-        self._table = table.requires_grad_(True)
-        self._seen.zero_()
+        self._table_step.begin(self._partial, self.offset.device)
 
     def finish_table_step(self) -> None:
-        """Push the rows' accumulated gradients back through G (chunked, only ids that occurred)."""
-        table, self._table = self._table, None
-        if table is None or table.grad is None:
-            return
-        # Every TP rank saw the same ids, so all ranks run the same chunks (and collectives).
-        rows = torch.nonzero(self._seen, as_tuple=False).squeeze(1)
-        table_backward(self._partial, table.grad, self.lev_config.chunk_size, rows=rows)
-        self._seen.zero_()
+        """Push the rows' accumulated gradients back through G (chunked, only ids that occurred), with
+        one gradient delivery per parameter. Every TP rank saw the same ids, so all run the same chunks."""
+        self._table_step.finish(self._partial, list(self.seed.parameters()) + list(self.heads.parameters()))
 
     # ---------------------------------------------------------------- export
     @torch.no_grad()

@@ -9,10 +9,12 @@
 One iteration = one optimizer step over ``global_batch_size`` samples, in
 ``num_microbatches = global / (micro x data-parallel)`` micro-batches per data-parallel rank.
 
-LEV ``table`` compute mode: ``begin_table_step()`` on every LEV module before the micro-batches
-(G evaluated once over the vocabulary), ``finish_table_step()`` after the last backward and
-before the gradient reduction (the accumulated row gradients go back through G), i.e. as the first
-thing of the finalize-grads hook that the schedule calls.
+LEV ``table`` compute mode: the first forward of a step evaluates G once over the vocabulary (inside
+the module, so after megatron DDP's forward pre-hooks have finished an overlapped parameter
+all-gather); ``finish_table_step()`` runs after the last backward and before the gradient reduction
+(the accumulated row gradients go back through G with one gradient delivery per parameter, which is
+what megatron DDP's overlapped grad reduce counts on), as the first thing of the finalize-grads hook
+that the schedule calls.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+
+from megatron_lev.parallel.collectives import all_reduce_
 
 from . import checkpointing
 from .arguments import ConfigError, config_to_yaml, format_config, parse_args, resolved_config
@@ -68,9 +72,7 @@ class SignalHandler:
         self.received = True
 
     def any_rank_received(self) -> bool:
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return _any_rank(self.received)
 
     def release(self) -> None:
         signal.signal(self.sig, self._prev)
@@ -240,10 +242,7 @@ def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Optional[fl
     if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
         for d in losses_reduced:
             buf += d["lm loss"].double().cpu()
-    if torch.cuda.is_available():
-        buf = buf.cuda()
-    torch.distributed.all_reduce(buf)
-    buf = buf.cpu()
+    all_reduce_(buf)
     if buf[1] <= 0:
         return None
     return float(buf[0] / buf[1])
@@ -266,11 +265,9 @@ def _grads_finite(model) -> bool:
 
 
 def _any_rank(flag: bool) -> bool:
+    """True if ``flag`` is set on any rank (the collective runs on the world group's device)."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    if torch.cuda.is_available():
-        t = t.cuda()
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+    return bool(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
 
 
 def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modules):
@@ -279,8 +276,7 @@ def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modu
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    for m in table_modules:
-        m.begin_table_step()
+    # LEV table mode: the table is built by the step's first forward and consumed in finalize.
     losses_reduced = get_forward_backward_func()(
         forward_step_func=partial(_forward_step, state, args), data_iterator=train_iter, model=model,
         num_microbatches=args.num_microbatches, seq_length=args.seq_length,
@@ -331,6 +327,15 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
 
 # ------------------------------------------------------------------------------------------------
 # the run
+
+
+def _will_load_checkpoint(args) -> bool:
+    if not args.load or not os.path.isdir(args.load):
+        return False
+    try:
+        return checkpointing.find_checkpoint(args.load) is not None
+    except checkpointing.CheckpointError:
+        return False  # reported by the load itself
 
 
 def _count_params(model) -> int:
@@ -417,6 +422,10 @@ def _run(args, tokenizer, config, model_config) -> int:
     logger.set_config(cfg)
 
     _set_seed(args.seed)
+    if _will_load_checkpoint(args):
+        # Every weight is about to come from the checkpoint: skip the initialisation (for LEV, its
+        # statistics over the vocabulary), as megatron-core's layers do without perform_initialization.
+        config.perform_initialization = False
     chunks = build_model_chunks(args, config, model_config)
     from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 

@@ -45,6 +45,7 @@ def model_config_from_args(args):
         activation="swiglu" if args.swiglu else "gelu",
         add_bias_linear=not args.disable_bias_linear,
         transformer_impl=args.transformer_impl,
+        init_seed=args.seed,
     )
 
 

@@ -51,6 +51,7 @@ def _build(mode: str, sequence_parallel: bool):
     config = TransformerConfig(
         num_layers=1, hidden_size=D, num_attention_heads=4, use_cpu_initialization=True,
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, init_method_std=0.02,
+        params_dtype=torch.float64,
     )
     torch.manual_seed(1234)  # the same CPU stream on every rank, as Megatron's CPU initialisation
     return LEVParallelEmbedding(

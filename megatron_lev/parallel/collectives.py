@@ -1,0 +1,47 @@
+"""Collectives on the device their process group needs.
+
+NCCL takes only CUDA tensors and gloo only CPU tensors (for the operations used here), so a collective
+on a tensor that lives elsewhere (an initialisation statistic computed under ``use_cpu_initialization``,
+a host-side flag) is moved to the group's device and the result copied back in place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["group_device", "all_reduce_", "broadcast_"]
+
+
+def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device whose tensors a collective on ``group`` (default: the world) takes."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` wherever it lives; returns ``tensor``."""
+    device = group_device(group)
+    if tensor.device == device and tensor.is_contiguous():
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+    work = tensor.to(device).contiguous()
+    dist.all_reduce(work, op=op, group=group)
+    tensor.copy_(work)
+    return tensor
+
+
+def broadcast_(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """In-place broadcast of ``tensor`` from global rank ``src`` wherever it lives; returns ``tensor``."""
+    device = group_device(group)
+    if tensor.device == device and tensor.is_contiguous():
+        dist.broadcast(tensor, src=src, group=group)
+        return tensor
+    work = tensor.to(device).contiguous()
+    dist.broadcast(work, src=src, group=group)
+    tensor.copy_(work)
+    return tensor
