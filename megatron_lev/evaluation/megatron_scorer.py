@@ -178,7 +178,7 @@ def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 
     cfg, iteration, path = checkpoint_config(load_dir)
     args = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
     config, model_config = build_configs(args)
-    config.perform_initialization = False  # every weight comes from the checkpoint
+    model_config.weights_from_checkpoint = True
     chunks = build_model_chunks(args, config, model_config)
     if torch.cuda.is_available():
         chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]

@@ -10,7 +10,7 @@ chunk's phi in the backward pass. Its extra peak memory is O(N h r + N h product
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -200,7 +200,7 @@ class _SeparableProduct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, delta, num_knots, basis, product_chunk, log_eps):
+    def forward(ctx, x, delta, num_knots, basis, product_chunk, log_eps, log_form_only):
         dtype = compute_dtype(x, delta)
         n, h, ds = x.shape
         r = delta.shape[-1]
@@ -233,9 +233,13 @@ class _SeparableProduct(torch.autograd.Function):
             return logsum, sign, bad, zeros
 
         with torch.no_grad():
-            logsum, sign, bad, zeros = run(log_form=False)
-            # One host sync per call decides the form (the values are identical up to rounding).
-            fast_forward = not bool(bad)
+            if not log_form_only:
+                logsum, sign, bad, zeros = run(log_form=False)
+                # One host sync per call decides the form (the values are identical up to rounding).
+                fast_forward = not bool(bad)
+            else:
+                # No host sync (accelerators): the log form, exact for every magnitude, throughout.
+                fast_forward = False
             if not fast_forward:
                 logsum, sign, _, zeros = run(log_form=True)
             lo, hi = math.log(_LO), math.log(_HI)
@@ -293,7 +297,7 @@ class _SeparableProduct(torch.autograd.Function):
             grad_x = grad_x.permute(2, 0, 1).to(x.dtype)
         if need_delta:
             grad_delta = grad_delta.to(delta.dtype)
-        return grad_x, grad_delta, None, None, None, None
+        return grad_x, grad_delta, None, None, None, None, None
 
 
 def separable_product(
@@ -304,12 +308,15 @@ def separable_product(
     basis: str = "dense",
     product_chunk: int = 16,
     log_eps: float = 1e-30,
+    log_form_only: Optional[bool] = None,
 ) -> torch.Tensor:
     """Rank-r separable product M[n, l, rho] = prod_d (1 + sum_j Bhat_j(x[n, l, d]) delta[l, d, j, rho]).
 
     x: [N, h, d_s] coordinates in [0, 1]; delta: [h, d_s, kappa, r] (S = 1 + delta).
     Returns M [N, h, r] in max(fp32, input dtype). Never holds the N x h x d_s x r factor tensor:
     peak extra memory is O(N h r + N h product_chunk r). ``basis`` is "dense" or "sparse".
+    ``log_form_only`` (default: True off the CPU) skips the direct-product fast path, whose choice costs a
+    host sync per call; the values agree up to rounding.
     """
     if x.dim() != 3 or delta.dim() != 4:
         raise ValueError(f"separable_product expects x [N, h, d_s] and delta [h, d_s, kappa, r], got "
@@ -328,7 +335,11 @@ def separable_product(
         basis = "sparse" if x.device.type == "cuda" else "dense"
     if basis not in ("dense", "sparse"):
         raise ValueError(f"separable_product: basis must be 'dense', 'sparse' or 'fused', got {basis!r}")
-    return _SeparableProduct.apply(x, delta, int(num_knots), basis, max(1, int(product_chunk)), float(log_eps))
+    if log_form_only is None:
+        log_form_only = x.device.type != "cpu"
+    return _SeparableProduct.apply(
+        x, delta, int(num_knots), basis, max(1, int(product_chunk)), float(log_eps), bool(log_form_only)
+    )
 
 
 # Fused kernels by device type, registered by accelerator modules (megatron_lev.kernels) so that this

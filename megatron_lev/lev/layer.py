@@ -54,7 +54,6 @@ __all__ = [
     "lev_init_statistics",
     "lev_init_scale",
     "apply_lev_init",
-    "lev_initialize",
     "initialize_lev_parameters",
     "check_token_ids",
     "compute_table",
@@ -300,32 +299,6 @@ def apply_lev_init(heads_module: nn.Module, scale) -> None:
 
 
 @torch.no_grad()
-def lev_initialize(
-    seed_module: nn.Module,
-    heads_module: nn.Module,
-    offset: Optional[torch.Tensor],
-    vocab_size: int,
-    config: LEVConfig,
-    init_method_std: float,
-    *,
-    reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-    sample_seed: int = 0,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rescale W so each coordinate of G has std init_method_std over the vocabulary; set c = -mean.
-
-    Returns (scale [D], mean [D] of the pre-offset output before scaling), fp64. ``offset`` may be None
-    (a wrapper that owns c then sets c = -(scale * mean) itself).
-    """
-    sample = lev_init_sample_ids(vocab_size, config.init_sample_size, sample_seed)
-    sums = lev_init_statistics(seed_module, heads_module, vocab_size, config.chunk_size, sample, reduce_fn)
-    scale, mean = lev_init_scale(*sums, init_method_std)
-    apply_lev_init(heads_module, scale)
-    if offset is not None:
-        offset.copy_((-(scale * mean)).to(device=offset.device, dtype=offset.dtype))
-    return scale, mean
-
-
-@torch.no_grad()
 def initialize_lev_parameters(
     seed_module: nn.Module,
     heads_module: nn.Module,
@@ -356,10 +329,12 @@ def initialize_lev_parameters(
     if offset_w is not None:
         offset_w.zero_()
     if statistics:
-        lev_initialize(
-            seed_w, heads_w, offset_w, vocab_size, config, init_method_std,
-            reduce_fn=reduce_fn, sample_seed=init_seed,
-        )
+        sample = lev_init_sample_ids(vocab_size, config.init_sample_size, init_seed)
+        sums = lev_init_statistics(seed_w, heads_w, vocab_size, config.chunk_size, sample, reduce_fn)
+        scale, mean = lev_init_scale(*sums, init_method_std)
+        apply_lev_init(heads_w, scale)
+        if offset_w is not None:
+            offset_w.copy_((-(scale * mean)).to(device=offset_w.device, dtype=offset_w.dtype))
     if low:
         for dst, src in zip(list(seed_module.parameters()) + list(heads_module.parameters()),
                             list(seed_w.parameters()) + list(heads_w.parameters())):

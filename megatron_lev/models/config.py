@@ -76,6 +76,12 @@ class LevModelConfig:
     """Seed of the LEV initialisation (codebooks, per-head streams, id sample) and of the factored_mlp
     codebooks (flag --seed). The same seed gives the same initial function at any TP size."""
 
+    weights_from_checkpoint: bool = False
+    """The weights are about to be loaded from a checkpoint (resume, evaluation): the LEV layer skips its
+    initialisation, whose statistics pass over the whole vocabulary. Megatron's own layers still
+    initialise: in megatron-core 0.16.1 ``perform_initialization=False`` also skips setting their
+    tensor-parallel attributes, which the gradient norm relies on."""
+
     albert_dim: Optional[int] = None
     """e of the albert arm (V x e table, then e -> D); None = parameter-matched to LEV
     (flag --albert-dim)."""

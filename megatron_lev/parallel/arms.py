@@ -285,7 +285,8 @@ def build_arm(arm: str, *, config, vocab_size: int, model_config, reduce_scatter
     if arm == "lev":
         return LEVParallelEmbedding(config=config, lev_config=model_config.lev, vocab_size=vocab_size,
                                     reduce_scatter_embeddings=reduce_scatter_embeddings,
-                                    init_seed=model_config.init_seed)
+                                    init_seed=model_config.init_seed,
+                                    initialize=not model_config.weights_from_checkpoint)
     w = model_config.resolved_widths(config.hidden_size)
     if arm == "albert":
         return AlbertEmbedding(config=config, vocab_size=vocab_size, albert_dim=w["albert_dim"],

@@ -23,25 +23,20 @@ def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
+def _on_group_device(tensor: torch.Tensor, group, collective) -> torch.Tensor:
+    device = group_device(group)
+    work = tensor if tensor.device == device and tensor.is_contiguous() else tensor.to(device).contiguous()
+    collective(work)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
 def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """In-place all-reduce of ``tensor`` wherever it lives; returns ``tensor``."""
-    device = group_device(group)
-    if tensor.device == device and tensor.is_contiguous():
-        dist.all_reduce(tensor, op=op, group=group)
-        return tensor
-    work = tensor.to(device).contiguous()
-    dist.all_reduce(work, op=op, group=group)
-    tensor.copy_(work)
-    return tensor
+    return _on_group_device(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group))
 
 
 def broadcast_(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """In-place broadcast of ``tensor`` from global rank ``src`` wherever it lives; returns ``tensor``."""
-    device = group_device(group)
-    if tensor.device == device and tensor.is_contiguous():
-        dist.broadcast(tensor, src=src, group=group)
-        return tensor
-    work = tensor.to(device).contiguous()
-    dist.broadcast(work, src=src, group=group)
-    tensor.copy_(work)
-    return tensor
+    return _on_group_device(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))

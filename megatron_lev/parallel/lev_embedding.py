@@ -16,7 +16,7 @@ Layout (spec, "Tensor parallelism"):
 
 Parameters are created as megatron-core's own layers create theirs: in ``config.params_dtype``, on the
 current CUDA device (or the CPU under ``use_cpu_initialization`` or without CUDA), and initialised only when
-``config.perform_initialization`` (a checkpoint load overwrites them otherwise). Initialisation draws each
+``config.perform_initialization`` and ``initialize`` (False when a checkpoint load overwrites them). Initialisation draws each
 head from its own generator seeded by (init_seed, global head index), so TP = 1, 2, 4 start from the same
 function for the same seed; low-precision parameters are initialised in fp32 and rounded once. The
 statistics that scale W and set c are computed on the parameters' device from the full G: each chunk's
@@ -85,6 +85,7 @@ class LEVParallelEmbedding(MegatronModule):
         reduce_scatter_embeddings: bool = False,
         init_seed: int = 0,
         init_statistics: bool = True,
+        initialize: bool = True,
     ):
         super().__init__(config=config)
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -113,7 +114,7 @@ class LEVParallelEmbedding(MegatronModule):
         self.offset.sequence_parallel = bool(config.sequence_parallel and reduce_scatter_embeddings)
 
         self._table_step = TableStep(self.vocab_size, lev_config.chunk_size)
-        if config.perform_initialization:
+        if initialize and config.perform_initialization:
             self.reset_parameters(init_statistics=init_statistics)
 
     # ------------------------------------------------------------------ init

@@ -236,7 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON line per iteration/evaluation with exact values (rank 0)")
     g.add_argument("--quiet-config", action="store_true", help="do not print the resolved config at start-up")
+    _add_negations(p)
     return p
+
+
+def _add_negations(p: argparse.ArgumentParser) -> None:
+    """Give every on/off flag a ``--no-...`` form, so a value set by ``--config`` can be turned off on the
+    command line (e.g. ``--config 400m.yaml --no-overlap-grad-reduce``)."""
+    taken = set(p._option_string_actions)
+    for action in list(p._actions):
+        if not isinstance(action, argparse._StoreTrueAction):
+            continue
+        for opt in action.option_strings:
+            if opt.startswith("--") and "_" not in opt and not opt.startswith("--no-") and f"--no-{opt[2:]}" not in taken:
+                p.add_argument(f"--no-{opt[2:]}", dest=action.dest, action="store_false",
+                               help=f"turn {opt} off (when a --config file sets it)")
 
 
 # ----------------------------------------------------------------------------------------------

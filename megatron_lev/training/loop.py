@@ -88,28 +88,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_distributed(args) -> None:
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
-    cuda = torch.cuda.is_available()
-    backend = args.distributed_backend or ("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    torch.distributed.init_process_group(
-        backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(minutes=args.distributed_timeout_minutes),
-    )
+def _init_distributed(args) -> bool:
+    """Process group (unless one exists already) and megatron's parallel state; True if the default
+    process group was created here (and is destroyed at the end of the run)."""
     from megatron.core import parallel_state as ps
 
+    # Inside a running job (several runs in one process group) only the parallel state is new.
+    own = not torch.distributed.is_initialized()
+    if own:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        cuda = torch.cuda.is_available()
+        backend = args.distributed_backend or ("nccl" if cuda else "gloo")
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group(
+            backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
+    return own
 
 
 def _set_seed(seed: int) -> None:
@@ -347,7 +353,11 @@ def _count_params(model) -> int:
 
 
 def pretrain(argv: Optional[List[str]] = None) -> int:
-    """Entry point of pretrain_lev.py; returns the process exit code."""
+    """Entry point of pretrain_lev.py; returns the process exit code.
+
+    Inside a process that already holds a default process group (e.g. several runs in one torchrun
+    job) the run uses it and leaves it in place; megatron's parallel state is set up and torn down
+    per run either way."""
     rank_env = int(os.environ.get("RANK", "0"))
     if not torch.cuda.is_available():
         from megatron_lev import compat
@@ -359,7 +369,7 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         if rank_env == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
-    _init_distributed(args)
+    own_group = _init_distributed(args)
     try:
         return _run(args, tokenizer, config, model_config)
     except _StartupError as e:
@@ -371,7 +381,8 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
             from megatron.core import parallel_state as ps
 
             ps.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
+            if own_group:
+                torch.distributed.destroy_process_group()
         except Exception:
             pass
 
@@ -422,10 +433,8 @@ def _run(args, tokenizer, config, model_config) -> int:
     logger.set_config(cfg)
 
     _set_seed(args.seed)
-    if _will_load_checkpoint(args):
-        # Every weight is about to come from the checkpoint: skip the initialisation (for LEV, its
-        # statistics over the vocabulary), as megatron-core's layers do without perform_initialization.
-        config.perform_initialization = False
+    # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
+    model_config.weights_from_checkpoint = _will_load_checkpoint(args)
     chunks = build_model_chunks(args, config, model_config)
     from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 

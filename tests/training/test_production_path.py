@@ -1,0 +1,113 @@
+"""The production path on CPU ranks: what the GPU path shares with the CPU path, checked where CPU can.
+
+One 4-rank torchrun job (TP=2 x DP=2, gloo) runs, in one process group:
+- each shipped ``examples/pile/configs/*.yaml`` as a user runs it (bf16, LEV table mode, distributed
+  optimizer, overlapped grad reduce), with only the sizes scaled down (layers, widths, vocabulary,
+  batch, iterations), and the same run with ``--no-overlap-grad-reduce``: losses and grad norms equal;
+- LEV at TP=2 with the distributed optimizer in unique and table mode: an uninterrupted run and a run
+  stopped after iteration 2 and resumed give bit-identical losses and grad norms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "examples" / "pile" / "configs").glob("*.yaml"))
+
+# Sizes only: every other setting comes from the shipped file.
+SCALE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "16", "--train-iters", "3", "--lr-warmup-iters", "1", "--mock-data",
+         "--vocab-size", "1000", "--tensor-model-parallel-size", "2", "--log-interval", "1",
+         "--eval-iters", "0", "--quiet-config", "--lev-chunk-size", "300"]
+
+LEV_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3",
+            "--mock-data", "--vocab-size", "1000", "--log-interval", "1", "--eval-iters", "0", "--quiet-config",
+            "--input-embedding", "lev", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+            "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2", "--lev-knots", "8",
+            "--lev-chunk-size", "64"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(path: Path) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["iteration"]: r for r in rows if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("production")
+    plan = []
+    for cfg in CONFIGS:
+        for overlap in ("on", "off"):
+            name = f"{cfg.stem}-{overlap}"
+            argv = ["--config", str(cfg), *SCALE, "--input-embedding", "lev", "--save", str(tmp / name),
+                    "--metrics-file", str(tmp / f"{name}.jsonl")]
+            if overlap == "off":
+                argv.append("--no-overlap-grad-reduce")
+            plan.append({"name": name, "argv": argv})
+    for mode in ("unique", "table"):
+        extra = ["--lev-compute-mode", mode] + (["--overlap-grad-reduce"] if mode == "table" else [])
+        ck = str(tmp / f"resume-{mode}")
+        plan.append({"name": f"{mode}-full", "argv": LEV_TINY + extra + [
+            "--metrics-file", str(tmp / f"{mode}-full.jsonl")]})
+        plan.append({"name": f"{mode}-first", "argv": LEV_TINY + extra + [
+            "--save", ck, "--exit-interval", "2", "--metrics-file", str(tmp / f"{mode}-first.jsonl")]})
+        plan.append({"name": f"{mode}-resumed", "argv": LEV_TINY + extra + [
+            "--load", ck, "--save", ck, "--metrics-file", str(tmp / f"{mode}-resumed.jsonl")]})
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(_free_port()),
+           str(REPO / "tests" / "training" / "_multi_run.py"), str(tmp / "plan.json"), str(tmp / "codes.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=str(REPO))
+    assert r.returncode == 0, f"STDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}"
+    codes = json.loads((tmp / "codes.json").read_text())
+    assert all(c == 0 for c in codes.values()), codes
+    return tmp, r.stdout
+
+
+@pytest.mark.parametrize("config", [c.stem for c in CONFIGS])
+def test_shipped_pile_config_trains_with_overlap_like_without(runs, config):
+    tmp, stdout = runs
+    on, off = _metrics(tmp / f"{config}-on.jsonl"), _metrics(tmp / f"{config}-off.jsonl")
+    assert sorted(on) == sorted(off) == [1, 2, 3]
+    for i in on:
+        assert on[i]["lm loss"] == off[i]["lm loss"], (config, i)
+        assert on[i]["grad norm"] == pytest.approx(off[i]["grad norm"], rel=1e-6), (config, i)
+        assert on[i]["grad norm"] > 0 and not on[i]["skipped"]
+    # The shipped file's own settings were in force: bf16, LEV in table mode, distributed optimizer.
+    cfg = (tmp / f"{config}-on" / "iter_0000003" / "config.yaml").read_text()
+    for setting in ("bf16: true", "lev_compute_mode: table", "use_distributed_optimizer: true",
+                    "overlap_grad_reduce: true"):
+        assert setting in cfg.splitlines(), setting
+
+
+@pytest.mark.parametrize("mode", ["unique", "table"])
+def test_lev_resume_is_bit_exact_at_tp2_with_distributed_optimizer(runs, mode):
+    tmp, _ = runs
+    full = _metrics(tmp / f"{mode}-full.jsonl")
+    first = _metrics(tmp / f"{mode}-first.jsonl")
+    resumed = _metrics(tmp / f"{mode}-resumed.jsonl")
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    for i in (1, 2):
+        assert first[i]["lm loss hex"] == full[i]["lm loss hex"]
+    for i in (3, 4):
+        assert resumed[i]["lm loss hex"] == full[i]["lm loss hex"], (mode, i)
+        assert resumed[i]["grad norm"] == full[i]["grad norm"], (mode, i)
