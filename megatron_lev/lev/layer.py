@@ -139,11 +139,12 @@ class LEVSeed(nn.Module):
         _normal_(self.codebooks, CODEBOOK_STD, lev_init_generator(seed, 0))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] (in [0, V), unchecked here) -> z [..., d_s]."""
+        """ids [...] (in [0, V), unchecked here) -> z [..., d_s], summed in max(fp32, parameter dtype)."""
         digits = token_digits(ids, self.base, self.num_digits)
         flat = digits + torch.arange(self.num_digits, device=ids.device) * self.base
         table = self.codebooks.view(self.num_digits * self.base, self.seed_dim)
-        return F.embedding(flat, table).sum(dim=-2)
+        rows = F.embedding(flat, table)
+        return rows.to(torch.promote_types(rows.dtype, torch.float32)).sum(dim=-2)
 
 
 class LEVHeads(nn.Module):
@@ -217,10 +218,15 @@ class LEVHeads(nn.Module):
         )
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        """z [..., d_s] -> sum over these heads of W_l M_l, [..., D], in out_weight's dtype."""
+        """z [..., d_s] -> sum over these heads of W_l M_l, [..., D], in max(fp32, parameter dtype).
+
+        The projection and the sum over heads stay in at least fp32: the offset c added afterwards
+        nearly cancels the vocabulary mean of this sum, so rounding it to bf16 first would cost about
+        ten times a bf16 rounding of G itself. The caller rounds G once, after adding c.
+        """
         lead = z.shape[:-1]
         m = self.modes(z.reshape(-1, z.shape[-1]))
-        out = torch.einsum("nhr,hdr->nd", m.to(self.out_weight.dtype), self.out_weight)
+        out = torch.einsum("nhr,hdr->nd", m, self.out_weight.to(m.dtype))
         return out.view(*lead, self.hidden_size)
 
 
@@ -525,8 +531,9 @@ class LEVEmbedding(nn.Module):
         )
 
     def compute(self, ids: torch.Tensor) -> torch.Tensor:
-        """G for a flat tensor of (valid) ids, [N] -> [N, D], with autograd."""
-        return self.heads(self.seed(ids)) + self.offset
+        """G for a flat tensor of (valid) ids, [N] -> [N, D], with autograd, in the parameters' dtype
+        (rounded once, after the offset is added)."""
+        return (self.heads(self.seed(ids)) + self.offset).to(self.offset.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_token_ids(ids, self.vocab_size)

@@ -134,7 +134,8 @@ class LEVParallelEmbedding(MegatronModule):
 
     # --------------------------------------------------------------- forward
     def _partial(self, ids: torch.Tensor) -> torch.Tensor:
-        """Sum over this rank's heads of W_l M_l for ids [N] -> [N, D] (no offset, not reduced)."""
+        """Sum over this rank's heads of W_l M_l for ids [N] -> [N, D] in max(fp32, parameter dtype)
+        (no offset, not reduced)."""
         z = self.seed(ids)
         if self._tp_size > 1:
             z = copy_to_tensor_model_parallel_region(z)
@@ -159,7 +160,8 @@ class LEVParallelEmbedding(MegatronModule):
             emb = reduce_scatter_to_sequence_parallel_region(emb)
         elif self._tp_size > 1:
             emb = reduce_from_tensor_model_parallel_region(emb)
-        return emb + self.offset.to(emb.dtype)
+        # Partial sums arrive (and are reduced) in at least fp32; G is rounded once, after c is added.
+        return (emb + self.offset.to(emb.dtype)).to(self.offset.dtype)
 
     # ------------------------------------------------------------ table mode
     @property
