@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Tokenise jsonl(.gz/.zst) into megatron-core .bin/.idx (flags follow Megatron-LM's tool).
 
-Exit status: 0 done (bad lines, if any, are skipped and reported); 1 bad input with --strict;
-2 usage or setup error (bad flags, missing input, existing output without --overwrite).
+Exit status: 0 done (bad lines, if any, are skipped and reported); 1 bad input with --strict, or a
+truncated/corrupt input file (unless --allow-truncated-input); 2 usage or setup error (bad flags, missing input, existing output without --overwrite).
 """
 
 import argparse
@@ -23,6 +23,9 @@ def parse_args(argv=None):
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
     g.add_argument("--pile-set-name", nargs="+", default=None, help="keep only docs whose meta.pile_set_name is one of these")
     g.add_argument("--strict", action="store_true", help="stop at the first bad input line (exit 1)")
+    g.add_argument("--allow-truncated-input", action="store_true",
+                   help="keep the complete lines of a truncated or corrupt input file (reported) instead "
+                        "of stopping with exit 1")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--vocab-file", default=None)
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
         vocab_size=a.vocab_size, tiktoken_pattern=a.tiktoken_pattern, json_keys=a.json_keys,
         append_eod=a.append_eod, workers=a.workers, log_interval=a.log_interval,
         partitions=a.partitions, partition_index=a.partition_index or 0,
-        pile_set_names=a.pile_set_name, strict=a.strict, overwrite=a.overwrite,
+        pile_set_names=a.pile_set_name, strict=a.strict, allow_truncated_input=a.allow_truncated_input,
+        overwrite=a.overwrite,
         output_token_counts=a.output_token_counts, batch_docs=a.batch_docs,
         progress=False if a.no_progress_bar else None,
     )

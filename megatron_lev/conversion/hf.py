@@ -234,10 +234,10 @@ class ShardedSafetensorsWriter:
         self.total_size += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
+        from .files import save_safetensors
 
         tmp = os.path.join(self.out_dir, f".shard-{len(self._shards):05d}.safetensors")
-        save_file(self._buf, tmp, metadata={"format": "pt"})
+        save_safetensors(self._buf, tmp)
         self._shards.append((tmp, list(self._buf)))
         self._buf, self._buf_bytes = {}, 0
 
@@ -457,9 +457,9 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
         vocab_rows = tok["vocab_size"]
     os.makedirs(out_dir, exist_ok=True)
     if overwrite:
-        for name in os.listdir(out_dir):
-            if name.startswith("model") and name.endswith((".safetensors", ".json")):
-                os.remove(os.path.join(out_dir, name))
+        from .files import clear_export_dir
+
+        clear_export_dir(out_dir)
     if progress:
         print(f"exporting {source.path} ({a['input_embedding']}, iteration {source.iteration}) -> {out_dir} "
               f"as LlamaForCausalLM ({dt})", flush=True)

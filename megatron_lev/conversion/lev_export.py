@@ -38,7 +38,7 @@ def _lev_module(model):
 
 def write_lev(model, a: Dict[str, Any], out_dir: str, table=None) -> None:
     """Write the LEV parameters of a TP=1 model (and their config) to ``out_dir``."""
-    from safetensors.torch import save_file
+    from .files import save_safetensors
 
     mod = _lev_module(model)
     os.makedirs(out_dir, exist_ok=True)
@@ -49,7 +49,7 @@ def write_lev(model, a: Dict[str, Any], out_dir: str, table=None) -> None:
             "init_method_std": float(a.get("init_method_std", 0.02)), "lev": cfg,
             "dtype": str(next(iter(tensors.values())).dtype).replace("torch.", ""),
             "source": {"input_embedding": a.get("input_embedding"), "iteration": a.get("_iteration")}}
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(tensors, os.path.join(out_dir, WEIGHTS_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
 

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from megatron_lev.data.indexed import IndexInfo, max_token_id, read_index_info
+from megatron_lev.data.indexed import IndexInfo, check_index_pointers, max_token_id, read_index_info
 from megatron_lev.data.preprocessing import token_counts_path
 
 Blend = Tuple[List[str], Optional[List[float]]]
@@ -61,9 +61,10 @@ def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check
     """Check one ``.bin/.idx`` pair; raise :class:`DatasetValidationError` naming the offending file.
 
     Checks: both files exist; the .idx header and size are sane; the .bin size equals
-    tokens x itemsize; and (``check_token_ids``) the largest id is < ``vocab_size``. The largest id
-    comes from the ``*_token_counts.npy`` file written by the preprocessing tool when it matches the
-    dataset (same total), otherwise from a vectorised scan of the .bin.
+    tokens x itemsize; the .idx pointers rise monotonically and stay inside the .bin; and
+    (``check_token_ids``) the largest id is < ``vocab_size``. The largest id comes from the
+    ``*_token_counts.npy`` file written by the preprocessing tool when it can be tied to this .bin
+    (same total, and written after the .bin was last modified), otherwise from a vectorised scan.
     """
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     for p in (idx, bin_):
@@ -80,10 +81,15 @@ def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check
             f"{bin_}: {actual} bytes but {idx} describes {info.num_tokens} tokens of {info.dtype} "
             f"({expected} bytes); the pair does not match (truncated or from different runs)"
         )
+    try:
+        check_index_pointers(idx, actual)
+    except ValueError as e:
+        raise DatasetValidationError(f"{idx}: corrupt index: {e}; preprocess the data again") from None
     if check_token_ids and vocab_size is not None and info.num_tokens:
         max_id = None
         counts_path = token_counts_path(prefix)
-        if os.path.isfile(counts_path):
+        # A .bin changed after its counts were written (mtime) is scanned: the counts may be stale.
+        if os.path.isfile(counts_path) and os.stat(counts_path).st_mtime_ns >= os.stat(bin_).st_mtime_ns:
             try:
                 counts = np.load(counts_path, mmap_mode="r")
                 if counts.ndim == 1 and int(counts.sum()) == info.num_tokens:

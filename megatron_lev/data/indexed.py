@@ -98,3 +98,27 @@ def max_token_id(bin_path: str, dtype, chunk: int = 1 << 26) -> int:
         best = max(best, int(mm[s : s + chunk].max()))
     del mm
     return best
+
+
+def check_index_pointers(idx_path: str, bin_size: int) -> None:
+    """ValueError unless the .idx's byte pointers rise monotonically and every sequence lies inside the
+    .bin, and its document boundaries rise from 0 to the sequence count (a damaged index would
+    otherwise fail deep inside megatron-core, or read the wrong tokens)."""
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    index = _IndexReader(idx_path, multimodal=False)
+    try:
+        ptr = np.asarray(index.sequence_pointers, dtype=np.int64)
+        ends = ptr + np.asarray(index.sequence_lengths, dtype=np.int64) * np.dtype(index.dtype).itemsize
+        docs = np.asarray(index.document_indices, dtype=np.int64)
+        if ptr.size:
+            if ptr[0] < 0 or np.any(np.diff(ptr) < 0):
+                i = 0 if ptr[0] < 0 else int(np.flatnonzero(np.diff(ptr) < 0)[0]) + 1
+                raise ValueError(f"sequence pointer {i} ({int(ptr[i])}) is out of order")
+            if np.any(ends > bin_size):
+                i = int(np.flatnonzero(ends > bin_size)[0])
+                raise ValueError(f"sequence {i} ends at byte {int(ends[i])}, past the end of the .bin ({bin_size} bytes)")
+        if docs.size and (docs[0] != 0 or docs[-1] != ptr.size or np.any(np.diff(docs) < 0)):
+            raise ValueError("document boundaries are not monotonic from 0 to the sequence count")
+    finally:
+        del index

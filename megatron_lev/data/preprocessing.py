@@ -46,7 +46,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_lev.data.indexed import BackgroundImport
-from megatron_lev.data.jsonl import expand_inputs, iter_lines
+from megatron_lev.data.jsonl import TruncatedInputError, expand_inputs, iter_lines
 
 ERROR_REASONS = ("invalid_utf8", "malformed_json", "missing_key", "non_string")
 SKIP_REASONS = ("blank", "empty", "filtered")
@@ -78,6 +78,7 @@ class PreprocessConfig:
     partition_index: int = 0
     pile_set_names: Optional[Sequence[str]] = None
     strict: bool = False
+    allow_truncated_input: bool = False  # keep the complete lines of a truncated/corrupt input (reported)
     overwrite: bool = False
     output_token_counts: bool = False
     batch_docs: int = 128
@@ -106,6 +107,7 @@ class PreprocessStats:
     examples: List[str] = field(default_factory=list)
     outputs: List[str] = field(default_factory=list)
     tokens_per_key: Dict[str, int] = field(default_factory=dict)
+    damaged: List[str] = field(default_factory=list)  # inputs cut short, kept with --allow-truncated-input
 
     @property
     def errors(self) -> int:
@@ -127,6 +129,8 @@ class PreprocessStats:
         if self.examples:
             lines.append("first bad lines:")
             lines += [f"  {e}" for e in self.examples]
+        for d in self.damaged:
+            lines.append(f"warning: {d} (kept, --allow-truncated-input)")
         return "\n".join(lines)
 
 
@@ -282,16 +286,24 @@ def encode_batch(batch: Tuple[int, List[int], List[bytes]]) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _damage_is_bad_input(lines: Iterator[Tuple[int, bytes]]) -> Iterator[Tuple[int, bytes]]:
+    try:
+        yield from lines
+    except TruncatedInputError as e:
+        raise BadInputError(f"{e}; nothing written (--allow-truncated-input keeps the complete lines)") from None
+
+
 def _iter_batches(
     files: Sequence[str], cfg: PreprocessConfig, stats: PreprocessStats
 ) -> Iterator[Tuple[int, List[int], List[bytes]]]:
     k_global = 0
     n_parts, part = cfg.partitions, cfg.partition_index
+    on_damage = stats.damaged.append if cfg.allow_truncated_input else None
     for fi, path in enumerate(files):
         linenos: List[int] = []
         lines: List[bytes] = []
         size = 0
-        for lineno, line in iter_lines(path):
+        for lineno, line in _damage_is_bad_input(iter_lines(path, on_damage=on_damage)):
             mine = n_parts == 1 or k_global % n_parts == part
             k_global += 1
             if not mine:
@@ -405,7 +417,23 @@ class _Writer:
         self.held.clear()
 
 
+def _check_writable(cfg: PreprocessConfig) -> None:
+    """Fail before reading any input when the outputs cannot be written."""
+    import tempfile
+
+    d = os.path.dirname(os.path.abspath(dataset_prefix(cfg.output_prefix, cfg.json_keys[0])))
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".write-test-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise PreprocessError(f"--output-prefix {cfg.output_prefix}: cannot write in {d} "
+                              f"({e.strerror or e}); choose a writable directory") from None
+
+
 def _check_outputs(cfg: PreprocessConfig) -> None:
+    _check_writable(cfg)
     for key in cfg.json_keys:
         pre = dataset_prefix(cfg.output_prefix, key)
         paths = [pre + ".bin", pre + ".idx"]

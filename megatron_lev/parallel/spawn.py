@@ -102,6 +102,15 @@ def _rank_main(rank, world, store_file, layout, seed, fn, args, kwargs, out_q, c
     out_q.put((rank, payload, error, one_line))
 
 
+def _died_silently(procs, reported: set) -> List[int]:
+    """Ranks that exited without putting their report on the queue.
+
+    A rank that reported may still be flushing the queue's feeder thread when it exits, so only a
+    non-zero exit of an unreported rank counts (a zero exit always follows a put).
+    """
+    return [r for r, p in enumerate(procs) if r not in reported and not p.is_alive() and p.exitcode]
+
+
 def spawn_ranks(
     fn: Callable,
     world_size: int,
@@ -138,32 +147,39 @@ def spawn_ranks(
     results: List[Any] = [None] * world_size
     errors: dict = {}
     received = 0
+    reported: set = set()
     deadline = time.monotonic() + timeout
+    grace = deadline
     try:
         while received < world_size:
+            now = time.monotonic()
             # Once a rank failed, give the others a short grace period, then stop waiting.
-            wait = deadline - time.monotonic()
-            if errors:
-                wait = min(wait, 10.0)
-            try:
-                rank, payload, error, one_line = out_q.get(timeout=max(wait, 0.1))
-            except queue_mod.Empty:
+            if now >= (grace if errors else deadline):
                 if errors:
                     break
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
                 raise failure_cls(
                     f"timed out after {timeout:.0f}s waiting for ranks; ranks that died: {dead or 'none'} "
-                    f"(exit codes {[procs[r].exitcode for r in dead]})"
-                ) from None
+                    f"(exit codes {[procs[r].exitcode for r in dead]})")
+            try:
+                # Short polls: a rank that dies without reporting is noticed at once, not at the deadline.
+                rank, payload, error, one_line = out_q.get(timeout=1.0)
+            except queue_mod.Empty:
+                silent = _died_silently(procs, reported)
+                if silent and not errors:
+                    raise failure_cls(
+                        f"rank(s) {silent} died without reporting (exit codes "
+                        f"{[procs[r].exitcode for r in silent]}); out of memory or killed?") from None
+                if errors and not any(p.is_alive() for r, p in enumerate(procs) if r not in reported):
+                    break
+                continue
+            reported.add(rank)
             received += 1
             results[rank] = _loads(payload)
             if error is not None:
+                if not errors:
+                    grace = time.monotonic() + 10.0
                 errors[rank] = (error, one_line)
-            elif not errors:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
-                if dead:  # killed without reporting (e.g. out of memory)
-                    raise failure_cls(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]}); "
-                                      "out of memory?")
     finally:
         for p in procs:
             p.join(timeout=2 if errors else 30)

@@ -160,8 +160,7 @@ class TikTokenizer(LevTokenizer):
             ranks = tiktoken.load.load_tiktoken_bpe(tokenizer_model)
             paths = (tokenizer_model,)
         else:
-            _require_file(vocab_file, "--vocab-file")
-            _require_file(merge_file, "--merge-file")
+            _check_gpt2_files(vocab_file, merge_file)
             ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(merge_file, vocab_file)
             paths = (vocab_file, merge_file)
         super().__init__(*paths, pattern=pattern)
@@ -396,6 +395,24 @@ def _require_file(path: Optional[str], flag: str) -> None:
         raise ValueError(f"this tokenizer needs {flag}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such tokenizer file ({flag})")
+
+
+def _check_gpt2_files(vocab_file: Optional[str], merge_file: Optional[str]) -> None:
+    """vocab.json must be a JSON object and merges.txt must not be one (the two are easily swapped)."""
+    _require_file(vocab_file, "--vocab-file")
+    _require_file(merge_file, "--merge-file")
+    with open(merge_file, "rb") as f:
+        head = f.read(64).lstrip()
+    swapped = "; are --vocab-file and --merge-file swapped?"
+    if head.startswith(b"{"):
+        raise ValueError(f"--merge-file {merge_file}: a JSON file, expected GPT-2 merges.txt{swapped}")
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"--vocab-file {vocab_file}: not a JSON vocabulary ({e}){swapped}") from None
+    if not isinstance(vocab, dict):
+        raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object of token -> id")
 
 
 TOKENIZER_TYPES = (

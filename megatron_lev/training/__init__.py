@@ -9,6 +9,9 @@ from .arguments import ConfigError, build_parser, parse_args, resolved_config
 
 
 def pretrain(argv=None) -> int:
+    from ._procutil import guard_process_tree
+
+    guard_process_tree()  # before the imports of the loop, which take seconds
     from .loop import pretrain as _pretrain
 
     return _pretrain(argv)

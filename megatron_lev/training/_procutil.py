@@ -2,16 +2,46 @@
 
 from __future__ import annotations
 
+import os
 import signal
+
+_PRCTL = None
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's prctl, loaded once (a forked child must not dlopen: another thread may hold the loader lock)."""
+    global _PRCTL
+    if _PRCTL is None:
+        try:
+            import ctypes
+
+            _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+        except (OSError, AttributeError):
+            _PRCTL = False
+    return _PRCTL
 
 
 def die_with_parent() -> None:
     """Linux: ask the kernel to SIGKILL this process when its parent dies (no-op elsewhere)."""
-    try:
-        import ctypes
+    prctl = _prctl()
+    if prctl:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+
+def guard_process_tree() -> None:
+    """Tie a training rank and everything it forks to the launcher's lifetime.
+
+    Every process this one forks from now on (dist_checkpointing's writer processes, data-loader
+    workers) gets the parent-death signal, so none outlives the rank. Under torchrun (which starts
+    each worker in its own session, out of reach of a signal to the launcher's process group) the
+    rank itself dies with the launcher; a rank whose launcher is already gone exits at once.
+    """
+    if not _prctl():
+        return
+    os.register_at_fork(after_in_child=die_with_parent)
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        return  # started from a shell: may legitimately outlive it (nohup)
+    die_with_parent()
+    if os.getppid() == 1:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -176,13 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM: save a checkpoint at the end of the current iteration and exit 0")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
-                   help="check loss and gradients for NaN/Inf every iteration; see --nan-action")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+                   default=True, help="check loss and gradients for NaN/Inf every iteration (the default); "
+                                      "see --nan-action")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="do not check every iteration (a checkpoint is still refused "
+                                              "when the parameters hold NaN/Inf)")
     g.add_argument("--nan-action", default="save-and-stop", choices=["stop", "save-and-stop", "skip"],
                    help="on NaN/Inf: stop; save the last good state (when --save is given) and stop; "
                         "or skip the optimizer step and continue (counted as a nan iteration)")
     g.add_argument("--inject-nan-at-iteration", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--debug-kill-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
+    g.add_argument("--debug-stall-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'weight prefix weight prefix ...'")
@@ -219,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the distributed optimizer so that it reloads with any TP/PP (gathers on DP rank 0)")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="allow saving into a --save directory that holds another run's checkpoints "
+                        "(without it, such a run is refused unless --load names the same directory)")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=100)
@@ -552,12 +560,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"--exit-interval must be >= 1 (got {args.exit_interval})")
     if args.skip_train and args.load is None:
         raise ConfigError("--skip-train needs --load DIR")
-    if args.debug_kill_during_save is not None:
-        try:
-            r, it = args.debug_kill_during_save.split(":")
-            args.debug_kill_during_save = f"{int(r)}:{int(it)}"
-        except ValueError:
-            raise ConfigError("--debug-kill-during-save expects RANK:ITERATION") from None
+    for name in ("debug_kill_during_save", "debug_stall_during_save"):
+        value = getattr(args, name)
+        if value is not None:
+            try:
+                r, it = value.split(":")
+                setattr(args, name, f"{int(r)}:{int(it)}")
+            except ValueError:
+                raise ConfigError(f"--{name.replace('_', '-')} expects RANK:ITERATION") from None
 
 
 def _validate_tokenizer_files(args) -> None:

@@ -227,6 +227,21 @@ def _install_write_queue() -> None:
     fa._results_queue = manager.Queue()
 
 
+def _stall_writers() -> None:
+    """Test hook: dist_checkpointing's writer processes of this save say so and hang (to be killed)."""
+    import sys
+    import time
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    def stalled(*a, **kw):
+        print(f"debug: checkpoint writer {os.getpid()} stalled", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(stalled)
+
+
 def save_checkpoint(
     root: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
     counters: Dict[str, int], config: Dict[str, Any], args, log=print,
@@ -266,6 +281,9 @@ def save_checkpoint(
         if rank == k_rank and iteration == k_iter:
             # Test hook: die abruptly while the other ranks are writing this checkpoint.
             os.kill(os.getpid(), signal.SIGKILL)
+    stall = args.debug_stall_during_save
+    if stall is not None and tuple(int(x) for x in stall.split(":")) == (rank, iteration):
+        _stall_writers()
 
     dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
     torch.distributed.barrier()  # every rank's shards are on disk
@@ -276,6 +294,83 @@ def save_checkpoint(
     torch.distributed.barrier()
     log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
     return path
+
+
+def _looks_like_one_checkpoint(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, n)) for n in ("metadata.json", "common.pt", ".metadata"))
+
+
+def check_save_and_load(args) -> None:
+    """Refuse, before anything is written, a run that would clobber or silently ignore checkpoints.
+
+    ``--save`` holding another run's checkpoints (a tracker) is refused unless ``--load`` names the
+    same directory (a resume) or ``--overwrite-checkpoints`` is given: the new run would remove its
+    iterations one by one and move the tracker back. ``--load`` must be a checkpoint directory
+    (with a tracker), an empty or missing directory, or one holding only ``iter_*`` folders of a
+    first save that never completed; anything else is a wrong path, not a fresh start.
+    """
+    load, save = args.load, args.save
+    if load is not None and os.path.exists(load):
+        if not os.path.isdir(load):
+            raise CheckpointError(f"--load {load}: not a directory")
+        if read_tracker(load) is None:
+            if _looks_like_one_checkpoint(load):
+                raise CheckpointError(
+                    f"--load {load}: this is one checkpoint's folder; pass the directory above it "
+                    f"(--load {os.path.dirname(os.path.abspath(load))}), which holds {TRACKER}")
+            others = sorted(n for n in os.listdir(load) if not (n.startswith("iter_") or n.startswith(f".{TRACKER}")))
+            if others:
+                raise CheckpointError(
+                    f"--load {load}: not a checkpoint directory (no {TRACKER}; holds {others[0]!r}"
+                    f"{' and more' if len(others) > 1 else ''}); check the path")
+    if save is None or args.overwrite_checkpoints or not os.path.isdir(save):
+        return
+    latest = read_tracker(save)
+    if latest is None:
+        return
+    if load is not None and os.path.realpath(load) == os.path.realpath(save):
+        return
+    raise CheckpointError(
+        f"--save {save} holds another run's checkpoints (latest iteration {latest}) that this run would "
+        f"replace; resume with --load {save}, choose another --save, or pass --overwrite-checkpoints")
+
+
+def scheduler_mismatch_message(error: AssertionError, path: str) -> str:
+    """megatron-core's OptimizerParamScheduler assertion -> one line naming the flag and the way out."""
+    import re
+
+    flags = {
+        "learning rate": "--lr", "minimum learning rate": "--min-lr",
+        "warmup iterations": "--lr-warmup-iters/--lr-warmup-fraction (or --global-batch-size)",
+        "total number of iterations": "--lr-decay-iters/--train-iters (or --global-batch-size)",
+        "learning rate decay style": "--lr-decay-style", "start weight decay": "--start-weight-decay/--weight-decay",
+        "end weight decay": "--end-weight-decay/--weight-decay",
+        "total number of weight decay iterations": "--train-iters (or --global-batch-size)",
+        "weight decay incr style": "--weight-decay-incr-style",
+    }
+    m = re.search(r"class input value (.*?) and checkpoint\s*value (.*?) for (.*?) do not match", str(error))
+    if m is None:
+        what = str(error).strip().splitlines()[0] if str(error).strip() else "a scheduler value"
+    else:
+        now, saved, name = m.groups()
+        unit = " (in samples)" if "iterations" in name else ""
+        what = f"{flags.get(name, name)} changed: {name} {saved} in the checkpoint, {now} now{unit}"
+    return (f"{path}: {what}; pass --override-opt-param-scheduler to use this run's values or "
+            "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+
+
+def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any], layout: Dict[str, int],
+                        path: str) -> str:
+    """One line for a structural argument that differs from the checkpoint's.
+
+    The padded vocabulary is derived from the tensor-parallel size, so a TP change shows up there
+    first: name the TP change and the converter instead of the derived number.
+    """
+    if name == "padded_vocab_size" and saved_layout.get("tp") not in (None, layout["tp"]):
+        return (f"{path}: saved at TP={saved_layout['tp']}, this run has TP={layout['tp']} (padded vocabulary "
+                f"{saved} -> {current}); convert it first: python tools/convert_checkpoint.py reshard "
+                f"--load CKPT --save NEW --target-tp {layout['tp']} --target-pp {layout['pp']}")
+    return f"--{name.replace('_', '-')} {current} differs from the checkpoint's {saved} ({path})"
 
 
 def find_checkpoint(root: str) -> Optional[Tuple[int, str]]:
@@ -309,10 +404,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print) -> 
     saved_args = common.get("args", {})
     for name in _STRUCTURE_ARGS:
         if name in saved_args and saved_args[name] != getattr(args, name, None):
-            raise CheckpointError(
-                f"--{name.replace('_', '-')} {getattr(args, name, None)} differs from the checkpoint's "
-                f"{saved_args[name]} ({path})"
-            )
+            raise CheckpointError(_structure_mismatch(name, saved_args[name], getattr(args, name, None),
+                                                      common.get("layout") or {}, _layout(), path))
     same_layout = common.get("layout") == _layout()
     load_optim = not (args.finetune or args.no_load_optim) and "optimizer" in _saved_keys(common, path)
     load_rng = not (args.finetune or args.no_load_rng) and same_layout
@@ -336,7 +429,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print) -> 
             optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)
         if scheduler is not None and "opt_param_scheduler" in common:
-            scheduler.load_state_dict(common["opt_param_scheduler"])
+            try:
+                scheduler.load_state_dict(common["opt_param_scheduler"])
+            except AssertionError as e:
+                raise CheckpointError(scheduler_mismatch_message(e, path)) from None
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
     if load_rng:

@@ -270,6 +270,12 @@ def _grads_finite(model) -> bool:
     return True
 
 
+def _params_finite(model) -> bool:
+    """True when every rank's parameters are finite (checked before a checkpoint is written)."""
+    bad = any(not bool(torch.isfinite(p).all()) for chunk in model for p in chunk.parameters())
+    return not _any_rank(bad)
+
+
 def _any_rank(flag: bool) -> bool:
     """True if ``flag`` is set on any rank (the collective runs on the world group's device)."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
@@ -404,6 +410,7 @@ def _setup_configs(argv):
 
     try:
         args = parse_args(argv)
+        checkpointing.check_save_and_load(args)
         try:
             tokenizer = build_tokenizer_from_args(args)
         except (ValueError, FileNotFoundError, OSError) as e:
@@ -474,11 +481,20 @@ def _run(args, tokenizer, config, model_config) -> int:
                f"data-parallel rank, DP={args.data_parallel_size}, TP={args.tensor_model_parallel_size}, "
                f"PP={args.pipeline_model_parallel_size})")
 
-    def save(iteration: int) -> None:
+    def save(iteration: int) -> bool:
+        """Write a checkpoint; refuse (False, one error line) when the parameters are not finite."""
+        if not _params_finite(model):
+            msg = (f"NaN/Inf in the parameters at iteration {iteration}; no checkpoint written (the latest "
+                   f"stays {last_saved if last_saved is not None else 'none'}); lower --lr or keep the NaN check on")
+            logger.log(f"ERROR: {msg}")
+            if rank_is0():
+                print(f"error: {msg}", file=sys.stderr, flush=True)
+            return False
         checkpointing.save_checkpoint(
             args.save, iteration, model, optimizer, scheduler,
             consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=cfg,
             args=args, log=logger.log)
+        return True
 
     def run_eval(prefix: str, iteration: int) -> None:
         loss = evaluate(args, model, valid_ds, table_modules)
@@ -562,15 +578,17 @@ def _run(args, tokenizer, config, model_config) -> int:
                 logger.log(f"exiting at iteration {state.iteration} (--exit-interval)")
                 stop = True
             if args.save and (stop or (args.save_interval and state.iteration % args.save_interval == 0)):
-                save(state.iteration)
+                if not save(state.iteration):
+                    exit_code = EXIT_NAN
+                    break
                 last_saved = state.iteration
             interval_start += time.time() - t_side
             if stop:
                 break
         if exit_code == 0 and not args.skip_train and state.iteration >= args.train_iters:
             run_eval(f"iteration {state.iteration} on validation set", state.iteration)
-            if args.save and last_saved != state.iteration:
-                save(state.iteration)
+            if args.save and last_saved != state.iteration and not save(state.iteration):
+                exit_code = EXIT_NAN
         elif args.skip_train:
             run_eval(f"iteration {state.iteration} on validation set", state.iteration)
     finally:

@@ -1,0 +1,287 @@
+"""Fault injection on inputs and outputs, in-process: truncated/corrupt compressed jsonl, unwritable
+outputs and swapped tokenizer files for preprocessing; damaged .idx and a .bin changed after its
+token counts for training; resume/overwrite refusals; export folder hygiene; ranks that die before
+reporting. Each case: one error line naming the file and the fix, the right exit code, and nothing
+written under final names. All data is made here (NullTokenizer: text is whitespace-separated ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+
+from tools.preprocess_data import main as preprocess_main
+
+DOCS = 60
+
+
+def _lines(n=DOCS):
+    return [json.dumps({"text": " ".join(str((i * 7 + j) % 500) for j in range(40))}) + "\n" for i in range(n)]
+
+
+def _blob():
+    return "".join(_lines()).encode()
+
+
+def _zstd_frames(data, frame_bytes):
+    """Several zstd frames of ``frame_bytes`` input bytes each (not aligned with lines, as pzstd writes)."""
+    c = zstandard.ZstdCompressor()
+    return [c.compress(data[i:i + frame_bytes]) for i in range(0, len(data), frame_bytes)]
+
+
+def _run(tmp_path, capsys, src, *extra):
+    prefix = tmp_path / "out" / "ds"
+    code = preprocess_main(["--input", str(src), "--output-prefix", str(prefix), "--tokenizer-type", "NullTokenizer",
+                            "--vocab-size", "1000", "--no-progress-bar", "--output-token-counts", *map(str, extra)])
+    err = capsys.readouterr().err
+    written = sorted(p.name for p in (tmp_path / "out").iterdir()) if (tmp_path / "out").is_dir() else []
+    return code, [ln for ln in err.splitlines() if ln.startswith("error:")], err, written
+
+
+def _damaged_inputs(tmp_path):
+    blob = _blob()
+    frames = _zstd_frames(blob, 1500)
+    single = zstandard.ZstdCompressor().compress(blob)
+    gz = gzip.compress(blob)
+    corrupt = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(blob))  # as the zstd CLI writes
+    corrupt[len(corrupt) // 2: len(corrupt) // 2 + 8] = b"\xff" * 8
+    cases = {
+        "mid-frame.jsonl.zst": (single[: len(single) // 2], "ends inside a zstd frame"),
+        "frame-boundary.jsonl.zst": (b"".join(frames[:3]), "is cut off"),
+        "corrupt.jsonl.zst": (bytes(corrupt), "corrupt zstd data"),
+        "truncated.jsonl.gz": (gz[: len(gz) // 2], "damaged gzip data"),
+    }
+    for name, (data, _) in cases.items():
+        (tmp_path / name).write_bytes(data)
+    return {tmp_path / name: what for name, (_, what) in cases.items()}
+
+
+def test_truncated_or_corrupt_compressed_input_is_one_line_exit_1_and_writes_nothing(tmp_path, capsys):
+    for path, what in _damaged_inputs(tmp_path).items():
+        code, errors, err, written = _run(tmp_path, capsys, path)
+        assert code == 1, (path.name, err)
+        assert len(errors) == 1 and str(path) in errors[0] and what in errors[0], (path.name, errors)
+        assert "complete lines read" in errors[0] and "--allow-truncated-input" in errors[0]
+        assert "Traceback" not in err
+        assert written == [], (path.name, written)  # neither final nor .partial files
+
+
+def test_allow_truncated_input_keeps_the_complete_lines_and_says_so(tmp_path, capsys):
+    frames = _zstd_frames(_blob(), 1500)
+    src = tmp_path / "cut.jsonl.zst"
+    src.write_bytes(b"".join(frames[:3]))
+    complete = _blob()[:4500].count(b"\n")  # three frames of 1500 input bytes
+    code, errors, err, written = _run(tmp_path, capsys, src, "--allow-truncated-input")
+    assert code == 0 and errors == [], err
+    assert f"docs={complete:,}" in err and f"{complete} complete lines read" in err
+    assert any(ln.startswith("warning:") and str(src) in ln for ln in err.splitlines())
+    assert "ds_text_document.bin" in written
+
+
+def test_multi_frame_zstd_is_read_to_the_end(tmp_path, capsys):
+    src = tmp_path / "frames.jsonl.zst"
+    src.write_bytes(b"".join(_zstd_frames(_blob(), 1500)))
+    code, errors, err, _ = _run(tmp_path, capsys, src)
+    assert code == 0 and f"docs={DOCS:,}" in err, err
+
+
+def test_unwritable_output_fails_before_reading_any_input(tmp_path, capsys):
+    damaged = next(iter(_damaged_inputs(tmp_path)))  # would fail with exit 1 if it were read first
+    (tmp_path / "afile").write_text("x")
+    for prefix in (tmp_path / "afile" / "ds", "/proc/self/ds"):
+        code = preprocess_main(["--input", str(damaged), "--output-prefix", str(prefix), "--tokenizer-type",
+                                "NullTokenizer", "--vocab-size", "1000", "--no-progress-bar"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --output-prefix {prefix}: cannot write in"), err
+
+
+def test_swapped_gpt2_files_name_the_file(tmp_path, capsys):
+    from megatron_lev.tokenizer import build_tokenizer
+
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text(json.dumps({"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}))
+    merges.write_text("#version: 0.2\na b\n")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "ab"}\n')
+    code = preprocess_main(["--input", str(src), "--output-prefix", str(tmp_path / "o" / "ds"), "--tokenizer-type",
+                            "GPT2BPETokenizer", "--vocab-file", str(merges), "--merge-file", str(vocab)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert str(vocab) in err[0] and "swapped" in err[0], err
+    with pytest.raises(ValueError, match="--vocab-file .*merges.txt: not a JSON vocabulary"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(merges), merge_file=str(merges))
+
+
+# ------------------------------------------------------------------------------------------ datasets
+
+
+@pytest.fixture()
+def dataset(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(_lines()))
+    code, _, err, _ = _run(tmp_path, capsys, src)
+    assert code == 0, err
+    return str(tmp_path / "out" / "ds_text_document")
+
+
+def _idx_layout(idx):
+    data = open(idx, "rb").read()
+    n_seq, n_doc = struct.unpack("<QQ", data[18:34])
+    return 34, n_seq, n_doc  # lengths int32[n_seq], then pointers int64[n_seq], then document indices
+
+
+def test_corrupt_idx_pointers_are_one_line(dataset):
+    from megatron_lev.data.datasets import DatasetValidationError, validate_dataset_prefix
+
+    idx = dataset + ".idx"
+    start, n_seq, _ = _idx_layout(idx)
+    ptr_at = start + 4 * n_seq
+    with open(idx, "r+b") as f:
+        f.seek(ptr_at + 8 * (n_seq - 1))  # the last sequence now points far past the end
+        f.write(struct.pack("<q", 1 << 40))
+    with pytest.raises(DatasetValidationError) as e:
+        validate_dataset_prefix(dataset, 1001)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{idx}: corrupt index") and "past the end of the .bin" in msg
+
+
+def test_bin_changed_after_its_token_counts_is_scanned(dataset):
+    from megatron_lev.data.datasets import DatasetValidationError, validate_dataset_prefix
+    from megatron_lev.data.preprocessing import token_counts_path
+
+    counts, bin_ = token_counts_path(dataset), dataset + ".bin"
+    validate_dataset_prefix(dataset, 1001)
+    mm = np.memmap(bin_, dtype=np.uint16, mode="r+")
+    mm[3] = 65535  # overwritten in place: the counts file still sums to the same total
+    mm.flush()
+    del mm
+    t = os.stat(bin_).st_mtime_ns
+    os.utime(counts, ns=(t - 10**9, t - 10**9))  # the counts were written before the change
+    with pytest.raises(DatasetValidationError, match="holds token id 65535 >= the model's vocabulary size 1001"):
+        validate_dataset_prefix(dataset, 1001)
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def _ns(**kw):
+    base = dict(load=None, save=None, overwrite_checkpoints=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_save_over_another_run_and_bad_load_paths_are_refused(tmp_path):
+    from megatron_lev.training.checkpointing import CheckpointError, check_save_and_load
+
+    run = tmp_path / "run"
+    (run / "iter_0000040").mkdir(parents=True)
+    (run / "iter_0000040" / "metadata.json").write_text("{}")
+    (run / "latest_checkpointed_iteration.txt").write_text("40\n")
+    with pytest.raises(CheckpointError, match=r"latest iteration 40.*--overwrite-checkpoints"):
+        check_save_and_load(_ns(save=str(run)))
+    with pytest.raises(CheckpointError, match="--overwrite-checkpoints"):
+        check_save_and_load(_ns(save=str(run), load=str(tmp_path / "other")))
+    check_save_and_load(_ns(save=str(run), load=str(run)))  # a resume
+    check_save_and_load(_ns(save=str(run), overwrite_checkpoints=True))
+    with pytest.raises(CheckpointError, match=f"one checkpoint's folder; pass the directory above it \\(--load {run}\\)"):
+        check_save_and_load(_ns(load=str(run / "iter_0000040")))
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        check_save_and_load(_ns(load=str(junk), save=str(junk)))
+    with pytest.raises(CheckpointError, match="not a directory"):
+        check_save_and_load(_ns(load=str(junk / "notes.txt")))
+    # First runs with --save X --load X: missing, empty, or only an unfinished first save -> fresh start.
+    first = tmp_path / "first"
+    check_save_and_load(_ns(load=str(first), save=str(first)))
+    first.mkdir()
+    check_save_and_load(_ns(load=str(first), save=str(first)))
+    (first / "iter_0000002").mkdir()
+    check_save_and_load(_ns(load=str(first), save=str(first)))
+
+
+def test_training_start_up_applies_the_refusal(tmp_path):
+    from megatron_lev.training.loop import _setup_configs, _StartupError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "latest_checkpointed_iteration.txt").write_text("40\n")
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64",
+            "--save", str(run)]
+    with pytest.raises(_StartupError, match="holds another run's checkpoints"):
+        _setup_configs(argv)
+
+
+def test_scheduler_and_tp_mismatch_messages():
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_lev.training.checkpointing import _structure_mismatch, scheduler_mismatch_message
+
+    def sched(lr, wd_steps):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=0.0, lr_warmup_steps=0,
+                                       lr_decay_steps=10, lr_decay_style="constant", start_wd=0.1, end_wd=0.1,
+                                       wd_incr_steps=wd_steps, wd_incr_style="constant",
+                                       use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False)
+
+    for (lr, steps), flag in (((2e-3, 40), "--lr changed"), ((1e-3, 80), "--train-iters")):
+        with pytest.raises(AssertionError) as e:
+            sched(lr, steps).load_state_dict(sched(1e-3, 40).state_dict())
+        msg = scheduler_mismatch_message(e.value, "ck/iter_0000002")
+        assert msg.startswith("ck/iter_0000002: ") and flag in msg and "\n" not in msg, msg
+        assert "--override-opt-param-scheduler" in msg and "--use-checkpoint-opt-param-scheduler" in msg
+    msg = _structure_mismatch("padded_vocab_size", 1024, 1280, {"tp": 1, "pp": 1}, {"tp": 2, "pp": 1}, "ck")
+    assert "saved at TP=1, this run has TP=2" in msg and "tools/convert_checkpoint.py reshard" in msg
+    assert "--target-tp 2" in msg
+
+
+# ------------------------------------------------------------------------------------------ export
+
+
+def test_export_files_get_the_usual_mode_and_overwrite_clears_an_old_lev_folder(tmp_path):
+    import torch
+
+    from megatron_lev.conversion.files import clear_export_dir
+    from megatron_lev.conversion.hf import ShardedSafetensorsWriter
+
+    old = os.umask(0o022)
+    try:
+        w = ShardedSafetensorsWriter(str(tmp_path))
+        w.add("w", torch.zeros(3))
+        (path,) = w.close()
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    (tmp_path / "lev").mkdir()
+    (tmp_path / "lev" / "lev_embedding.safetensors").write_bytes(b"old")
+    (tmp_path / "README.md").write_text("kept")
+    assert clear_export_dir(str(tmp_path)) == ["lev", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]
+
+
+# --------------------------------------------------------------------------------- spawned ranks
+
+
+def _exit_at_once(code):
+    os._exit(code)
+
+
+def test_ranks_that_die_before_reporting_fail_at_once_with_their_exit_codes():
+    from megatron_lev.testing import DistributedFailure, run_distributed
+
+    with pytest.raises(DistributedFailure) as e:
+        run_distributed(_exit_at_once, 2, args=(7,), timeout=90)
+    msg = str(e.value)
+    assert "died without reporting" in msg and "[7" in msg and "timed out" not in msg, msg

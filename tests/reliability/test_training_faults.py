@@ -1,0 +1,139 @@
+"""Fault injection on training runs: the launcher's process group killed with SIGKILL in the middle
+of a run and in the middle of a save (no rank and no checkpoint-writer process survives it; the next
+run resumes from the last complete checkpoint), and NaN (checked by default; a NaN never becomes
+the latest checkpoint, also with the check turned off; exit 3).
+
+Tiny models on megatron-core's mock data; each torchrun launch costs ~10 s of imports, so every run
+serves several checks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tests.training.test_pretrain import PRETRAIN, REPO, _env, _free_port, launch, metrics, run_single
+
+TAG = "MEGATRON_LEV_FAULT_TAG"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def tiny_args(iters, extra=()):
+    return ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(iters), "--lr", "1e-3",
+            "--mock-data", "--vocab-size", "256", "--log-interval", "1", "--eval-iters", "0",
+            "--quiet-config"] + list(extra)
+
+
+def tagged_processes(tag):
+    """Live processes (any parent) whose environment carries TAG=tag: everything one launch started."""
+    needle = f"{TAG}={tag}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{d}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env and state != b"Z":
+            found.append(int(d))
+    return found
+
+
+def wait_for_text(path, text, proc, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = Path(path).read_text(errors="replace")
+        if text in content:
+            return content
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} never appeared (exit {proc.poll()}):\n{Path(path).read_text()[-4000:]}")
+
+
+def kill_launcher_group(args, log, wait_text):
+    """torchrun in its own process group; SIGKILL the group once ``wait_text`` is logged.
+
+    Returns (log text, processes of the launch still alive 10 s after the kill); leftovers are killed.
+    """
+    tag = uuid.uuid4().hex
+    env = dict(_env(), **{TAG: tag})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), PRETRAIN] + args
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                                start_new_session=True)
+    try:
+        text = wait_for_text(log, wait_text, proc)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while tagged_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = tagged_processes(tag)
+    finally:
+        for pid in tagged_processes(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return text, survivors
+
+
+def test_kill9_of_launcher_mid_run_and_mid_save_leaves_no_orphans_and_resumes(tmp_path):
+    ck = tmp_path / "ck"
+    # A long run: a rank that outlives the launcher keeps training (and saving) for minutes.
+    args = tiny_args(100000, ["--save", str(ck), "--load", str(ck), "--save-interval", "2"])
+
+    # Mid-run: the ranks are training (iteration 5, after the save at 4).
+    _, survivors = kill_launcher_group(args, tmp_path / "a.log", " iteration        5/")
+    assert survivors == [], f"processes outlived the launcher by 10 s: {survivors}"
+    assert (ck / TRACKER).read_text().strip() == "4"
+
+    # Mid-save: resumed from 4, killed while rank 0's checkpoint writers are writing iteration 6.
+    text, survivors = kill_launcher_group(args + ["--debug-stall-during-save", "0:6"], tmp_path / "b.log",
+                                          "stalled")
+    assert "successfully loaded checkpoint from" in text and "at iteration 4" in text
+    assert survivors == [], f"processes outlived the launcher by 10 s: {survivors}"
+    assert (ck / TRACKER).read_text().strip() == "4"
+    assert not (ck / "iter_0000006" / "config.yaml").exists()
+
+    # The next run resumes from the last complete checkpoint (and stops after saving at 8).
+    r = launch(2, args + ["--exit-interval", "8", "--metrics-file", str(tmp_path / "c.jsonl")])
+    assert "at iteration 4" in r.stdout
+    assert sorted(metrics(tmp_path / "c.jsonl")) == [5, 6, 7, 8]
+    assert (ck / TRACKER).read_text().strip() == "8"
+
+
+def _error_lines(r):
+    return [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+
+
+def test_nan_is_checked_by_default_and_never_checkpointed(tmp_path):
+    ck = tmp_path / "ck"
+    # No NaN flag at all: the check is on; the last good state (2) is saved, the NaN step is not.
+    r = run_single(tiny_args(6, ["--inject-nan-at-iteration", "3", "--save", str(ck), "--save-interval", "1"]))
+    assert r.returncode == 3, r.stderr[-3000:]
+    errors = _error_lines(r)
+    assert len(errors) == 1 and "NaN/Inf in the loss at iteration 3" in errors[0], errors
+    assert (ck / TRACKER).read_text().strip() == "2"
+
+    # Check turned off: training goes on with NaN parameters, but no checkpoint holds them.
+    r = run_single(tiny_args(6, ["--no-check-for-nan-in-loss-and-grad", "--inject-nan-at-iteration", "3",
+                                 "--save", str(ck), "--load", str(ck), "--save-interval", "1"]))
+    assert r.returncode == 3, r.stderr[-3000:]
+    errors = _error_lines(r)
+    assert len(errors) == 1 and "NaN/Inf in the parameters at iteration 3" in errors[0], errors
+    assert "Traceback" not in r.stderr
+    assert (ck / TRACKER).read_text().strip() == "2"
+    assert not (ck / "iter_0000003").exists()
