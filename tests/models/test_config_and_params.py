@@ -275,6 +275,7 @@ def _gpu_fp8_step(arm: str):
 
 
 @pytest.mark.gpu
+@pytest.mark.te
 @pytest.mark.parametrize("arm", ["lev", "tied"])
 def test_fp8_forward_backward_on_gpu(arm):
     if not te_available():
