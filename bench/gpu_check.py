@@ -317,8 +317,9 @@ def prepare_wheels(dest: str) -> int:
     """Download (here, with PyPI) the Python 3.12 wheels the GPU image lacks into ``dest``."""
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
             "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64", "-d", dest]
-    for spec in WHEELS:
-        r = subprocess.run(base + [spec], capture_output=True, text=True)
+    # The newest megatron-core (Python >= 3.12 only) goes to DIR/next for the next_mcore check.
+    for spec, where in [(w, dest) for w in WHEELS] + [("megatron-core", os.path.join(dest, "next"))]:
+        r = subprocess.run(base[:-1] + [where, spec], capture_output=True, text=True)
         print(f"{spec}: {'ok' if r.returncode == 0 else 'FAILED ' + _tail(r.stderr, 200)}")
         if r.returncode != 0:
             return 1
