@@ -24,6 +24,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_lev.parallel.lev_embedding import parameter_device
+
 
 class InputArmEmbedding(MegatronModule):
     """Input representation of a non-megatron arm plus megatron's embedding post-processing."""
@@ -63,7 +65,10 @@ class InputArmEmbedding(MegatronModule):
             tp_group=self.tp_group,
         )
         if self.add_position_embedding:
-            self.position_embeddings = torch.nn.Embedding(self.max_sequence_length, config.hidden_size)
+            # Unlike megatron's own (fp32, CPU, left to Float16Module and .cuda()): where the config says.
+            self.position_embeddings = torch.nn.Embedding(
+                self.max_sequence_length, config.hidden_size, device=parameter_device(config),
+                dtype=config.params_dtype)
             if config.perform_initialization:
                 config.embedding_init_method(self.position_embeddings.weight)
         self.tokentype_embeddings = None
