@@ -304,3 +304,40 @@ def _iter_dir(root: str) -> str:
     from megatron_lev.conversion.source import open_checkpoint
 
     return open_checkpoint(root).path
+
+
+def gpu_round_trip(tmp: str):
+    """With Transformer Engine on a GPU: a TE-spec model (FP8 metadata in its extra state after an FP8
+    step) saved with dist_checkpointing loads into the local spec, and a local-spec checkpoint loads into
+    the TE spec; max |logit difference| of each direction (fp32; TE and torch kernels differ slightly)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_lev.conversion.model_io import load_model_weights
+    from megatron_lev.lev.config import LEVConfig
+    from megatron_lev.models import LevModelConfig, build_gpt_model, build_transformer_config
+
+    def build(impl: str, fp8=None):
+        mc = LevModelConfig(vocab_size=1024, max_sequence_length=32, input_embedding="lev", transformer_impl=impl,
+                            normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+                            lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4))
+        cfg = build_transformer_config(mc, num_layers=2, hidden_size=64, num_attention_heads=4, fp8=fp8)
+        return build_gpt_model(config=cfg, model_config=mc).cuda().eval()
+
+    ids = torch.randint(0, 1024, (2, 32), device="cuda")
+    pos = torch.arange(32, device="cuda").unsqueeze(0).expand(2, 32)
+    te_model = build("transformer_engine", fp8="hybrid")
+    te_model(ids, pos, None).float().sum()  # an FP8 step fills the FP8 metadata saved as _extra_state
+    te_model.config.fp8 = None
+    with torch.no_grad():
+        te_logits = te_model(ids, pos, None).float()
+    dist_checkpointing.save({"model": te_model.sharded_state_dict()}, f"{tmp}/te")
+    local = build("local")
+    load_model_weights([local], f"{tmp}/te")
+    with torch.no_grad():
+        te_to_local = (local(ids, pos, None).float() - te_logits).abs().max().item()
+    dist_checkpointing.save({"model": local.sharded_state_dict()}, f"{tmp}/local")
+    te_again = build("transformer_engine")
+    load_model_weights([te_again], f"{tmp}/local")
+    with torch.no_grad():
+        local_to_te = (te_again(ids, pos, None).float() - te_logits).abs().max().item()
+    return {"te_to_local": te_to_local, "local_to_te": local_to_te}

@@ -128,8 +128,16 @@ def test_extra_state_absent_from_checkpoint_is_tolerated(run):
     assert any("1 Transformer Engine extra-state keys are not in the checkpoint" in n for n in e["notes"])
 
 
+def _model_tensors(checkpoint_dir: str, tmp: Path):
+    """The model's global tensors in a dist checkpoint, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint_dir, str(tmp))
+    return {k: v for k, v in torch.load(str(tmp), weights_only=False).items()
+            if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
+
+
 def test_te_layout_checkpoint_reshards_and_exports(run):
-    from megatron.core.dist_checkpointing import load_plain_tensors
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -138,11 +146,10 @@ def test_te_layout_checkpoint_reshards_and_exports(run):
 
     root = run["root"]
     # Resharded to TP=2: the same tensors under the same names; the run's settings are kept.
-    src = {k: v for k, v in load_plain_tensors(open_checkpoint(str(root / "src")).path).items()
-           if not k.startswith("optimizer")}
+    src = _model_tensors(open_checkpoint(str(root / "src")).path, root / "src.pt")
     tp2_ckpt = open_checkpoint(str(root / "te_tp2"))
-    tp2 = load_plain_tensors(tp2_ckpt.path)
-    assert set(tp2) == set(src)
+    tp2 = _model_tensors(tp2_ckpt.path, root / "tp2.pt")
+    assert set(tp2) == set(src) and "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in src
     for k in src:
         assert torch.equal(tp2[k], src[k]), k
     assert tp2_ckpt.args["transformer_impl"] == "transformer_engine" and tp2_ckpt.args["fp8_format"] == "hybrid"
@@ -163,3 +170,16 @@ def test_pretrain_resumes_from_te_layout_checkpoint(run):
     assert "successfully loaded checkpoint from" in log and "at iteration 2" in log
     assert "2 Transformer Engine extra-state keys (FP8 metadata)" in log
     assert "iteration        3/       3" in log
+
+
+@pytest.mark.gpu
+def test_te_spec_checkpoint_and_local_spec_checkpoint_swap_on_gpu(tmp_path):
+    from megatron_lev.models.config import te_available
+    from megatron_lev.testing import run_distributed
+
+    from . import _te_layout_ranks
+
+    if not te_available():
+        pytest.fail("GPU test needs Transformer Engine (pip install megatron-lev[gpu])")
+    diffs = run_distributed(_te_layout_ranks.gpu_round_trip, 1, args=(str(tmp_path),))[0]
+    assert diffs["te_to_local"] < 1e-4 and diffs["local_to_te"] < 1e-4, diffs
