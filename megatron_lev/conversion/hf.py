@@ -363,7 +363,7 @@ def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str,
     chunks, _config, model_config = build_model(a)
     model = chunks[0]
     log(f"  loading {src_path}")
-    load_model_weights(chunks, src_path)
+    load_model_weights(chunks, src_path, log=log)
     arm = a["input_embedding"]
     dtype = getattr(torch, opts["dtype"])
     table = None

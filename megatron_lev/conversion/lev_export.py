@@ -88,7 +88,7 @@ def _export_lev_rank(src_path: str, out_dir: str, a: Dict[str, Any], progress: b
     from .model_io import build_model, load_model_weights
 
     chunks, _c, _m = build_model(a)
-    load_model_weights(chunks, src_path)
+    load_model_weights(chunks, src_path, log=print if progress else None)
     write_lev(chunks[0], a, out_dir)
     return {"files": [CONFIG_FILE, WEIGHTS_FILE]}
 

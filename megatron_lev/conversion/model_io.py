@@ -10,6 +10,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megatron_lev.models.config import settings_for_loading
+
 from .source import ConversionError
 
 
@@ -64,7 +66,9 @@ def build_model(a: Dict[str, Any], *, fast_init: bool = True):
         transformer_config_kwargs
 
     args = namespace(a)
-    build = namespace(dict(a))
+    # Conversions run on CPU: a model trained with Transformer Engine is rebuilt with the local spec
+    # (same checkpoint keys); ``a`` keeps the saved settings for the checkpoint written from it.
+    build = namespace(dict(a, **settings_for_loading(a)))
     try:
         model_config = model_config_from_args(build)
         kw = transformer_config_kwargs(build)
@@ -84,17 +88,23 @@ def model_keys(n: int) -> List[str]:
     return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
 
 
-def load_model_weights(chunks, checkpoint_path: str) -> None:
-    """Load the model part of the dist checkpoint at ``checkpoint_path`` into ``chunks`` (any layout)."""
+def load_model_weights(chunks, checkpoint_path: str, log=None) -> None:
+    """Load the model part of the dist checkpoint at ``checkpoint_path`` into ``chunks`` (any layout,
+    Transformer Engine or local layer spec on either side; see ``models.checkpoint_keys``)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
-    state = {k: c.sharded_state_dict() for k, c in zip(model_keys(len(chunks)), chunks)}
+    from megatron_lev.models.checkpoint_keys import KeyMatch, fit_to_checkpoint, restore_missing_extra_state, \
+        saved_keys
+
     try:
+        saved, match = saved_keys(checkpoint_path), KeyMatch()
+        state = {k: fit_to_checkpoint(c.sharded_state_dict(), saved, match)
+                 for k, c in zip(model_keys(len(chunks)), chunks)}
         loaded = dist_checkpointing.load(state, checkpoint_path,
                                          sharded_strategy=get_default_load_sharded_strategy(checkpoint_path))
         for k, c in zip(model_keys(len(chunks)), chunks):
-            c.load_state_dict(loaded[k], strict=True)
+            c.load_state_dict(restore_missing_extra_state(c, loaded[k]), strict=True)
     except Exception as e:
         msg = " ".join(str(e).split())
         if len(msg) > 400:
@@ -102,6 +112,9 @@ def load_model_weights(chunks, checkpoint_path: str) -> None:
         raise ConversionError(
             f"{checkpoint_path}: the model saved there does not match the one its configuration describes "
             f"({type(e).__name__}: {msg})") from None
+    if log is not None:
+        for note in match.describe(saved):
+            log(f"{checkpoint_path}: {note}")
 
 
 def set_seed(seed: int) -> None:

@@ -54,7 +54,7 @@ def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any
     set_seed(int(a.get("seed", 1234)))
     chunks, _config, _mc = build_model(a)
     log(f"  loading {src_path} at TP={a['tensor_model_parallel_size']} PP={a['pipeline_model_parallel_size']}")
-    load_model_weights(chunks, src_path)
+    load_model_weights(chunks, src_path, log=log)
     args = namespace(dict(a, no_save_optim=False, no_save_rng=False, debug_kill_during_save=None))
     if not hasattr(args, "dist_ckpt_optim_fully_reshardable"):
         args.dist_ckpt_optim_fully_reshardable = False

@@ -127,6 +127,7 @@ def checkpoint_config(load_dir: str) -> Tuple[Dict[str, Any], int, str]:
 def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1,
               micro_batch_size: int = 4) -> argparse.Namespace:
     """Training arguments of the checkpoint, re-laid-out for evaluation at TP x PP."""
+    from megatron_lev.models.config import settings_for_loading
     from megatron_lev.training.arguments import build_parser
 
     args = build_parser().parse_args([])
@@ -156,8 +157,8 @@ def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1
     args.micro_batch_size = micro_batch_size
     args.global_batch_size = micro_batch_size * args.data_parallel_size
     args.num_microbatches = 1
-    if not torch.cuda.is_available():
-        args.fp8_format = None
+    for k, v in settings_for_loading(cfg).items():  # a TE-trained model evaluates with the local spec on CPU
+        setattr(args, k, v)
     # Model weights only.
     args.no_load_optim = True
     args.no_load_rng = True

@@ -46,6 +46,18 @@ def use_transformer_engine(transformer_impl: str = "auto") -> bool:
     return have
 
 
+def settings_for_loading(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """The layer-spec and FP8 settings to rebuild a saved model with on this machine.
+
+    Checkpoints load into either layer spec (``models.checkpoint_keys``), so a model trained with
+    Transformer Engine is rebuilt with the local spec, without FP8, where TE or CUDA is missing.
+    """
+    impl = saved.get("transformer_impl") or "auto"
+    if te_available() and torch.cuda.is_available():
+        return {"transformer_impl": impl, "fp8_format": saved.get("fp8_format")}
+    return {"transformer_impl": "auto" if impl == "transformer_engine" else impl, "fp8_format": None}
+
+
 @dataclass
 class LevModelConfig:
     """GPT model settings beyond megatron-core's TransformerConfig (one field per CLI flag)."""

@@ -8,11 +8,18 @@
   ``SequenceParallelNorm`` (supports sequence parallelism) for every norm, the final one included.
   RMSNorm/LayerNorm from ``config.normalization``; SwiGLU or GeLU from ``config.gated_linear_unit``
   and ``config.activation_func``; biases from ``config.add_bias_linear``.
+
+Both specs write the same checkpoint keys. Transformer Engine fuses the input and pre-MLP norms
+into ``linear_qkv`` / ``linear_fc1`` (parameters ``layer_norm_weight``/``layer_norm_bias``); the local
+layer keeps them as separate modules and saves them under TE's names through megatron-core's
+``sharded_state_dict_keys_map`` (the map of megatron-core's own local GPT spec). The q/k norms and
+the final norm are separate modules in both specs and have the same names already. TE's extra
+entries (``*._extra_state``, FP8 metadata) are matched on load by ``checkpoint_keys``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -33,8 +40,17 @@ def get_layer_spec(config, model_config: Optional[LevModelConfig] = None) -> Mod
     return get_local_layer_spec(config)
 
 
+def te_layer_keys_map() -> Dict[str, str]:
+    """Local-layer key prefix -> Transformer Engine key prefix, as megatron-core's local GPT spec maps
+    them (``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``, and the pre-MLP norm)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return dict(get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map)
+
+
 def get_local_layer_spec(config) -> ModuleSpec:
-    """Local (non-TE) layer: SDPA core attention and sequence-parallel-capable norms."""
+    """Local (non-TE) layer: SDPA core attention and sequence-parallel-capable norms; checkpoint keys
+    are Transformer Engine's (see ``te_layer_keys_map``)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -67,6 +83,7 @@ def get_local_layer_spec(config) -> ModuleSpec:
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=te_layer_keys_map(),
         ),
     )
 

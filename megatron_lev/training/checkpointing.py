@@ -172,12 +172,18 @@ def _unshare_adam_steps(optimizer) -> None:
 
 
 def _sharded_state_dict(model, optimizer, include_optim: bool, include_rng: bool, is_loading: bool,
-                        sharding_type: str = "dp_reshardable"):
+                        sharding_type: str = "dp_reshardable", saved=None, match=None):
+    """The state to save or load; when loading, ``saved`` (the checkpoint's keys) fits the model part to
+    the checkpoint's layout first (``checkpoint_keys.fit_to_checkpoint``, counts in ``match``)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_lev.models.checkpoint_keys import fit_to_checkpoint
 
     state: Dict[str, Any] = {}
     for key, chunk in zip(_model_keys(len(model)), model):
         state[key] = _unwrap(chunk).sharded_state_dict()
+        if saved is not None:
+            state[key] = fit_to_checkpoint(state[key], saved, match)
     if include_optim and optimizer is not None:
         if is_loading:
             _ensure_optimizer_state(optimizer)
@@ -393,6 +399,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print) -> 
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
+    from megatron_lev.models.checkpoint_keys import KeyMatch, restore_missing_extra_state, saved_keys
+
     found = find_checkpoint(root) if os.path.isdir(root) else None
     if found is None:
         if args.exit_on_missing_checkpoint:
@@ -418,12 +426,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print) -> 
             f"{path}: optimizer state saved at TP={saved_layout.get('tp')} PP={saved_layout.get('pp')} "
             f"(dp_reshardable) cannot be loaded at TP={layout['tp']} PP={layout['pp']}; pass --no-load-optim "
             "(or save with --dist-ckpt-optim-fully-reshardable)")
+    saved, match = saved_keys(path), KeyMatch()
     state = _sharded_state_dict(model, optimizer, include_optim=load_optim, include_rng=load_rng, is_loading=True,
-                                sharding_type=sharding)
+                                sharding_type=sharding, saved=saved, match=match)
     strategy = get_default_load_sharded_strategy(path)
     loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
     for key, chunk in zip(_model_keys(len(model)), model):
-        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        _unwrap(chunk).load_state_dict(restore_missing_extra_state(_unwrap(chunk), loaded[key]), strict=True)
+    for note in match.describe(saved):
+        log(f"  {path}: {note}")
     if load_optim:
         with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
             optimizer.load_state_dict(loaded["optimizer"])
