@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ NUM_SHARDS = 2
 DOCS_PER_SHARD = 60
 TRAIN_ITERS = 12
 
-pytestmark = [pytest.mark.slow, pytest.mark.scripts]
+pytestmark = pytest.mark.scripts
 
 # The 200m config shrunk to a toy; everything else (bf16, distributed optimizer, LEV table mode, the
 # SIGTERM handler) comes from the config file itself.
@@ -103,8 +102,8 @@ def tree(tmp_path_factory):
     rng = random.Random(0)
     words = "the of and a to in is was that for on with as by at from his her an which".split()
     for s in [f"{i:02d}" for i in range(NUM_SHARDS)] + ["val", "test"]:
-        _write_jsonl_zst(pile / f"{s}.jsonl.zst",
-                         [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) for _ in range(DOCS_PER_SHARD)])
+        docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 60))) for _ in range(DOCS_PER_SHARD)]
+        _write_jsonl_zst(pile / f"{s}.jsonl.zst", docs)
     tok = root / "bytes.tiktoken"  # 256 byte tokens; the gpt2 pattern puts <|endoftext|> at 256
     write_tiktoken_file({bytes([i]): i for i in range(256)}, str(tok))
     bin_dir = root / "bin"
@@ -167,6 +166,7 @@ def _preprocess_env(tree, node):
                 WORKERS="1", NNODES="2", NODE_RANK=str(node))
 
 
+@pytest.mark.slow
 def test_preprocess_two_nodes_each_shard_once_restart_redoes_the_killed_shard(preprocessed):
     import numpy as np
 
@@ -299,6 +299,7 @@ def slurm_run(tree, preprocessed):
             "fake": fake}
 
 
+@pytest.mark.slow
 def test_sbatch_sigterm_saves_requeues_and_the_requeued_job_resumes(slurm_run):
     s = slurm_run
     assert s["rc1"] == 0, s["log1"][-6000:]
@@ -317,12 +318,13 @@ def test_sbatch_sigterm_saves_requeues_and_the_requeued_job_resumes(slurm_run):
     # The requeued job resumes from that checkpoint and finishes.
     assert s["rc2"] == 0, s["log2"][-6000:]
     assert f"(restart 1) on 2 nodes: 200m lev from iteration {k}" in s["log2"]
-    assert f"successfully loaded checkpoint from" in s["log2"] and f"at iteration {k}" in s["log2"]
+    assert "successfully loaded checkpoint from" in s["log2"] and f"at iteration {k}" in s["log2"]
     assert f"training finished: iteration {TRAIN_ITERS} of {TRAIN_ITERS}" in s["log2"]
     assert sorted(s["metrics"]) == list(range(1, TRAIN_ITERS + 1))
     assert (s["ckpt"] / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
 
 
+@pytest.mark.slow
 def test_train_sh_two_nodes_tp2_trains_checkpoints_and_resumes_bit_exactly(tree, preprocessed, slurm_run):
     root = tree["root"]
     k = int([ln for ln in slurm_run["log1"].splitlines() if "exiting on SIGTERM" in ln][0].split()[-1])
