@@ -68,9 +68,7 @@ class SignalHandler:
         self.received = True
 
     def any_rank_received(self) -> bool:
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return _any_rank(self.received)  # on the GPU with CUDA: NCCL reduces no CPU tensor
 
     def release(self) -> None:
         signal.signal(self.sig, self._prev)
