@@ -215,7 +215,7 @@ def _install_write_queue() -> None:
     megatron-core creates it lazily with ``mp.get_context("spawn").Manager()``; that server process
     outlives a rank killed by the launcher (e.g. after another rank failed) and keeps the job's
     output pipes open. The same manager, started with an initializer that sets the parent-death
-    signal, goes away with the rank.
+    signal, goes away with the rank; it ignores SIGTERM, which the rank answers by saving through it.
     """
     global _WRITE_MANAGER
     import multiprocessing as mp
@@ -223,12 +223,12 @@ def _install_write_queue() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    from ._procutil import die_with_parent
+    from ._procutil import rank_helper_init
 
     if getattr(fa, "_results_queue", None) is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
+    manager.start(initializer=rank_helper_init)
     _WRITE_MANAGER = manager
     fa._results_queue = manager.Queue()
 

@@ -72,7 +72,7 @@ class SignalHandler:
         self.received = True
 
     def any_rank_received(self) -> bool:
-        return _any_rank(self.received)
+        return _any_rank(self.received)  # on the world group's device (NCCL reduces no CPU tensor)
 
     def release(self) -> None:
         signal.signal(self.sig, self._prev)

@@ -176,9 +176,13 @@ def test_nan_check_stops_after_saving_or_skips(corpus, tmp_path):
 
 
 def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
+    """SIGTERM to every process of the run, as Slurm delivers it: the rank's helpers (checkpoint writer
+    queue, data-loader worker) ignore it and the rank saves through them."""
+    import psutil
+
     ck = tmp_path / "ck"
     args = model_args(corpus, 100000, ["--input-embedding", "untied", "--exit-signal-handler", "--save", str(ck),
-                                       "--eval-iters", "0"])
+                                       "--save-interval", "2", "--num-workers", "1", "--eval-iters", "0"])
     env = _env()
     proc = subprocess.Popen([sys.executable, PRETRAIN] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=str(REPO))
@@ -190,7 +194,10 @@ def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
             seen = True
             break
     assert seen, "training did not start"
-    proc.send_signal(signal.SIGTERM)
+    helpers = psutil.Process(proc.pid).children(recursive=True)
+    assert helpers  # the saved checkpoint at 2 started the writer queue
+    for p in [proc] + helpers:
+        p.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "exiting on SIGTERM" in out
