@@ -268,7 +268,8 @@ def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Opti
     if padded_vocab_size(tok_vocab, make_vocab_size_divisible_by, tp) != padded:
         args.make_vocab_size_divisible_by = padded // tp  # pads the tokenizer's ids to the same row count
     a = resolved_config(args)
-    a.update(padded_vocab_size=padded, lr=None, train_iters=None, lr_decay_iters=None, mock_data=False)
+    a.update(padded_vocab_size=padded, lr=None, train_iters=None, lr_decay_iters=None, mock_data=False,
+             micro_batch_size=None, global_batch_size=None, num_microbatches=None)
     return a
 
 
