@@ -6,11 +6,15 @@
   export-hf   a Hugging Face LlamaForCausalLM directory (Llama-style models only: RMSNorm, SwiGLU, RoPE,
               no biases); the input arm is materialised into embed_tokens; for lev also DST/lev/.
   export-lev  the LEV layer's parameters (safetensors + JSON config) for megatron_lev.lev.LEVEmbedding.
+  import-hf   a Hugging Face LlamaForCausalLM directory (safetensors) as a training checkpoint at TP x PP.
+  to-lev      fit a LEV layer to a dense (tied/untied) checkpoint's input table; write a lev checkpoint.
 
 Examples:
   python tools/convert_checkpoint.py reshard --load ckpt --save ckpt_tp1 --target-tp 1 --target-pp 1
   python tools/convert_checkpoint.py export-hf --load ckpt --save hf_model --dtype bfloat16
   python tools/convert_checkpoint.py export-lev --load ckpt --save lev_params
+  python tools/convert_checkpoint.py import-hf --hf-model llama_dir --save ckpt --tensor-model-parallel-size 2
+  python tools/convert_checkpoint.py to-lev --load ckpt --save ckpt_lev --token-counts counts.npy --lev-heads 8
 
 Exit status: 0 done; 2 usage or checkpoint error (one line on stderr); 1 unexpected failure.
 """
@@ -53,13 +57,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export-lev", help="LEV parameters + config (lev arm)")
     common(e)
+
+    i = sub.add_parser("import-hf", help="Hugging Face LlamaForCausalLM directory -> training checkpoint")
+    i.add_argument("--hf-model", required=True, help="directory with config.json and safetensors weights")
+    i.add_argument("--save", required=True, help="output checkpoint root (empty or new)")
+    i.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    i.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    i.add_argument("--seq-length", type=int, default=None, help="default: max_position_embeddings")
+    i.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    i.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="parameter dtype (default: config.json's dtype, else float32)")
+    i.add_argument("--no-tokenizer", action="store_true", help="ignore tokenizer.json (NullTokenizer over the ids)")
+    i.add_argument("--quiet", action="store_true", help="no progress output")
+
+    t = sub.add_parser("to-lev", help="fit LEV to a dense checkpoint's input table; write a lev checkpoint")
+    common(t)
+    t.add_argument("--token-counts", default=None, help=".npy of counts per token id: frequency-weighted fit and "
+                                                        "per-bucket errors")
+    t.add_argument("--count-power", type=float, default=1.0, help="weights (count+1)**power (0: uniform)")
+    for flag, typ in (("digits", int), ("base", int), ("seed-dim", int), ("knots", int), ("rank", int),
+                      ("heads", int), ("init-sample-size", int), ("chunk-size", int)):
+        t.add_argument(f"--lev-{flag}", type=typ, default=None, help="default: the checkpoint's saved value")
+    t.add_argument("--lev-compute-mode", default=None, choices=["token", "unique", "table"])
+    t.add_argument("--fit-lr", type=float, default=3e-3)
+    t.add_argument("--fit-batch-size", type=int, default=4096, help="ids per step")
+    t.add_argument("--fit-max-steps", type=int, default=2000)
+    t.add_argument("--fit-eval-interval", type=int, default=50, help="steps between full-table error checks")
+    t.add_argument("--fit-patience", type=int, default=4, help="stop after N checks without 1%% improvement")
+    t.add_argument("--fit-target-error", type=float, default=0.0, help="stop at this relative error")
+    t.add_argument("--fit-seed", type=int, default=0)
+    t.add_argument("--device", default="cpu", help="where to fit: cpu, cuda, cuda:N")
+    t.add_argument("--report", default=None, help="also write the fit report as JSON here")
     return p
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore")
-    from megatron_lev.conversion import ConversionError, export_hf, export_lev, reshard_checkpoint
+    from megatron_lev.conversion import ConversionError, export_hf, export_lev, import_hf, reshard_checkpoint, to_lev
+    from megatron_lev.conversion.dense_to_lev import FitConfig
 
     progress = not a.quiet
     try:
@@ -70,8 +106,22 @@ def main(argv=None) -> int:
             export_hf(a.load, a.save, iteration=a.iteration, dtype=a.dtype, max_shard_size=a.max_shard_size,
                       trim_vocab=a.trim_vocab, tokenizer=not a.no_tokenizer, lev=not a.no_lev,
                       overwrite=a.overwrite, progress=progress)
-        else:
+        elif a.command == "export-lev":
             export_lev(a.load, a.save, iteration=a.iteration, progress=progress)
+        elif a.command == "import-hf":
+            import_hf(a.hf_model, a.save, tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
+                      seq_length=a.seq_length, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+                      dtype=a.dtype, tokenizer=not a.no_tokenizer, progress=progress)
+        else:
+            lev = dict(num_digits=a.lev_digits, base=a.lev_base, seed_dim=a.lev_seed_dim, num_knots=a.lev_knots,
+                       rank=a.lev_rank, num_heads=a.lev_heads, init_sample_size=a.lev_init_sample_size,
+                       chunk_size=a.lev_chunk_size, compute_mode=a.lev_compute_mode)
+            fit = FitConfig(lr=a.fit_lr, batch_size=a.fit_batch_size, max_steps=a.fit_max_steps,
+                            eval_interval=a.fit_eval_interval, patience=a.fit_patience,
+                            target_error=a.fit_target_error, count_power=a.count_power, seed=a.fit_seed,
+                            device=a.device, progress=progress)
+            to_lev(a.load, a.save, lev=lev, token_counts=a.token_counts, fit=fit, iteration=a.iteration,
+                   report_file=a.report, progress=progress)
     except ConversionError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

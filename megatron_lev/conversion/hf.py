@@ -1,11 +1,12 @@
-"""Hugging Face export: a megatron-lev checkpoint as a ``LlamaForCausalLM`` directory.
+"""Hugging Face Llama: export a megatron-lev checkpoint as a ``LlamaForCausalLM`` directory, and the
+weight map that the import (:mod:`megatron_lev.conversion.hf_import`) reads backwards.
 
 Only Llama-style models have a faithful equivalent: RMSNorm, SwiGLU, RoPE over the whole head
 (non-interleaved), no biases, no QK-norm. Anything else is refused with one line naming the setting
 (:func:`check_hf_compatible`).
 
-Weight map (megatron-core GPT state-dict names, local or Transformer Engine layer spec, at TP=1 ->
-HF Llama names); ``{i}`` is the layer index:
+Weight map (:data:`WEIGHT_MAP`; megatron-core GPT state-dict names, local or Transformer Engine layer
+spec, at TP=1 <-> HF Llama names); ``{i}`` is the layer index. The same table drives both directions:
 
 ====================================================================  ==============================================
 megatron-core                                                         Hugging Face Llama
@@ -51,7 +52,8 @@ import sys
 import re
 import shutil
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from .source import ConversionError, open_checkpoint
 
@@ -59,22 +61,58 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16"}
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 
-# megatron-core name (layer index as {i}) -> HF Llama name; None = split below.
-WEIGHT_MAP: Dict[str, Optional[str]] = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "decoder.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
-    "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight": "model.layers.{i}.input_layernorm.weight",
-    "decoder.layers.{i}.self_attention.linear_qkv.weight": None,
-    "decoder.layers.{i}.self_attention.linear_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "decoder.layers.{i}.pre_mlp_layernorm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "decoder.layers.{i}.mlp.linear_fc1.weight": None,
-    "decoder.layers.{i}.mlp.linear_fc2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-    "output_layer.weight": "lm_head.weight",
-}
+@dataclass(frozen=True)
+class MappedWeight:
+    """One row of the weight map: a megatron-core tensor and the Hugging Face Llama tensor(s) it holds."""
+
+    megatron: Tuple[str, ...]
+    """Megatron-core state-dict names, local layer spec first, then the Transformer Engine spec's alias
+    (its norms are fused into the following linear layer); ``{i}`` is the layer index."""
+    hf: Tuple[str, ...]
+    """HF names; more than one when megatron fuses them into one tensor."""
+    fused: Optional[str] = None
+    """How the HF tensors are fused: "qkv" (grouped per query group, :func:`split_qkv`), "fc1"
+    (``[gate; up]``, :func:`split_fc1`), or None (the same tensor)."""
+    vocab: bool = False
+    """Rows are vocabulary ids (padded on the megatron side)."""
+
+
+# The weight map, read in both directions (export: megatron -> HF, import: HF -> megatron), in HF order.
+WEIGHT_MAP: Tuple[MappedWeight, ...] = (
+    MappedWeight(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), vocab=True),
+    MappedWeight(("decoder.layers.{i}.input_layernorm.weight",
+                  "decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight"),
+                 ("model.layers.{i}.input_layernorm.weight",)),
+    MappedWeight(("decoder.layers.{i}.self_attention.linear_qkv.weight",),
+                 ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+                  "model.layers.{i}.self_attn.v_proj.weight"), fused="qkv"),
+    MappedWeight(("decoder.layers.{i}.self_attention.linear_proj.weight",),
+                 ("model.layers.{i}.self_attn.o_proj.weight",)),
+    MappedWeight(("decoder.layers.{i}.pre_mlp_layernorm.weight",
+                  "decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight"),
+                 ("model.layers.{i}.post_attention_layernorm.weight",)),
+    MappedWeight(("decoder.layers.{i}.mlp.linear_fc1.weight",),
+                 ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), fused="fc1"),
+    MappedWeight(("decoder.layers.{i}.mlp.linear_fc2.weight",), ("model.layers.{i}.mlp.down_proj.weight",)),
+    MappedWeight(("decoder.final_layernorm.weight",), ("model.norm.weight",)),
+    MappedWeight(("output_layer.weight",), ("lm_head.weight",), vocab=True),
+)
+EMBEDDING, OUTPUT = WEIGHT_MAP[0], WEIGHT_MAP[-1]
+
+
+def mapped_names(num_layers: int, tied: bool) -> Iterator[Tuple[MappedWeight, Tuple[str, ...], Tuple[str, ...]]]:
+    """(entry, megatron names, HF names) with the layer index filled in, in HF order; a tied model
+    has no ``lm_head``."""
+    for entry in WEIGHT_MAP:
+        if tied and entry is OUTPUT:
+            continue
+        layers = range(num_layers) if "{i}" in entry.hf[0] else [None]
+        for i in layers:
+            fmt = (lambda n: n.format(i=i)) if i is not None else (lambda n: n)
+            yield entry, tuple(map(fmt, entry.megatron)), tuple(map(fmt, entry.hf))
+
+
 _HF_LOCK = threading.Lock()
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def parse_size(size) -> int:
@@ -150,61 +188,92 @@ def split_fc1(w):
     return w[:f].contiguous(), w[f:].contiguous()
 
 
+def join_qkv(q, k, v, n: int, g: int, hd: int):
+    """Inverse of :func:`split_qkv`: (q [n*hd, D], k [g*hd, D], v [g*hd, D]) -> megatron's fused rows."""
+    import torch
+
+    per, d_in = n // g, q.shape[-1]
+    return torch.cat([q.reshape(g, per, hd, d_in), k.reshape(g, 1, hd, d_in), v.reshape(g, 1, hd, d_in)],
+                     dim=1).reshape(g * (per + 2) * hd, d_in)
+
+
+def join_fc1(gate, up):
+    """Inverse of :func:`split_fc1`."""
+    import torch
+
+    return torch.cat([gate, up], dim=0)
+
+
+def _split(entry: MappedWeight, w, a: Dict[str, Any]):
+    if entry.fused == "qkv":
+        return split_qkv(w, *head_layout(a))
+    if entry.fused == "fc1":
+        return split_fc1(w)
+    return (w,)
+
+
+def _join(entry: MappedWeight, parts, a: Dict[str, Any]):
+    if entry.fused == "qkv":
+        return join_qkv(*parts, *head_layout(a))
+    if entry.fused == "fc1":
+        return join_fc1(*parts)
+    return parts[0]
+
+
 def hf_tensors(state_dict: Dict[str, Any], a: Dict[str, Any], input_table=None, vocab_rows: Optional[int] = None,
                tied: bool = False) -> Iterator[Tuple[str, Any]]:
-    """(HF name, tensor) pairs for a TP=1 megatron-core state dict, in HF order.
+    """(HF name, tensor) pairs for a TP=1 megatron-core state dict, in HF order (:data:`WEIGHT_MAP`).
 
     ``input_table``: the dense [V, D] input table (materialised arm); when None, the state dict's
     ``embedding.word_embeddings.weight`` is used. ``vocab_rows``: keep this many vocabulary rows.
     ``tied``: write no ``lm_head`` (HF ties it to ``embed_tokens``)."""
-    n, g, hd = head_layout(a)
-    used = set()
-
-    def take(key):
-        used.add(key)
-        return state_dict[key].detach()
-
-    def rows(t):
-        return t[:vocab_rows] if vocab_rows is not None else t
-
-    if input_table is None:
-        if "embedding.word_embeddings.weight" not in state_dict:
-            raise ConversionError("the model has neither a word-embedding table nor a materialised input arm")
-        input_table = take("embedding.word_embeddings.weight")
-    else:
-        used.update(k for k in state_dict if k.startswith("embedding."))
-    yield "model.embed_tokens.weight", rows(input_table)
-    layers = sorted({int(m.group(1)) for k in state_dict for m in [_LAYER.match(k)] if m})
-    for i in layers:
-        p = f"decoder.layers.{i}."
-        h = f"model.layers.{i}."
-        ln1 = p + "input_layernorm.weight"
-        if ln1 not in state_dict:
-            ln1 = p + "self_attention.linear_qkv.layer_norm_weight"
-        yield h + "input_layernorm.weight", take(ln1)
-        q, k, v = split_qkv(take(p + "self_attention.linear_qkv.weight"), n, g, hd)
-        yield h + "self_attn.q_proj.weight", q
-        yield h + "self_attn.k_proj.weight", k
-        yield h + "self_attn.v_proj.weight", v
-        yield h + "self_attn.o_proj.weight", take(p + "self_attention.linear_proj.weight")
-        ln2 = p + "pre_mlp_layernorm.weight"
-        if ln2 not in state_dict:
-            ln2 = p + "mlp.linear_fc1.layer_norm_weight"
-        yield h + "post_attention_layernorm.weight", take(ln2)
-        gate, up = split_fc1(take(p + "mlp.linear_fc1.weight"))
-        yield h + "mlp.gate_proj.weight", gate
-        yield h + "mlp.up_proj.weight", up
-        yield h + "mlp.down_proj.weight", take(p + "mlp.linear_fc2.weight")
-    yield "model.norm.weight", take("decoder.final_layernorm.weight")
-    if not tied:
-        yield "lm_head.weight", rows(take("output_layer.weight"))
-    else:
-        used.add("output_layer.weight")
+    used = set(k for k in state_dict if k.startswith("embedding.")) if input_table is not None else set()
+    if tied:
+        used.add(OUTPUT.megatron[0])
+    for entry, meg, hf in mapped_names(int(a["num_layers"]), tied):
+        if entry is EMBEDDING and input_table is not None:
+            w = input_table
+        else:
+            name = next((m for m in meg if m in state_dict), None)
+            if name is None:
+                if entry is EMBEDDING:
+                    raise ConversionError("the model has neither a word-embedding table nor a materialised input arm")
+                raise ConversionError(f"cannot export to Hugging Face Llama: megatron parameter {meg[0]} is missing")
+            used.add(name)
+            w = state_dict[name].detach()
+        if entry.vocab and vocab_rows is not None:
+            w = w[:vocab_rows]
+        yield from zip(hf, _split(entry, w, a))
     left = [k for k in state_dict if k not in used and not k.endswith("_extra_state")
             and state_dict[k] is not None and getattr(state_dict[k], "numel", lambda: 0)() > 0]
     if left:
         raise ConversionError(f"cannot export to Hugging Face Llama: megatron parameter {left[0]} has no Llama "
                               "equivalent")
+
+
+def megatron_tensors(get: Callable[[str], Any], a: Dict[str, Any], model_keys: Iterable[str], tied: bool,
+                     vocab_rows: int) -> Iterator[Tuple[str, Any]]:
+    """(megatron name, tensor) pairs for a TP=1 model whose state-dict names are ``model_keys``, from HF
+    tensors read by ``get(hf_name)`` (:data:`WEIGHT_MAP` read backwards). Vocabulary matrices are padded
+    with zero rows to ``vocab_rows``. Every model key is produced once, or ConversionError names it."""
+    import torch
+
+    keys = set(model_keys)
+    done = set()
+    for entry, meg, hf in mapped_names(int(a["num_layers"]), tied):
+        name = next((m for m in meg if m in keys), None)
+        if name is None:
+            raise ConversionError(f"the megatron model has no parameter for {hf[0]} (expected {meg[0]})")
+        w = _join(entry, [get(h) for h in hf], a)
+        if entry.vocab and w.shape[0] < vocab_rows:
+            w = torch.cat([w, w.new_zeros(vocab_rows - w.shape[0], *w.shape[1:])])
+        done.add(name)
+        yield name, w
+    if tied and OUTPUT.megatron[0] in keys:  # a copy of the embedding on a last stage
+        done.add(OUTPUT.megatron[0])
+    left = sorted(k for k in keys - done if not k.endswith("_extra_state"))
+    if left:
+        raise ConversionError(f"the megatron model's parameter {left[0]} has no Hugging Face Llama equivalent")
 
 
 class ShardedSafetensorsWriter:

@@ -130,3 +130,31 @@ def set_seed(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+class _SchedulerState:
+    """Carries a source's LR-scheduler state into a new checkpoint unchanged."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def state_dict(self):
+        return self._state
+
+
+def save_model_checkpoint(chunks, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],
+                          log=lambda m: None) -> None:
+    """Save ``chunks`` with the training checkpointer as iteration ``iteration`` of ``dst_root`` (no
+    optimizer state; the consumed samples, counters and scheduler state of ``common`` carried over), so
+    that ``pretrain_lev.py --load dst_root`` continues from it."""
+    from megatron_lev.training import checkpointing
+
+    args = namespace(dict(a, no_save_optim=False, no_save_rng=False, debug_kill_during_save=None,
+                          debug_stall_during_save=None))
+    if not hasattr(args, "dist_ckpt_optim_fully_reshardable"):
+        args.dist_ckpt_optim_fully_reshardable = False
+    sched = common.get("opt_param_scheduler")
+    checkpointing.save_checkpoint(
+        dst_root, iteration, chunks, None, _SchedulerState(sched) if sched is not None else None,
+        consumed_train_samples=int(common.get("consumed_train_samples", 0) or 0),
+        counters=dict(common.get("counters") or {}), config=a, args=args, log=log)

@@ -27,23 +27,11 @@ from .source import ConversionError, open_checkpoint
 from megatron_lev.training.checkpointing import TRACKER
 
 
-class _SchedulerState:
-    """Carries the source's LR-scheduler state into the new checkpoint unchanged."""
-
-    def __init__(self, state):
-        self._state = state
-
-    def state_dict(self):
-        return self._state
-
-
 def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],
                   progress: bool) -> Dict[str, Any]:
     import torch
 
-    from megatron_lev.training import checkpointing
-
-    from .model_io import build_model, load_model_weights, namespace, set_seed
+    from .model_io import build_model, load_model_weights, save_model_checkpoint, set_seed
 
     rank = torch.distributed.get_rank()
 
@@ -55,14 +43,7 @@ def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any
     chunks, _config, _mc = build_model(a)
     log(f"  loading {src_path} at TP={a['tensor_model_parallel_size']} PP={a['pipeline_model_parallel_size']}")
     load_model_weights(chunks, src_path, log=log)
-    args = namespace(dict(a, no_save_optim=False, no_save_rng=False, debug_kill_during_save=None))
-    if not hasattr(args, "dist_ckpt_optim_fully_reshardable"):
-        args.dist_ckpt_optim_fully_reshardable = False
-    sched = common.get("opt_param_scheduler")
-    checkpointing.save_checkpoint(
-        dst_root, iteration, chunks, None, _SchedulerState(sched) if sched is not None else None,
-        consumed_train_samples=int(common.get("consumed_train_samples", 0) or 0),
-        counters=dict(common.get("counters") or {}), config=a, args=args, log=log if progress else (lambda m: None))
+    save_model_checkpoint(chunks, dst_root, iteration, a, common, log=log)
     n = sum(p.numel() for c in chunks for p in c.parameters())
     return {"rank": rank, "params": int(n)}
 

@@ -59,10 +59,11 @@ def checkpoint_logits(checkpoints, ids):
     return out
 
 
-def logits_at_layouts(plan, ids):
+def logits_at_layouts(plan, ids, by_layout=False):
     """``checkpoint_logits`` for each ``(tp, pp, [paths])`` of ``plan`` in turn, re-creating megatron's
     parallel groups between layouts (a launch costs seconds of imports; a re-initialisation does not).
-    Ranks outside data-parallel rank 0 compute but return nothing."""
+    Ranks outside data-parallel rank 0 compute but return nothing. ``by_layout``: key the results by
+    ``(tp, pp, path)`` (one checkpoint read at several layouts)."""
     from megatron.core import parallel_state as ps
 
     out = {}
@@ -73,5 +74,6 @@ def logits_at_layouts(plan, ids):
         assert ps.get_tensor_model_parallel_world_size() == tp and ps.get_pipeline_model_parallel_world_size() == pp
         res = checkpoint_logits(paths, ids)
         if ps.get_data_parallel_rank() == 0:
-            out.update(res)
+            out.update({((tp, pp, k) if by_layout else k): v for k, v in res.items()})
     return out
+
