@@ -35,8 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MEGATRON_LEV_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 CACHE = Path(os.environ.get("MEGATRON_LEV_TEST_CACHE", REPO_ROOT / ".cache"))
 
-# Small vocabularies train in about a second and keep the models of the training tests small.
-BPE_VOCAB = 4096
+# Small vocabularies train in about a second and keep the models of the training tests small; 4000
+# is not a multiple of 128, so that vocabulary padding (to 4096) is exercised.
+BPE_VOCAB = 4000
 SENTENCEPIECE_VOCAB = 2000
 
 
