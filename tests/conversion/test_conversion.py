@@ -142,7 +142,7 @@ def evaluated(runs, text_ids):
         return {k: v for r in res for k, v in r.items()}
 
     def export(arm):
-        kw = {"trim_vocab": True, "max_shard_size": "5MB"} if arm == "untied" else {}
+        kw = {"trim_vocab": True, "max_shard_size": "1MB"} if arm == "untied" else {}
         return export_hf(root / f"{arm}_tp1", root / f"{arm}_hf", reference_ids=ids, progress=False, **kw)
 
     t0 = time.time()
