@@ -88,7 +88,7 @@ def main() -> int:
                        for e in (".bin", ".idx"))
             print(f"Megatron-LM {w} worker(s): {wall:.1f} s; output byte-identical to ours: {same}")
 
-    print(f"input {a.input}; GPT-2 BPE; --append-eod; whole-process wall time incl. start-up")
+    print(f"input {os.path.relpath(a.input, REPO)} (relative to the repository); GPT-2 BPE; --append-eod; whole-process wall time incl. start-up")
     print(f"{'workers':>7} {'wall s':>7} {'tokens':>12} {'tokens/s':>11} {'ref tok/s':>10} {'ratio':>6} {'load1':>6}")
     for w, wall in ours.items():
         tps = tokens[w] / wall

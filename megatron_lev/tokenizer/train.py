@@ -7,6 +7,8 @@ much text is fed. SentencePiece gets one line of text per "sentence" (it drops s
 Outputs:
 * ``sentencepiece_bpe`` / ``sentencepiece_unigram``: ``{output_prefix}.model`` + ``.vocab``, with
   ``<unk>``=0, ``<s>``=1, ``</s>``=2 (EOD), byte fallback on; load with ``SentencePieceTokenizer``.
+  ``normalization="identity"`` also keeps whitespace runs, so that decoding gives back the input text
+  exactly (the default ``nmt_nfkc`` applies NFKC and collapses whitespace).
 * ``hf_bytelevel_bpe``: ``{output_prefix}/tokenizer.json`` plus GPT-2 style ``vocab.json`` and
   ``merges.txt``, with ``<|endoftext|>`` as the last id; load with ``HuggingFaceTokenizer`` or
   ``GPT2BPETokenizer``.
@@ -53,6 +55,7 @@ def train_tokenizer(
     max_docs: Optional[int] = None,
     max_chars: Optional[int] = None,
     character_coverage: float = 0.9995,
+    normalization: str = "nmt_nfkc",
     max_sentence_length: int = 16384,
     num_threads: Optional[int] = None,
     progress: bool = True,
@@ -78,6 +81,8 @@ def train_tokenizer(
             vocab_size=vocab_size,
             model_type=model_type.split("_", 1)[1],
             character_coverage=character_coverage,
+            normalization_rule_name=normalization,
+            remove_extra_whitespaces=normalization != "identity",
             byte_fallback=True,
             max_sentence_length=max_sentence_length,
             num_threads=threads,

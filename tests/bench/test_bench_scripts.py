@@ -125,3 +125,15 @@ def test_throughput_arms_and_report(tp, tmp_path):
     assert "The GPU section did not run" in text
     assert "a loaded machine" in text
     assert "tok/s table" in text
+
+
+def test_committed_reports_show_no_machine_paths():
+    """Reports under docs/results name files relative to the repository, never a machine's absolute path."""
+    import re
+
+    pattern = re.compile(r"(?<![\w.~])/(?:work|home|root|tmp|Users|mnt|scratch)/")
+    files = [p for p in (REPO / "docs" / "results").rglob("*") if p.suffix in (".md", ".json")]
+    assert files
+    bad = [f"{p.relative_to(REPO)}:{i}" for p in files
+           for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not bad, bad

@@ -1,6 +1,7 @@
 """Checkpoint conversion end to end on CPU ranks.
 
-Tiny Llama-style models (2 layers, hidden 64, GQA with 2 query groups, GPT-2 vocabulary, mock data)
+Tiny Llama-style models (2 layers, hidden 64, GQA with 2 query groups, the test BPE in GPT-2 format
+with 4,000 tokens padded to 4,096, mock data)
 of the tied (TP=2 x PP=2), untied (TP=2) and lev (TP=2) arms are trained for two iterations with
 pretrain_lev.py, resharded to TP=1 (and the tied one back to TP=2 x PP=2), exported to Hugging Face
 and reloaded with transformers. Checks: the TP=1 model's logits equal the source's (1e-5, fp32); the
@@ -25,12 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import BPE_VOCAB
+
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_lev.py")
 CONVERT = str(REPO / "tools" / "convert_checkpoint.py")
 ARMS = ("tied", "untied", "lev")
 LAYOUT = {"tied": (2, 2), "untied": (2, 1), "lev": (2, 1)}  # (TP, PP) of the training run
-GPT2_VOCAB = 50257
+VOCAB = BPE_VOCAB  # the tokenizer's
+PADDED = 4096  # the model's (divisible by 128 x TP)
 
 
 def _env():
@@ -74,12 +78,12 @@ def _wait(proc, timeout=600):
 
 
 @pytest.fixture(scope="session")
-def runs(shared_data, tmp_path_factory):
+def runs(tokenizer_files, tmp_path_factory):
     """Source checkpoints (2 iterations) of every arm, trained side by side; then TP=1 conversions."""
     from megatron_lev.conversion import reshard_checkpoint
 
     root = tmp_path_factory.mktemp("conversion")
-    tok = shared_data / "tokenizers" / "gpt2"
+    tok = Path(tokenizer_files.bpe_dir)
     procs = {}
     for arm in ARMS:
         tp, pp = LAYOUT[arm]
@@ -104,16 +108,13 @@ def runs(shared_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def text_ids(shared_data):
-    """Two 24-token windows of real text (valid.jsonl.zst) in the GPT-2 vocabulary."""
-    from megatron_lev.data.jsonl import iter_json_docs
+def text_ids(sample_corpus, tok_args):
+    """Two 24-token windows of real text (the sample corpus's valid.jsonl.zst) in the test BPE."""
     from megatron_lev.tokenizer import build_tokenizer
 
-    tok_dir = shared_data / "tokenizers" / "gpt2"
-    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tok_dir / "vocab.json"),
-                          merge_file=str(tok_dir / "merges.txt"))
+    tok = build_tokenizer(**tok_args["gpt2"])
     rows = []
-    for doc in iter_json_docs([str(shared_data / "corpus" / "valid.jsonl.zst")]):
+    for doc in sample_corpus.docs("valid"):
         ids = tok.tokenize(doc)
         if len(ids) >= 24:
             rows.append(ids[:24])
@@ -141,7 +142,7 @@ def evaluated(runs, text_ids):
         return {k: v for r in res for k, v in r.items()}
 
     def export(arm):
-        kw = {"trim_vocab": True, "max_shard_size": "5MB"} if arm == "untied" else {}
+        kw = {"trim_vocab": True, "max_shard_size": "1MB"} if arm == "untied" else {}
         return export_hf(root / f"{arm}_tp1", root / f"{arm}_hf", reference_ids=ids, progress=False, **kw)
 
     t0 = time.time()
@@ -160,7 +161,7 @@ def test_tp1_conversion_matches_source_logits(runs, evaluated, arm):
     root = runs["root"]
     src = evaluated["source"][str(root / f"{arm}_src")]
     tp1 = torch.from_numpy(evaluated["hf"][arm]["logits"])
-    assert src.shape == (2, 24, 50432) and tp1.shape == src.shape
+    assert src.shape == (2, 24, PADDED) and tp1.shape == src.shape
     torch.testing.assert_close(tp1, src, atol=1e-5, rtol=0)
     # The converted checkpoint is a training checkpoint at the new layout.
     ck = root / f"{arm}_tp1"
@@ -169,10 +170,10 @@ def test_tp1_conversion_matches_source_logits(runs, evaluated, arm):
 
     cfg = yaml.safe_load((ck / "iter_0000002" / "config.yaml").read_text())
     assert cfg["tensor_model_parallel_size"] == 1 and cfg["pipeline_model_parallel_size"] == 1
-    assert cfg["padded_vocab_size"] == 50432 and cfg["make_vocab_size_divisible_by"] == 128 * LAYOUT[arm][0]
+    assert cfg["padded_vocab_size"] == PADDED and cfg["make_vocab_size_divisible_by"] == 128 * LAYOUT[arm][0]
     from megatron_lev.tokenizer import padded_vocab_size
 
-    assert padded_vocab_size(GPT2_VOCAB, cfg["make_vocab_size_divisible_by"], 1) == 50432
+    assert padded_vocab_size(VOCAB, cfg["make_vocab_size_divisible_by"], 1) == PADDED
 
 
 def test_round_trip_back_to_tp2_pp2_is_exact(runs, evaluated):
@@ -207,7 +208,7 @@ def test_training_resumes_from_converted_checkpoint(runs, tmp_path):
 
 
 @pytest.mark.parametrize("arm", ARMS)
-def test_hf_export_matches_megatron_and_generates(runs, evaluated, text_ids, arm):
+def test_hf_export_matches_megatron_and_generates(runs, evaluated, text_ids, tok_args, arm):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = runs["root"] / f"{arm}_hf"
@@ -217,11 +218,11 @@ def test_hf_export_matches_megatron_and_generates(runs, evaluated, text_ids, arm
     assert cfg["num_key_value_heads"] == 2 and cfg["head_dim"] == 16
     assert (out / "generation_config.json").is_file() and (out / "tokenizer.json").is_file()
     if arm == "untied":  # trimmed to the tokenizer, sharded with an index
-        assert cfg["vocab_size"] == GPT2_VOCAB
+        assert cfg["vocab_size"] == VOCAB
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" in index["weight_map"]
     else:
-        assert cfg["vocab_size"] == 50432 and (out / "model.safetensors").is_file()
+        assert cfg["vocab_size"] == PADDED and (out / "model.safetensors").is_file()
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     model.eval()
     with torch.no_grad():
@@ -230,9 +231,12 @@ def test_hf_export_matches_megatron_and_generates(runs, evaluated, text_ids, arm
     torch.testing.assert_close(hf, ref, atol=1e-4, rtol=0)
     tok = AutoTokenizer.from_pretrained(str(out))
     prompt = tok("The quick brown fox", return_tensors="pt")
-    assert prompt.input_ids.tolist() == [[464, 2068, 7586, 21831]]
+    from megatron_lev.tokenizer import build_tokenizer
+
+    ids = build_tokenizer(**tok_args["gpt2"]).tokenize("The quick brown fox")
+    assert prompt.input_ids.tolist() == [ids] and len(ids) > 1
     gen = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
-    assert gen.shape == (1, 8)
+    assert gen.shape == (1, len(ids) + 4)
 
 
 def test_lev_parameters_reload_into_pure_layer(runs):
@@ -243,7 +247,7 @@ def test_lev_parameters_reload_into_pure_layer(runs):
 
     out = runs["root"] / "lev_hf"
     emb = load_lev_embedding(str(out / "lev"))
-    assert isinstance(emb, LEVEmbedding) and emb.config.num_heads == 2 and emb.vocab_size == 50432
+    assert isinstance(emb, LEVEmbedding) and emb.config.num_heads == 2 and emb.vocab_size == PADDED
     table = load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"]
     torch.testing.assert_close(emb.materialize(), table, atol=1e-5, rtol=0)
     assert (out / "lev" / "lev_embedding.safetensors").stat().st_size < 100_000

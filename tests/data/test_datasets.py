@@ -21,23 +21,23 @@ from megatron_lev.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")
-def prefixes(tok_args, shared_data, tmp_path_factory):
-    """Two GPT-2 datasets: the 152 valid docs and their first 60 docs."""
+def prefixes(tok_args, sample_corpus, tmp_path_factory):
+    """Two BPE datasets: the sample corpus's validation docs and their first 6 docs."""
     d = tmp_path_factory.mktemp("ds")
-    valid = str(shared_data / "corpus" / "valid.jsonl.zst")
+    valid = sample_corpus.valid
     preprocess(PreprocessConfig(inputs=[valid], output_prefix=str(d / "a"), append_eod=True,
                                 output_token_counts=True, **tok_args["gpt2"]))
     import zstandard
 
     raw = zstandard.ZstdDecompressor().decompress(open(valid, "rb").read(), max_output_size=1 << 28)
-    (d / "b.jsonl").write_bytes(b"".join(raw.splitlines(keepends=True)[:60]))
+    (d / "b.jsonl").write_bytes(b"".join(raw.splitlines(keepends=True)[:6]))
     preprocess(PreprocessConfig(inputs=[str(d / "b.jsonl")], output_prefix=str(d / "b"), append_eod=True,
                                 **tok_args["gpt2"]))
     return str(d / "a_text_document"), str(d / "b_text_document")
 
 
 @pytest.fixture(scope="module")
-def gpt2(tok_args):
+def bpe(tok_args):
     return build_tokenizer(**tok_args["gpt2"])
 
 
@@ -51,14 +51,14 @@ def test_parse_blend():
         parse_blend("0.5 a 0.5")
 
 
-def test_blend_of_two_prefixes(prefixes, gpt2, tmp_path):
+def test_blend_of_two_prefixes(prefixes, bpe, tmp_path):
     import torch.distributed as dist
 
     was = dist.is_initialized()
     a, b = prefixes
     try:
         train, valid, test = build_train_valid_test_datasets(
-            gpt2, 64, [2000, 200, 20], data_path=f"0.25 {a} 0.75 {b}", split="90,10,0",
+            bpe, 64, [2000, 200, 20], data_path=f"0.25 {a} 0.75 {b}", split="90,10,0",
             data_cache_path=str(tmp_path / "cache"), seed=7,
         )
     finally:
@@ -69,40 +69,41 @@ def test_blend_of_two_prefixes(prefixes, gpt2, tmp_path):
     assert abs(share[0] - 0.25) < 0.01 and abs(share[1] - 0.75) < 0.01
     s = train[0]
     assert s["tokens"].shape == (64,) and s["labels"].shape == (64,) and s["loss_mask"].shape == (64,)
-    assert int(s["tokens"].max()) < gpt2.vocab_size
+    assert int(s["tokens"].max()) < bpe.vocab_size
     assert np.array_equal(s["tokens"][1:].numpy(), s["labels"][:-1].numpy())
     assert any(p.name.endswith("dataset_index.npy") for p in (tmp_path / "cache").iterdir())
 
 
-def test_single_prefix_and_per_split(prefixes, gpt2):
+def test_single_prefix_and_per_split(prefixes, bpe):
     a, b = prefixes
-    train, valid, test = build_train_valid_test_datasets(gpt2, 32, [100, 10, 5], data_path=a, split="90,8,2")
+    train, valid, test = build_train_valid_test_datasets(bpe, 32, [100, 10, 5], data_path=a, split="80,10,10")
     assert len(train) >= 100 and train[3]["tokens"].shape == (32,)  # whole epochs
-    # 969,30,1 leaves the 152-doc test split empty: refused instead of megatron-core looping forever
-    with pytest.raises(DatasetValidationError, match=rf"{a}: the test part of --split 969,30,1 gets 0 of its 152"):
-        build_train_valid_test_datasets(gpt2, 32, [100, 10, 5], data_path=a, split="969,30,1")
-    train, valid, test = build_train_valid_test_datasets(gpt2, 32, [50, 10, None], train_data_path=a,
+    # 969,30,1 leaves the test split empty: refused instead of megatron-core looping forever
+    n = validate_dataset_prefix(a, bpe.vocab_size).num_documents
+    with pytest.raises(DatasetValidationError, match=rf"{a}: the test part of --split 969,30,1 gets 0 of its {n}"):
+        build_train_valid_test_datasets(bpe, 32, [100, 10, 5], data_path=a, split="969,30,1")
+    train, valid, test = build_train_valid_test_datasets(bpe, 32, [50, 10, None], train_data_path=a,
                                                          valid_data_path=b)
     assert len(train) >= 50 and len(valid) >= 10 and test is None
 
 
-def test_mock(gpt2):
-    train, valid, test = build_train_valid_test_datasets(gpt2, 16, [8, 4, 2], mock=True)
+def test_mock(bpe):
+    train, valid, test = build_train_valid_test_datasets(bpe, 16, [8, 4, 2], mock=True)
     assert train[0]["tokens"].shape == (16,)
 
 
-def test_validation_errors_name_the_file(prefixes, gpt2, tmp_path):
+def test_validation_errors_name_the_file(prefixes, bpe, sample_corpus, tmp_path):
     a, _ = prefixes
-    info = validate_dataset_prefix(a, gpt2.vocab_size)
-    assert info.num_documents == 152
-    # ids >= the model's vocabulary: from the token-counts file, and from a scan of the .bin
-    with pytest.raises(DatasetValidationError, match=rf"{a}\.bin: holds token id 50256 >= .* 1000"):
-        build_train_valid_test_datasets(gpt2, 32, [10, 1, 1], data_path=a, vocab_size=1000)
+    info = validate_dataset_prefix(a, bpe.vocab_size)
+    assert info.num_documents == len(sample_corpus.docs("valid"))
+    # ids >= the model's vocabulary (the EOD is the last id): from the token-counts file, and from a scan of the .bin
+    with pytest.raises(DatasetValidationError, match=rf"{a}\.bin: holds token id {bpe.eod} >= .* 1000"):
+        build_train_valid_test_datasets(bpe, 32, [10, 1, 1], data_path=a, vocab_size=1000)
     c = str(tmp_path / "c")
     for ext in (".bin", ".idx"):
         shutil.copy(a + ext, c + ext)
-    with pytest.raises(DatasetValidationError, match=rf"{c}\.bin: holds token id 50256"):
-        validate_dataset_prefix(c, 50000)
+    with pytest.raises(DatasetValidationError, match=rf"{c}\.bin: holds token id {bpe.eod}"):
+        validate_dataset_prefix(c, bpe.eod)
     # missing .bin
     with pytest.raises(DatasetValidationError, match=rf"{tmp_path}/nope\.idx: missing"):
         validate_dataset_prefix(str(tmp_path / "nope"), 100)

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_lev.data import PreprocessConfig, preprocess, read_index_info
 from megatron_lev.data.jsonl import iter_json_docs
-from megatron_lev.tokenizer import build_tokenizer, write_tiktoken_file
+from megatron_lev.tokenizer import build_tokenizer
 from tests.data.conftest import cli_flags, run_tool
 
 
@@ -24,49 +24,50 @@ def _read_docs(prefix):
 
 
 @pytest.fixture(scope="module")
-def valid_path(shared_data):
-    return str(shared_data / "corpus" / "valid.jsonl.zst")
+def valid_path(sample_corpus):
+    return sample_corpus.valid
 
 
 @pytest.fixture(scope="module")
-def valid_texts(valid_path):
-    texts = list(iter_json_docs([valid_path]))
-    assert len(texts) == 152
-    return texts
+def valid_texts(sample_corpus):
+    return sample_corpus.docs("valid")
 
 
 @pytest.fixture(scope="module")
-def tiktoken_args(tok_args, tmp_path_factory):
-    import tiktoken.load
-
-    g = tok_args["gpt2"]
-    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(g["merge_file"], g["vocab_file"])
-    path = tmp_path_factory.mktemp("tik") / "gpt2.tiktoken"
-    write_tiktoken_file(ranks, str(path))
-    return dict(tokenizer_type="TikTokenizer", tokenizer_model=str(path), tiktoken_pattern="gpt2")
+def n_docs(valid_texts):
+    assert len(valid_texts) >= 12
+    return len(valid_texts)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "neox", "mistral", "tiktoken"])
-def test_round_trip(family, tok_args, tiktoken_args, valid_path, valid_texts, tmp_path):
-    kw = tiktoken_args if family == "tiktoken" else tok_args[family]
-    prefix = str(tmp_path / family)
-    stats = preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=prefix, append_eod=True, **kw))
-    assert stats.docs == 152 and stats.errors == 0
+def _check_round_trip(kw, path, texts, prefix):
+    stats = preprocess(PreprocessConfig(inputs=[path], output_prefix=prefix, append_eod=True, **kw))
+    assert stats.docs == len(texts) and stats.errors == 0
     tok = build_tokenizer(**kw)
     ds, docs = _read_docs(prefix + "_text_document")
-    assert len(docs) == 152
+    assert len(docs) == len(texts)
     assert ds.index.dtype == (np.uint16 if tok.vocab_size < 65500 else np.int32)
     assert sum(d.size for d in docs) == stats.tokens
-    for text, ids in zip(valid_texts, docs):
+    for text, ids in zip(texts, docs):
         assert ids[-1] == tok.eod
         body = ids[:-1].tolist()
         assert body == tok.tokenize(text)
-        # SentencePiece (Mistral v1: identity normaliser, byte fallback) decodes to the input text
-        # as well on this corpus, so one exact comparison covers every family.
+        # Every tokenizer here decodes to the input text (the SentencePiece models use the identity
+        # normaliser and byte fallback), so one exact comparison covers every format.
         assert tok.detokenize(body) == text
 
 
-def test_workers_1_and_2_byte_identical(tok_args, valid_path, tmp_path):
+@pytest.mark.parametrize("family", ["gpt2", "hf", "sentencepiece", "tiktoken"])
+def test_round_trip(family, tok_args, valid_path, valid_texts, tmp_path):
+    _check_round_trip(tok_args[family], valid_path, valid_texts, str(tmp_path / family))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "neox", "mistral"])
+def test_round_trip_real_tokenizers(family, real_tok_args, shared_data, tmp_path):
+    path = str(shared_data / "corpus" / "valid.jsonl.zst")
+    _check_round_trip(real_tok_args[family], path, list(iter_json_docs([path])), str(tmp_path / family))
+
+
+def test_workers_1_and_2_byte_identical(tok_args, valid_path, n_docs, tmp_path):
     kw = tok_args["gpt2"]
     p1, p2 = str(tmp_path / "w1"), str(tmp_path / "w2")
     preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=p1, append_eod=True, workers=1,
@@ -74,7 +75,7 @@ def test_workers_1_and_2_byte_identical(tok_args, valid_path, tmp_path):
     r = run_tool("preprocess_data.py", "--input", valid_path, "--output-prefix", p2, "--append-eod",
                  "--workers", 2, "--batch-docs", 16, *cli_flags(kw))
     assert r.returncode == 0, r.stderr
-    assert "summary: docs=152" in r.stderr
+    assert f"summary: docs={n_docs}" in r.stderr
     for ext in (".bin", ".idx"):
         a = open(p1 + "_text_document" + ext, "rb").read()
         b = open(p2 + "_text_document" + ext, "rb").read()
@@ -222,47 +223,50 @@ def test_interrupted_run_leaves_no_pair(where, tok_args, valid_path, tmp_path, m
 
     monkeypatch.setattr(owner, where, flaky)
     with pytest.raises(KeyboardInterrupt):
-        preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(tmp_path / "o"), batch_docs=16,
+        preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(tmp_path / "o"), batch_docs=4,
                                     output_token_counts=True, **tok_args["gpt2"]))
     assert len(calls) == 3
     assert os.listdir(tmp_path) == []
 
 
-def test_token_counts_and_formats(tok_args, valid_path, valid_texts, tmp_path):
+def test_token_counts_and_formats(tok_args, tokenizer_files, valid_path, valid_texts, n_docs, tmp_path):
     """Token counts sum to the tokens written; .jsonl, .jsonl.gz, globs and several inputs work."""
     import zstandard
 
     raw = zstandard.ZstdDecompressor().decompress(open(valid_path, "rb").read(), max_output_size=1 << 28)
     lines = raw.splitlines(keepends=True)
-    (tmp_path / "a.jsonl").write_bytes(b"".join(lines[:50]))
+    (tmp_path / "a.jsonl").write_bytes(b"".join(lines[:6]))
     with gzip.open(tmp_path / "b.jsonl.gz", "wb") as f:
-        f.write(b"".join(lines[50:]))
+        f.write(b"".join(lines[6:]))
     prefix = str(tmp_path / "out")
     stats = preprocess(PreprocessConfig(inputs=[str(tmp_path / "a.jsonl"), str(tmp_path / "*.gz")],
                                         output_prefix=prefix, append_eod=True, output_token_counts=True,
                                         **tok_args["gpt2"]))
     counts = np.load(prefix + "_text_token_counts.npy")
     ds, docs = _read_docs(prefix + "_text_document")
-    assert counts.dtype == np.int64 and counts.shape == (50257,)
+    v = tokenizer_files.bpe_vocab_size
+    assert counts.dtype == np.int64 and counts.shape == (v,)
     assert counts.sum() == stats.tokens == sum(d.size for d in docs) == read_index_info(prefix + "_text_document.idx").num_tokens
-    assert counts[50256] == 152  # one EOD per document, counted
-    assert np.array_equal(counts, np.bincount(np.concatenate(docs), minlength=50257))
+    assert counts[v - 1] == n_docs  # one EOD per document, counted
+    assert np.array_equal(counts, np.bincount(np.concatenate(docs), minlength=v))
     tok = build_tokenizer(**tok_args["gpt2"])
-    assert tok.detokenize(docs[60][:-1]) == valid_texts[60]
+    assert tok.detokenize(docs[9][:-1]) == valid_texts[9]
 
 
-def test_pile_set_filter(tok_args, valid_path, tmp_path):
-    import zstandard
+def test_pile_set_filter(tok_args, valid_texts, tmp_path):
+    domains = ["Gutenberg (PG-19)", "GCIDE", "BrownCorpus", "PythonDocs"]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "meta": {"pile_set_name": domains[i % 4]}}) + "\n"
+                            for i, t in enumerate(valid_texts)))
+    stats = preprocess(PreprocessConfig(inputs=[str(path)], output_prefix=str(tmp_path / "o"),
+                                        pile_set_names=["GCIDE", "BrownCorpus"], append_eod=True, **tok_args["gpt2"]))
+    kept = [t for i, t in enumerate(valid_texts) if i % 4 in (1, 2)]
+    assert stats.docs == len(kept) and stats.skipped["filtered"] == len(valid_texts) - len(kept)
+    tok = build_tokenizer(**tok_args["gpt2"])
+    assert [tok.detokenize(d[:-1]) for d in _read_docs(str(tmp_path / "o_text_document"))[1]] == kept
 
-    raw = zstandard.ZstdDecompressor().decompress(open(valid_path, "rb").read(), max_output_size=1 << 28)
-    names = [json.loads(l)["meta"]["pile_set_name"] for l in raw.splitlines()]
-    stats = preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(tmp_path / "o"),
-                                        pile_set_names=["GCIDE", "BrownCorpus"], **tok_args["gpt2"]))
-    want = sum(n in ("GCIDE", "BrownCorpus") for n in names)
-    assert stats.docs == want == 34 and stats.skipped["filtered"] == 152 - want
 
-
-def test_partitions_and_merge(tok_args, valid_path, tmp_path):
+def test_partitions_and_merge(tok_args, valid_path, n_docs, tmp_path):
     kw = tok_args["gpt2"]
     full = tmp_path / "full"
     preprocess(PreprocessConfig(inputs=[valid_path], output_prefix=str(full), append_eod=True,
@@ -280,8 +284,8 @@ def test_partitions_and_merge(tok_args, valid_path, tmp_path):
     _, a = _read_docs(str(full) + "_text_document")
     _, b = _read_docs(str(merged))
     # partition-major order: lines 0,2,4,... then 1,3,5,...
-    order = list(range(0, 152, 2)) + list(range(1, 152, 2))
-    assert len(b) == 152 and all(np.array_equal(a[j], d) for j, d in zip(order, b))
+    order = list(range(0, n_docs, 2)) + list(range(1, n_docs, 2))
+    assert len(b) == n_docs and all(np.array_equal(a[j], d) for j, d in zip(order, b))
     assert np.array_equal(np.load(str(full) + "_text_token_counts.npy"),
                           np.load(str(tmp_path / "merged_text_token_counts.npy")))
     from megatron_lev.data.merge import merge_datasets

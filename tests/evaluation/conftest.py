@@ -1,7 +1,8 @@
-"""Fixtures of the evaluation tests: a tiny trained LEV checkpoint (GPT-2 BPE, 2 layers, hidden 64,
-Llama-style so that it can also be exported to HF), a byte-level toy tokenizer, a tiny random HF model.
+"""Fixtures of the evaluation tests: a tiny trained LEV checkpoint (the test BPE in GPT-2 format,
+2 layers, hidden 64, Llama-style so that it can also be exported to HF), a byte-level toy tokenizer,
+a tiny random HF model.
 
-The checkpoint is built once per session: ../shared/data/corpus/valid.jsonl.zst is preprocessed
+The checkpoint is built once per session: the sample corpus's valid.jsonl.zst is preprocessed
 with token counts, then pretrain_lev.py runs a few iterations under torchrun (one CPU rank).
 """
 
@@ -59,19 +60,20 @@ def byte_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def gpt2_files(shared_data):
-    tok = shared_data / "tokenizers" / "gpt2"
-    return {"vocab": str(tok / "vocab.json"), "merges": str(tok / "merges.txt")}
+def gpt2_files(tokenizer_files):
+    """The test BPE as GPT-2 vocab.json + merges.txt (EOD = last id)."""
+    return {"vocab": tokenizer_files.vocab_file, "merges": tokenizer_files.merge_file,
+            "vocab_size": tokenizer_files.bpe_vocab_size, "eod": tokenizer_files.bpe_vocab_size - 1}
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(shared_data, gpt2_files, tmp_path_factory):
+def tiny_ckpt(sample_corpus, gpt2_files, tmp_path_factory):
     """{'dir': checkpoint root, 'prefix': indexed valid data, 'counts': token counts .npy, ...}."""
     from megatron_lev.data.preprocessing import PreprocessConfig, preprocess
 
     out = tmp_path_factory.mktemp("eval_ckpt")
     preprocess(PreprocessConfig(
-        inputs=[str(shared_data / "corpus" / "valid.jsonl.zst")], output_prefix=str(out / "valid"),
+        inputs=[sample_corpus.valid], output_prefix=str(out / "valid"),
         tokenizer_type="GPT2BPETokenizer", vocab_file=gpt2_files["vocab"], merge_file=gpt2_files["merges"],
         append_eod=True, workers=1, progress=False, output_token_counts=True))
     prefix = str(out / "valid_text_document")
@@ -85,23 +87,29 @@ def tiny_ckpt(shared_data, gpt2_files, tmp_path_factory):
         "--data-cache-path", out / "cache", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files["vocab"],
         "--merge-file", gpt2_files["merges"], "--log-interval", 100, "--eval-iters", 0, "--quiet-config",
         "--save", ckpt, "--no-save-optim", "--no-save-rng"])
-    return {"dir": str(ckpt), "prefix": prefix, "counts": str(out / "valid_text_token_counts.npy"), "root": out}
+    return {"dir": str(ckpt), "prefix": prefix, "counts": str(out / "valid_text_token_counts.npy"), "root": out,
+            "zeroshot": sample_corpus.train, "eod": gpt2_files["eod"]}
+
+
+def make_hf_tiny(out, vocab, merges, vocab_size):
+    """A randomly initialised 1-layer GPT-2 (HF) with a GPT-2 format BPE tokenizer, saved in ``out``."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=128, vocab_size=vocab_size,
+                                       bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1))
+    model.save_pretrained(out)
+    try:  # transformers >= 5
+        tok = GPT2TokenizerFast(vocab=vocab, merges=merges)
+    except TypeError:
+        tok = GPT2TokenizerFast(vocab_file=vocab, merges_file=merges)
+    tok.save_pretrained(out)
+    return str(out)
 
 
 @pytest.fixture(scope="session")
 def hf_tiny_dir(gpt2_files, tmp_path_factory):
-    """A randomly initialised 1-layer GPT-2 (HF) with the GPT-2 BPE tokenizer."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
-
-    out = tmp_path_factory.mktemp("hf_tiny")
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=128, vocab_size=50257))
-    model.save_pretrained(out)
-    try:  # transformers >= 5
-        tok = GPT2TokenizerFast(vocab=gpt2_files["vocab"], merges=gpt2_files["merges"])
-    except TypeError:
-        tok = GPT2TokenizerFast(vocab_file=gpt2_files["vocab"], merges_file=gpt2_files["merges"])
-    assert tok.encode("Hello world") == [15496, 995]
-    tok.save_pretrained(out)
-    return str(out)
+    """A randomly initialised 1-layer GPT-2 (HF) with the test BPE tokenizer."""
+    return make_hf_tiny(tmp_path_factory.mktemp("hf_tiny"), gpt2_files["vocab"], gpt2_files["merges"],
+                        gpt2_files["vocab_size"])

@@ -18,15 +18,14 @@ import pytest
 from megatron_lev.testing import run_distributed
 from tests.evaluation.conftest import REPO, torchrun
 
-EOD = 50256
 pytestmark = pytest.mark.slow  # a training run and four evaluation launches
 
 
-def eval_flags(tiny, shared_data, out_dir):
+def eval_flags(tiny, task_files, out_dir):
     return ["--load", tiny["dir"], "--valid-data", tiny["prefix"], "--max-tokens", "1200",
-            "--zeroshot-data", str(shared_data / "corpus" / "zeroshot_wiki.jsonl.zst"), "--max-documents", "4",
+            "--zeroshot-data", tiny["zeroshot"], "--max-documents", "4",
             "--stride", "48", "--token-counts", tiny["counts"], "--tasks", "all",
-            "--downstream-dir", str(shared_data / "downstream"), "--limit", "4", "--micro-batch-size", "4",
+            "--downstream-dir", task_files.dir, "--limit", "4", "--micro-batch-size", "4",
             "--output-dir", str(out_dir), "--no-progress"]
 
 
@@ -43,7 +42,8 @@ def _rank_direct_and_cli(tiny, flags):
     model = scorer.model[0]
     ds = IndexedDataset(tiny["prefix"], multimodal=False, mmap=True)
     docs = [np.asarray(ds[i][:n], dtype=np.int64) for i, n in zip(range(4), (40, 70, 5, 33))]
-    stream = np.concatenate([[EOD]] + docs)
+    eod = tiny["eod"]
+    stream = np.concatenate([[eod]] + docs)
     seq = args.seq_length
     losses = []
     with torch.no_grad():
@@ -52,7 +52,7 @@ def _rank_direct_and_cli(tiny, flags):
             pos = torch.arange(w.shape[1] - 1)[None]
             losses.append(model(w[:, :-1], pos, None, labels=w[:, 1:])[0].double())
     direct = torch.cat(losses)
-    res = evaluate_perplexity(scorer, iter([(d, 0) for d in docs]), eod=EOD, progress=False)
+    res = evaluate_perplexity(scorer, iter([(d, 0) for d in docs]), eod=eod, progress=False)
     # independent per-sequence check of the batched scorer (padding, sorting)
     seqs = [stream[:20], stream[5:70], stream[:2]]
     got = scorer.score(seqs)
@@ -92,9 +92,9 @@ def _assert_same(a, b, rel=2e-5):
 
 
 @pytest.fixture(scope="module")
-def tp1_run(tiny_ckpt, shared_data, tmp_path_factory):
+def tp1_run(tiny_ckpt, task_files, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_tp1")
-    r = run_distributed(_rank_direct_and_cli, 1, args=(tiny_ckpt, eval_flags(tiny_ckpt, shared_data, out)))[0]
+    r = run_distributed(_rank_direct_and_cli, 1, args=(tiny_ckpt, eval_flags(tiny_ckpt, task_files, out)))[0]
     return r, out
 
 
@@ -133,16 +133,16 @@ def test_cli_results_files_and_buckets(tp1_run, tiny_ckpt):
     assert "| valid |" in md and "| hellaswag | 4 |" in md and "≥ 1e-4" in md
 
 
-def test_tp2_and_pp2_equal_tp1(tp1_run, tiny_ckpt, shared_data, tmp_path):
+def test_tp2_and_pp2_equal_tp1(tp1_run, tiny_ckpt, task_files, tmp_path):
     _, out1 = tp1_run
     ref = _load(out1)
     out_pp = tmp_path / "pp2"
-    rcs = run_distributed(_rank_cli, 2, pp=2, args=(eval_flags(tiny_ckpt, shared_data, out_pp)
+    rcs = run_distributed(_rank_cli, 2, pp=2, args=(eval_flags(tiny_ckpt, task_files, out_pp)
                                                     + ["--pipeline-model-parallel-size", "2"],))
     assert rcs == [0, 0]
     _assert_same(ref, _load(out_pp))
     out_tp = tmp_path / "tp2"
-    r = torchrun(2, REPO / "tools" / "evaluate.py", eval_flags(tiny_ckpt, shared_data, out_tp)
+    r = torchrun(2, REPO / "tools" / "evaluate.py", eval_flags(tiny_ckpt, task_files, out_tp)
                  + ["--tensor-model-parallel-size", "2"])
     assert r.stdout.count("valid:") == 1  # rank 0 prints
     tp2 = _load(out_tp)
@@ -150,7 +150,7 @@ def test_tp2_and_pp2_equal_tp1(tp1_run, tiny_ckpt, shared_data, tmp_path):
     _assert_same(ref, tp2)
 
 
-def test_hf_export_gives_the_same_numbers(tp1_run, tiny_ckpt, shared_data, tmp_path):
+def test_hf_export_gives_the_same_numbers(tp1_run, tiny_ckpt, task_files, tmp_path):
     import megatron_lev.conversion.hf as hf
     from megatron_lev.evaluation.cli import main
 
@@ -159,7 +159,7 @@ def test_hf_export_gives_the_same_numbers(tp1_run, tiny_ckpt, shared_data, tmp_p
     export = tmp_path / "hf"
     hf.export_hf(tiny_ckpt["dir"], str(export), progress=False)
     out = tmp_path / "eval_hf"
-    flags = eval_flags(tiny_ckpt, shared_data, out)
+    flags = eval_flags(tiny_ckpt, task_files, out)
     i = flags.index("--load")
     flags[i:i + 2] = ["--hf-model", str(export), "--device", "cpu"]
     assert main(flags) == 0

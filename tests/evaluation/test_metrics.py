@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -182,16 +183,28 @@ def test_multiple_choice_picks_the_likelier_continuation(tmp_path, byte_tokenize
     assert ex[0].contexts[0] == "Question: g\nAnswer:" and ex[0].continuations == [" zzz", " xxx"]
 
 
-def test_shared_task_files_parse(shared_data):
-    d = shared_data / "downstream"
-    for task, (fname, _, _) in MC_TASKS.items():
-        ex = load_mc_examples(task, str(d / fname), limit=20)
-        assert len(ex) == 20
-        assert all(0 <= e.gold < len(e.continuations) for e in ex)
+def _check_task_dir(d, n):
     from megatron_lev.evaluation import load_lambada
 
-    lam = load_lambada(str(d / "lambada_openai_test.jsonl"), limit=5)
-    assert len(lam) == 5 and all(c.startswith(" ") and " " not in c[1:] for _, c in lam)
+    for task, (fname, _, _) in MC_TASKS.items():
+        ex = load_mc_examples(task, os.path.join(d, fname), limit=n)
+        assert len(ex) == n
+        assert all(0 <= e.gold < len(e.continuations) == len(e.contexts) for e in ex)
+        assert all(c and k for e in ex for c, k in zip(e.contexts, e.continuations))
+    lam = load_lambada(os.path.join(d, "lambada_openai_test.jsonl"), limit=n)
+    assert len(lam) == n and all(c.startswith(" ") and " " not in c[1:] for _, c in lam)
+
+
+def test_task_files_parse(task_files):
+    _check_task_dir(task_files.dir, task_files.examples)
+    # golds spread over the choices, and both WinoGrande answers occur
+    golds = [e.gold for e in load_mc_examples("hellaswag", task_files.files["hellaswag"])]
+    assert len(set(golds)) == 4
+    assert {e.gold for e in load_mc_examples("winogrande", task_files.files["winogrande"])} == {0, 1}
+
+
+def test_real_task_files_parse(shared_data):
+    _check_task_dir(str(shared_data / "downstream"), 20)
 
 
 @pytest.mark.parametrize("task,row,msg", [
@@ -246,6 +259,9 @@ def test_report_and_comparison(tmp_path):
     out = write_comparison(paths, str(tmp_path / "cmp"))
     cmp = json.loads(open(out["json"]).read())
     assert cmp["labels"] == ["tied", "lev", "untied"]
+    # recorded relative to the comparison's folder: no machine paths in the report
+    assert [os.path.normpath(os.path.join(tmp_path / "cmp", f)) for f in cmp["files"]] == paths
+    assert cmp["files"][0] == os.path.join("..", "tied", "results.json")
     rows = cmp["perplexity"]["valid"]["buckets"]
     assert rows[0]["relative_change"][1] == pytest.approx(-0.2) and rows[3]["relative_change"][1] == pytest.approx(0.1)
     assert cmp["perplexity"]["valid"]["relative_change"][2] == pytest.approx(0.1)

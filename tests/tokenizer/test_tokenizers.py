@@ -3,36 +3,77 @@
 from __future__ import annotations
 
 import json
+import os
 
-import numpy as np
 import pytest
 
 from megatron_lev.data.jsonl import iter_json_docs
 from megatron_lev.tokenizer import build_tokenizer, padded_vocab_size, write_tiktoken_file
+from tests.conftest import BPE_VOCAB, SENTENCEPIECE_VOCAB
+
+
+TRICKY = "a <|endoftext|> in the text is plain text 'll 've \u00e9\u00e8 \U0001F600  \n\n  x"
+
+
+def test_bpe_every_format_and_backend_agree(tok_args, tokenizer_files, sample_corpus):
+    """One byte-level BPE as GPT-2 files (tiktoken and HF backends), tokenizer.json (file and directory)
+    and .tiktoken: the same ids on the whole validation corpus, and a lossless round trip."""
+    ref = build_tokenizer(**tok_args["gpt2"])  # tiktoken backend
+    others = [
+        build_tokenizer(**tok_args["gpt2"], backend="hf"),
+        build_tokenizer(**tok_args["hf"]),
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer_files.bpe_dir),
+        build_tokenizer(**tok_args["tiktoken"]),
+    ]
+    docs = sample_corpus.docs("valid") + [TRICKY]
+    ids = ref.tokenize_batch(docs)
+    assert sum(map(len, ids)) > 100_000
+    assert all(max(x) < BPE_VOCAB for x in ids)
+    assert ref.vocab_size == BPE_VOCAB and ref.eod == BPE_VOCAB - 1 and ref.pad == -1
+    assert [ref.detokenize(x) for x in ids] == docs
+    assert [x.tolist() for x in ref.tokenize_batch_to_numpy(docs[-3:])] == ids[-3:]
+    assert ref.tokenize_to_numpy(docs[0]).tolist() == ids[0]
+    for tok in others:
+        # tokenizer.json declares <|endoftext|> special, so HF matches it inside text: compare without TRICKY
+        n = len(docs) if tok.unique_identifiers["class"] != "HuggingFaceTokenizer" else -1
+        assert tok.tokenize_batch(docs[:n]) == ids[:n], tok
+        assert tok.vocab_size == BPE_VOCAB, tok
+        assert tok.detokenize(ids[1]) == docs[1], tok
+        assert tok.unique_identifiers["class"] == type(tok).__name__
+    assert others[0].eod == others[1].eod == BPE_VOCAB - 1
+
+
+def test_sentencepiece_no_bos_and_lossless(tok_args, sample_corpus):
+    tok = build_tokenizer(**tok_args["sentencepiece"])
+    # tokenize adds no BOS (id 1) and no EOS; EOD is the model's </s> (2)
+    assert tok.bos == 1 and tok.eod == 2 and tok.vocab_size == SENTENCEPIECE_VOCAB
+    docs = sample_corpus.docs("valid")[:4]
+    ids = [tok.tokenize(d) for d in docs]
+    assert all(x[0] != 1 and x[-1] != 2 for x in ids)
+    assert [tok.detokenize(x) for x in ids] == docs  # identity normalisation keeps the text exact
+    gpt_sp = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=tok_args["sentencepiece"]["tokenizer_model"])
+    assert [gpt_sp.tokenize(d) for d in docs] == ids
+
+
+# ---------------------------------------------------------------------------------------------- real files
 
 
 @pytest.fixture(scope="module")
-def gpt2_files(shared_data):
-    d = shared_data / "tokenizers" / "gpt2"
-    return str(d / "vocab.json"), str(d / "merges.txt")
-
-
-@pytest.fixture(scope="module")
-def gpt2_tiktoken_file(gpt2_files, tmp_path_factory):
+def gpt2_tiktoken_file(real_tok_args, tmp_path_factory):
     import tiktoken.load
 
-    vocab, merges = gpt2_files
-    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(merges, vocab)
+    g = real_tok_args["gpt2"]
+    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(g["merge_file"], g["vocab_file"])
     path = tmp_path_factory.mktemp("tik") / "gpt2.tiktoken"
     write_tiktoken_file(ranks, str(path))
     return str(path)
 
 
-def test_gpt2_hello_world_every_backend(gpt2_files, gpt2_tiktoken_file):
-    vocab, merges = gpt2_files
+def test_real_gpt2_hello_world_every_backend(real_tok_args, gpt2_tiktoken_file):
+    g = real_tok_args["gpt2"]
     toks = [
-        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges),  # tiktoken
-        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges, backend="hf"),
+        build_tokenizer(**g),  # tiktoken
+        build_tokenizer(**g, backend="hf"),
         build_tokenizer("TikTokenizer", tokenizer_model=gpt2_tiktoken_file, tiktoken_pattern="gpt2"),
     ]
     for tok in toks:
@@ -40,40 +81,37 @@ def test_gpt2_hello_world_every_backend(gpt2_files, gpt2_tiktoken_file):
         assert tok.tokenize_to_numpy("Hello world").tolist() == [15496, 995]
         assert tok.detokenize([15496, 995]) == "Hello world"
         assert tok.vocab_size == 50257 and tok.eod == 50256 and tok.pad == -1
-        assert tok.unique_identifiers["class"] == type(tok).__name__
 
 
-def test_gpt2_tiktoken_equals_hf_on_corpus(gpt2_files, shared_data):
-    vocab, merges = gpt2_files
-    tik = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    hf = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges, backend="hf")
-    docs = list(iter_json_docs([str(shared_data / "corpus" / "valid.jsonl.zst")]))
-    docs.append("a <|endoftext|> in the text is plain text 'll 've \u00e9\u00e8 \U0001F600  \n\n  x")
+def test_real_gpt2_tiktoken_equals_hf_on_corpus(real_tok_args, shared_data):
+    tik = build_tokenizer(**real_tok_args["gpt2"])
+    hf = build_tokenizer(**real_tok_args["gpt2"], backend="hf")
+    docs = list(iter_json_docs([str(shared_data / "corpus" / "valid.jsonl.zst")])) + [TRICKY]
     a = tik.tokenize_batch(docs)
-    b = hf.tokenize_batch(docs)
     assert sum(map(len, a)) > 400_000
-    assert a == b
-    assert [x.tolist() for x in tik.tokenize_batch_to_numpy(docs[-3:])] == a[-3:]
+    assert a == hf.tokenize_batch(docs)
 
 
-def test_neox_tokenizer_json(shared_data):
-    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(shared_data / "tokenizers" / "neox" / "tokenizer.json"))
+def test_real_neox_tokenizer_json(real_tok_args):
+    path = real_tok_args["neox"]["tokenizer_model"]
+    tok = build_tokenizer(**real_tok_args["neox"])
     assert tok.tokenize("Hello world") == [12092, 1533]
     assert tok.eod == 0  # <|endoftext|>
     assert tok.vocab_size >= 50277
     assert tok.detokenize([12092, 1533]) == "Hello world"
-    # a directory holding tokenizer.json works too
-    tok2 = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(shared_data / "tokenizers" / "neox"))
+    tok2 = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=os.path.dirname(path))
     assert tok2.tokenize("Hello world") == [12092, 1533]
 
 
-def test_mistral_sentencepiece_no_bos(shared_data):
-    path = str(shared_data / "tokenizers" / "mistral" / "tokenizer.model")
+def test_real_mistral_sentencepiece_no_bos(real_tok_args):
+    path = real_tok_args["mistral"]["tokenizer_model"]
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=path)
-    # tokenize adds no BOS (id 1) and no EOS; EOD is the model's </s> (2)
     assert tok.tokenize("Hello world") == [22557, 1526]
     assert tok.bos == 1 and tok.eod == 2 and tok.vocab_size == 32000
     assert build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=path).tokenize("Hello world") == [22557, 1526]
+
+
+# ---------------------------------------------------------------------------------------------- misc
 
 
 def test_null_tokenizer_and_padding():
@@ -93,11 +131,11 @@ def test_errors_name_the_problem(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["sentencepiece_bpe", "hf_bytelevel_bpe"])
-def test_train_tokenizer(model_type, shared_data, tmp_path):
+def test_train_tokenizer(model_type, sample_corpus, tmp_path):
     from megatron_lev.tokenizer.train import train_tokenizer
 
     written = train_tokenizer(
-        [str(shared_data / "corpus" / "valid.jsonl.zst")], str(tmp_path / "tok"), 1000, model_type,
+        [sample_corpus.valid], str(tmp_path / "tok"), 1000, model_type,
         max_docs=60, progress=False,
     )
     text = "The quick brown fox jumps over the lazy dog."

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from megatron_lev.training.arguments import ConfigError, config_to_yaml, parse_args, resolved_config
+from tests.conftest import tokenizer_flags
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -95,7 +96,7 @@ def _cli(args, env_extra=None):
                           env=env, timeout=120, cwd=str(REPO))
 
 
-def test_cli_errors_are_one_line_without_traceback(tmp_path):
+def test_cli_errors_are_one_line_without_traceback(tok_args, tmp_path):
     # Batch size not divisible at world size 2 (validated before any process group exists).
     r = _cli(BASE + ["--global-batch-size", "3"], {"WORLD_SIZE": "2"})
     assert r.returncode == 2, r.stderr
@@ -104,10 +105,7 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
     assert "Traceback" not in r.stderr
     # A data prefix that does not exist: named, at start-up, no traceback.
     no_data = [x for x in BASE if x not in ("--mock-data", "--vocab-size", "255")]
-    gpt2 = REPO.parent / "shared" / "data" / "tokenizers" / "gpt2"
-    r = _cli(no_data + ["--data-path", str(tmp_path / "missing_text_document"), "--tokenizer-type",
-                        "GPT2BPETokenizer", "--vocab-file", str(gpt2 / "vocab.json"),
-                        "--merge-file", str(gpt2 / "merges.txt")])
+    r = _cli(no_data + ["--data-path", str(tmp_path / "missing_text_document"), *tokenizer_flags(tok_args["gpt2"])])
     assert r.returncode == 2, r.stderr
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "missing_text_document" in err[0], r.stderr

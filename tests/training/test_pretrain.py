@@ -3,7 +3,7 @@ a resumed run reproduces the uninterrupted one bit for bit; a rank killed (-9) i
 leaves the previous checkpoint as the latest; a checkpoint written at PP=2 loads at PP=1; the NaN
 check fires on an injected NaN (stop after saving, or skip); SIGTERM saves and exits cleanly.
 
-The corpus is ../shared/data/corpus/valid.jsonl.zst tokenised here with the GPT-2 BPE files.
+The corpus is the sample corpus's valid.jsonl.zst tokenised with the test BPE in GPT-2 format.
 Each launch costs ~10 s of imports, so every run is reused by several checks.
 """
 
@@ -60,18 +60,18 @@ def metrics(path, kind="train"):
 
 
 @pytest.fixture(scope="module")
-def corpus(shared_data, tmp_path_factory):
-    """valid.jsonl.zst -> GPT-2 .bin/.idx (152 docs, ~400k tokens)."""
+def corpus(sample_corpus, tokenizer_files, tmp_path_factory):
+    """valid.jsonl.zst -> .bin/.idx with the test BPE (~150k tokens)."""
     from megatron_lev.data.preprocessing import PreprocessConfig, preprocess
 
     out = tmp_path_factory.mktemp("corpus")
-    tok = shared_data / "tokenizers" / "gpt2"
+    tok = tokenizer_files
     preprocess(PreprocessConfig(
-        inputs=[str(shared_data / "corpus" / "valid.jsonl.zst")], output_prefix=str(out / "valid"),
-        tokenizer_type="GPT2BPETokenizer", vocab_file=str(tok / "vocab.json"), merge_file=str(tok / "merges.txt"),
+        inputs=[sample_corpus.valid], output_prefix=str(out / "valid"),
+        tokenizer_type="GPT2BPETokenizer", vocab_file=tok.vocab_file, merge_file=tok.merge_file,
         append_eod=True, workers=1, progress=False))
-    return {"prefix": str(out / "valid_text_document"), "vocab": str(tok / "vocab.json"),
-            "merges": str(tok / "merges.txt"), "cache": str(out / "cache")}
+    return {"prefix": str(out / "valid_text_document"), "vocab": tok.vocab_file,
+            "merges": tok.merge_file, "cache": str(out / "cache")}
 
 
 def model_args(corpus, iters, extra=()):
