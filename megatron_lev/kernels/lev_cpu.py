@@ -205,9 +205,10 @@ class _FusedProduct(torch.autograd.Function):
         return grad_x, grad_delta, None, None, None
 
 
-def fused_separable_product(x, delta, num_knots, *, fallback):
+def fused_separable_product(x, delta, num_knots, *, fallback, log_eps: float = 1e-30):
     """M [N, h, r] fp32 from x [N, h, d_s] and delta [h, d_s, kappa, r] (CPU); ``fallback(x, delta)``
-    computes it in the eager log form when the fused forward flags a product out of range."""
+    computes it in the eager log form (with ``log_eps``) when the fused forward flags a product out of
+    range; the direct product needs no floor."""
     with torch.no_grad():
         xf = x.detach().float().contiguous()
         s = (delta.detach().float() + 1.0).contiguous()
