@@ -88,7 +88,11 @@ def arm_list(device: str, modes=("token", "unique", "table")) -> List[Dict[str, 
 
     default = LEVConfig()
     default_basis = default.resolved_basis(device)
+    from megatron_lev.lev.functional import has_fused_product
+
     bases = ["dense", "fused"] if device == "cpu" else ["dense", "sparse"]
+    if device == "cuda" and has_fused_product("cuda", "triton"):
+        bases.append("triton")
     arms = [{"name": "tied", "arm": "tied"}, {"name": "untied", "arm": "untied"}]
     for mode in modes:
         for basis in bases:

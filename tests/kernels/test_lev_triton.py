@@ -165,3 +165,33 @@ def test_kernel_timing_on_gpu(tmp_path):
 
     rows = json.loads(out.read_text())["kernel"]["rows"]
     assert rows and all(r["triton_fwd_ms_per_1k"] > 0 and r["triton_bwd_ms_per_1k"] > 0 for r in rows)
+
+
+def test_kernel_benchmark_table_runs_and_says_when_no_gpu_figure_exists(capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    import lev_layer
+
+    if DEVICE == "cpu":  # the default CPU run reports plainly that there is no GPU figure
+        r = {"kernel": {"rows": [], "note": "no GPU figure exists: this run had no CUDA device"}}
+        lev_layer._report_kernel(r)
+        assert "no GPU figure exists" in capsys.readouterr().out
+    tcfg = lambda D: __import__("megatron.core.transformer", fromlist=["x"]).TransformerConfig(  # noqa: E731
+        num_layers=1, hidden_size=D, num_attention_heads=1, use_cpu_initialization=True)
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    was = dist.is_initialized()
+    lev_layer._init_parallel(DEVICE)  # VocabParallelEmbedding needs megatron's groups
+    try:
+        k = lev_layer.kernel_table(60, torch.float32, 1, tcfg, hidden=(8,), n_ids=(40,), device=DEVICE,
+                                   lev_kw=dict(seed_dim=4, num_knots=4, rank=3, num_heads=2))
+    finally:
+        if not was:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    (row,) = k["rows"]
+    assert row["hidden"] == 8 and row["ids"] == 40
+    for key in ("triton", "sparse", "table"):
+        assert row[f"{key}_fwd_ms_per_1k"] > 0 and row[f"{key}_bwd_ms_per_1k"] > 0
+    lev_layer._report_kernel({"kernel": k, "dtype": "float32", "vocab": 60})
+    assert "speed-up" in capsys.readouterr().out
