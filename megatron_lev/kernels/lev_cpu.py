@@ -13,7 +13,8 @@ Same values and gradients as the eager form (tested); used for fp32 on CPU when 
   boundary, or any exact zero factor, is flagged and the caller redoes the call in the eager log form
   (spec step 6), so tiny/huge products and phi = 0 keep an exact, finite gradient.
 - backward uses dM/dphi_d = M / phi_d, exact when the forward was not flagged.
-- dL/dS is accumulated per thread block, then summed: deterministic for a fixed thread count.
+- dL/dS: each (head, seed dimension) is one task that sums over the ids in order: deterministic, and
+  independent of the thread count.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ except ImportError:  # numba is an optional accelerator
 
 _LO, _HI = 1e-30, 1e30
 _BLOCK = 16  # seed dimensions between range checks
+_TILE = 16  # ids per forward task
 
 
 def available() -> bool:
@@ -80,70 +82,74 @@ if numba is not None:
         return max(ci - 1, 0), ci, min(ci + 1, K - 1), w0, w1, w2, d0, d1, d2
 
     @njit(parallel=True, cache=True, fastmath=_FM)
-    def _forward(x, S2, K, M):  # pragma: no cover - compiled
-        # S2 = S.reshape(h * d_s * kappa, r); rows addressed as (h * d_s + d) * kappa + knot.
-        N, H, DS = x.shape
+    def _forward(xt, S2, K, M, bad):  # pragma: no cover - compiled
+        # xt = x transposed to [h, d_s, N]; S2 = S.reshape(h * d_s * kappa, r), rows addressed as
+        # (h * d_s + d) * kappa + knot. One task per (head, tile of _TILE ids): the tile's running
+        # products stay in L1 and each (head, dim)'s rows of S are read once per tile, not once per id.
+        H, DS, N = xt.shape
         R = S2.shape[1]
-        bad = np.zeros(N, dtype=np.bool_)
-        for n in prange(N):
-            m = np.empty(R, dtype=np.float32)
-            for h in range(H):
-                for r in range(R):
-                    m[r] = 1.0
-                for d in range(DS):
-                    k0, k1, k2, w0, w1, w2, _, _, _ = _basis(x[n, h, d], K)
-                    base = (h * DS + d) * K
+        NT = (N + _TILE - 1) // _TILE
+        for task in prange(H * NT):
+            h = task // NT
+            n0 = (task % NT) * _TILE
+            n1 = min(N, n0 + _TILE)
+            m = np.ones((n1 - n0, R), dtype=np.float32)
+            for d in range(DS):
+                base = (h * DS + d) * K
+                for n in range(n0, n1):
+                    k0, k1, k2, w0, w1, w2, _, _, _ = _basis(xt[h, d, n], K)
                     j0 = base + k0
                     j1 = base + k1
                     j2 = base + k2
                     for r in range(R):
-                        m[r] *= w0 * S2[j0, r] + w1 * S2[j1, r] + w2 * S2[j2, r]
-                    if (d + 1) % _BLOCK == 0 or d == DS - 1:
+                        m[n - n0, r] *= w0 * S2[j0, r] + w1 * S2[j1, r] + w2 * S2[j2, r]
+                if (d + 1) % _BLOCK == 0 or d == DS - 1:
+                    for n in range(n0, n1):
                         for r in range(R):
-                            a = abs(m[r])
+                            a = abs(m[n - n0, r])
                             if not (a >= _LO and a <= _HI):
-                                bad[n] = True
+                                bad[n] = True  # only ever set True: concurrent writers agree
+            for n in range(n0, n1):
                 for r in range(R):
-                    M[n, h, r] = m[r]
-        return bad
+                    M[n, h, r] = m[n - n0, r]
 
     @njit(parallel=True, cache=True, fastmath=_FM)
-    def _backward(x, S2, K, GM, grad_x, grad_s_blocks):  # pragma: no cover - compiled
-        N, H, DS = x.shape
+    def _backward(xt, S2, K, GMt, grad_xt, grad_s):  # pragma: no cover - compiled
+        # GMt = dL/dM * M as [h, N, r]; grad_xt [h, d_s, N]; grad_s like S2, zeroed. One task per
+        # (head, dim): it owns that dim's kappa x r rows of dL/dS (L1-resident, no per-thread copies)
+        # and sums over the ids in order, so the result does not depend on the thread count.
+        H, DS, N = xt.shape
         R = S2.shape[1]
-        T = grad_s_blocks.shape[0]
-        per = (N + T - 1) // T
-        for t in prange(T):
-            gs = grad_s_blocks[t]  # [h * d_s * kappa, r]
+        for hd in prange(H * DS):
+            h = hd // DS
+            d = hd % DS
+            base = hd * K
             gp = np.empty(R, dtype=np.float32)
-            for n in range(t * per, min(N, (t + 1) * per)):
-                for h in range(H):
-                    for d in range(DS):
-                        k0, k1, k2, w0, w1, w2, d0, d1, d2 = _basis(x[n, h, d], K)
-                        base = (h * DS + d) * K
-                        j0 = base + k0
-                        j1 = base + k1
-                        j2 = base + k2
-                        a0 = np.float32(0.0)
-                        a1 = np.float32(0.0)
-                        a2 = np.float32(0.0)
-                        for r in range(R):
-                            s0 = S2[j0, r]
-                            s1 = S2[j1, r]
-                            s2 = S2[j2, r]
-                            g = GM[n, h, r] / (w0 * s0 + w1 * s1 + w2 * s2)  # dL/dphi_d
-                            gp[r] = g
-                            a0 += g * s0
-                            a1 += g * s1
-                            a2 += g * s2
-                        grad_x[n, h, d] = a0 * d0 + a1 * d1 + a2 * d2
-                        # Separate loops: j0..j2 may coincide at the ends (weight 0 there).
-                        for r in range(R):
-                            gs[j0, r] += w0 * gp[r]
-                        for r in range(R):
-                            gs[j1, r] += w1 * gp[r]
-                        for r in range(R):
-                            gs[j2, r] += w2 * gp[r]
+            for n in range(N):
+                k0, k1, k2, w0, w1, w2, d0, d1, d2 = _basis(xt[h, d, n], K)
+                j0 = base + k0
+                j1 = base + k1
+                j2 = base + k2
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                a2 = np.float32(0.0)
+                for r in range(R):
+                    s0 = S2[j0, r]
+                    s1 = S2[j1, r]
+                    s2 = S2[j2, r]
+                    g = GMt[h, n, r] / (w0 * s0 + w1 * s1 + w2 * s2)  # dL/dphi_d
+                    gp[r] = g
+                    a0 += g * s0
+                    a1 += g * s1
+                    a2 += g * s2
+                grad_xt[h, d, n] = a0 * d0 + a1 * d1 + a2 * d2
+                # Separate loops: j0..j2 may coincide at the ends (weight 0 there).
+                for r in range(R):
+                    grad_s[j0, r] += w0 * gp[r]
+                for r in range(R):
+                    grad_s[j1, r] += w1 * gp[r]
+                for r in range(R):
+                    grad_s[j2, r] += w2 * gp[r]
 
 
 def _match_torch_threads() -> None:
@@ -160,27 +166,27 @@ def _match_torch_threads() -> None:
         numba.set_num_threads(want)
 
 
-def forward(x: np.ndarray, S: np.ndarray):
+def forward(xt: np.ndarray, S: np.ndarray):
     """M [N, h, r] and a per-id flag (product out of [1e-30, 1e30] or a zero factor).
 
-    x [N, h, d_s] fp32 coordinates, S = 1 + Delta [h, d_s, kappa, r] fp32, both contiguous.
+    xt [h, d_s, N] fp32 coordinates (x transposed), S = 1 + Delta [h, d_s, kappa, r] fp32, contiguous.
     """
     _match_torch_threads()
-    N, H = x.shape[:2]
+    H, _, N = xt.shape
     M = np.empty((N, H, S.shape[3]), dtype=np.float32)
-    bad = _forward(x, S.reshape(-1, S.shape[3]), S.shape[2], M)
+    bad = np.zeros(N, dtype=np.bool_)
+    _forward(xt, S.reshape(-1, S.shape[3]), S.shape[2], M, bad)
     return M, bad
 
 
-def backward(x: np.ndarray, S: np.ndarray, gm: np.ndarray):
-    """(dL/dx [N, h, d_s], dL/dS [h, d_s, kappa, r]) from gm = dL/dM * M [N, h, r]."""
+def backward(xt: np.ndarray, S: np.ndarray, gmt: np.ndarray):
+    """(dL/dx [h, d_s, N], dL/dS [h, d_s, kappa, r]) from gmt = dL/dM * M as [h, N, r]."""
     _match_torch_threads()
-    threads = numba.get_num_threads()
-    grad_x = np.empty(x.shape, dtype=np.float32)
     r = S.shape[3]
-    blocks = np.zeros((threads, S.size // r, r), dtype=np.float32)
-    _backward(x, S.reshape(-1, r), S.shape[2], gm, grad_x, blocks)
-    return grad_x, blocks.sum(axis=0).reshape(S.shape)
+    grad_xt = np.empty(xt.shape, dtype=np.float32)
+    grad_s = np.zeros((S.size // r, r), dtype=np.float32)
+    _backward(xt, S.reshape(-1, r), S.shape[2], gmt, grad_xt, grad_s)
+    return grad_xt, grad_s.reshape(S.shape)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,19 +194,19 @@ def backward(x: np.ndarray, S: np.ndarray, gm: np.ndarray):
 
 class _FusedProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, delta, m, xf, s):
-        ctx.save_for_backward(m, xf, s)
+    def forward(ctx, x, delta, m, xt, s):
+        ctx.save_for_backward(m, xt, s)
         ctx.dtypes = (x.dtype, delta.dtype)
         return m
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_m):
-        m, xf, s = ctx.saved_tensors
-        gm = (grad_m.float() * m).contiguous()
-        grad_x, grad_s = backward(xf.numpy(), s.numpy(), gm.numpy())
+        m, xt, s = ctx.saved_tensors
+        gmt = (grad_m.float() * m).permute(1, 0, 2).contiguous()
+        grad_xt, grad_s = backward(xt.numpy(), s.numpy(), gmt.numpy())
         x_dtype, delta_dtype = ctx.dtypes
-        grad_x = torch.from_numpy(grad_x).to(x_dtype) if ctx.needs_input_grad[0] else None
+        grad_x = torch.from_numpy(grad_xt).permute(2, 0, 1).to(x_dtype) if ctx.needs_input_grad[0] else None
         grad_delta = torch.from_numpy(grad_s).to(delta_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_delta, None, None, None
 
@@ -210,11 +216,11 @@ def fused_separable_product(x, delta, num_knots, *, fallback, log_eps: float = 1
     computes it in the eager log form (with ``log_eps``) when the fused forward flags a product out of
     range; the direct product needs no floor."""
     with torch.no_grad():
-        xf = x.detach().float().contiguous()
+        xt = x.detach().float().permute(1, 2, 0).contiguous()  # [h, d_s, N]: the kernels walk ids innermost
         s = (delta.detach().float() + 1.0).contiguous()
         if s.shape[2] != num_knots:
             raise ValueError(f"fused product: delta has {s.shape[2]} knots, expected {num_knots}")
-        m, bad = forward(xf.numpy(), s.numpy())
+        m, bad = forward(xt.numpy(), s.numpy())
     if bad.any():
         return fallback(x, delta)
-    return _FusedProduct.apply(x, delta, torch.from_numpy(m), xf, s)
+    return _FusedProduct.apply(x, delta, torch.from_numpy(m), xt, s)
