@@ -41,7 +41,7 @@ except ImportError:  # triton is an optional accelerator
 __all__ = ["available", "interpreted", "devices", "triton_separable_product", "BLOCK_N"]
 
 BLOCK_N = 32  # ids per program tile
-_TARGET_PROGRAMS = 256  # backward: about this many (partition, head) programs
+_TARGET_PROGRAMS = 512  # backward: about this many (partition, head) programs (a few per SM)
 _PARTIAL_BYTES = 256 << 20  # backward: cap on the dL/dS partial buffer
 
 
