@@ -2,10 +2,11 @@
 
 The eager form of the product (``megatron_lev.lev.functional``) moves the N x h x d_s x r factors
 through memory several times per chunk (matmul out, product, division, gradient matmuls); on a CPU
-that memory traffic, not the arithmetic, sets its speed. Here each (id, head) is one loop nest that
-builds phi[d, :] from the 3 non-zero spline knots in registers and multiplies it into M[:] straight
-away, so the factors never exist in memory; the backward recomputes them the same way and writes
-dL/dw (the 3 spline weights) and dL/dS directly.
+that memory traffic, not the arithmetic, sets its speed. Here the forward walks the seed dimensions
+for one head and a tile of ids at a time: it evaluates the tile's 3 non-zero spline weights in SIMD
+lanes, builds phi[d, :] from the 3 matching rows of S in registers and multiplies it into the tile's
+M straight away, so the factors never exist in memory. The backward takes one (head, seed dimension)
+per task, recomputes phi the same way and writes dL/dx and that dimension's rows of dL/dS directly.
 
 Same values and gradients as the eager form (tested); used for fp32 on CPU when numba is installed
 (``LEVConfig.basis = "auto"`` or ``"fused"``). Numerics:
