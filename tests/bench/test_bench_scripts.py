@@ -124,6 +124,10 @@ def test_throughput_arms_and_report(tp, tmp_path):
     # The headline is on median steps (a quiet best step of one arm must not decide it), against both arms.
     assert "LEV/TIED = 1.030, LEV/UNTIED = 0.936" in text and "met" in text
     assert "On best steps: LEV/TIED = 0.950" in text
+    assert "process CPU time" not in text
+    res["clock"] = "cpu"  # --clock cpu says so in the section
+    tp.write_report(out, results)
+    assert "timed in process CPU time (--clock cpu)" in out.read_text()
     assert "The GPU section did not run" in text
     assert "a loaded machine" in text
     assert "tok/s table" in text
