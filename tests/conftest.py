@@ -30,6 +30,13 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run in Triton's interpreter on CPU tensors, so their tests check them
+# there. Set before anything imports megatron_lev.kernels: a kernel is built for the interpreter or
+# the GPU when its module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MEGATRON_LEV_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
@@ -259,8 +266,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real_data)
     # GPU-marked tests run only where CUDA exists; elsewhere they are deselected and counted
     # in the summary (never reported as passed).
-    import torch
-
     if torch.cuda.is_available():
         return
     selected, deselected = [], []

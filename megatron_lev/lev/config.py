@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 COMPUTE_MODES = ("token", "unique", "table")
-BASIS_KINDS = ("auto", "dense", "sparse", "fused")
+BASIS_KINDS = ("auto", "dense", "sparse", "fused", "triton")
 MIN_INIT_SAMPLE_SIZE = 4096
 
 
@@ -56,8 +56,10 @@ class LEVConfig:
     basis: str = "auto"
     """Spline-basis evaluation: "dense" (kappa-wide einsum), "sparse" (gather of the 3 non-zero knots),
     "fused" (a registered fused kernel for the device, e.g. ``megatron_lev.kernels``' numba kernel on
-    CPU; falls back to the eager form where none is registered or for non-fp32 inputs), or "auto"
-    (fused where registered, else dense on CPU and sparse on CUDA) (flag --lev-basis)."""
+    CPU or Triton kernel on CUDA; falls back to the eager form where none is registered or for fp64
+    inputs), "triton" (the fused Triton kernel; an error where it is not available), or "auto" (triton
+    on CUDA where Triton imports, else fused where registered, else dense on CPU and sparse on CUDA)
+    (flag --lev-basis)."""
 
     log_eps: float = 1e-30
     """Floor on |phi| before the log in the stable product; far below 1 (flag --lev-log-eps)."""
@@ -81,11 +83,13 @@ class LEVConfig:
         return smallest_base(int(vocab_size), int(self.num_digits))
 
     def resolved_basis(self, device_type: str) -> str:
-        """"dense" or "sparse" for a device type ("cpu", "cuda", ...)."""
+        """The basis "auto" stands for on a device type ("cpu", "cuda", ...); others as given."""
         if self.basis != "auto":
             return self.basis
         from .functional import has_fused_product
 
+        if device_type == "cuda" and has_fused_product(device_type, "triton"):
+            return "triton"
         if has_fused_product(device_type):
             return "fused"
         return "sparse" if device_type == "cuda" else "dense"

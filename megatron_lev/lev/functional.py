@@ -314,9 +314,10 @@ def separable_product(
 
     x: [N, h, d_s] coordinates in [0, 1]; delta: [h, d_s, kappa, r] (S = 1 + delta).
     Returns M [N, h, r] in max(fp32, input dtype). Never holds the N x h x d_s x r factor tensor:
-    peak extra memory is O(N h r + N h product_chunk r). ``basis`` is "dense" or "sparse".
-    ``log_form_only`` (default: True off the CPU) skips the direct-product fast path, whose choice costs a
-    host sync per call; the values agree up to rounding.
+    peak extra memory is O(N h r + N h product_chunk r). ``basis`` is "dense" or "sparse" (eager), or
+    "fused" / "triton" (a registered kernel; fp64 inputs and "fused" without a kernel run the eager form).
+    ``log_form_only`` (default: True off the CPU) skips the eager form's direct-product fast path, whose
+    choice costs a host sync per call; the values agree up to rounding.
     """
     if x.dim() != 3 or delta.dim() != 4:
         raise ValueError(f"separable_product expects x [N, h, d_s] and delta [h, d_s, kappa, r], got "
@@ -324,17 +325,21 @@ def separable_product(
     if x.shape[1:] != delta.shape[:2] or delta.shape[2] != num_knots:
         raise ValueError(f"separable_product: shapes x {tuple(x.shape)} and delta {tuple(delta.shape)} "
                          f"do not match (kappa={num_knots})")
-    if basis == "fused":
-        fused = _FUSED_PRODUCTS.get(x.device.type)
+    if basis in ("fused", "triton"):
+        fused = _FUSED_PRODUCTS.get((basis, x.device.type))
+        if fused is None and basis == "triton":
+            raise ValueError(
+                f"--lev-basis triton: no Triton kernel for {x.device.type} tensors; it needs a CUDA device and "
+                "the triton package (TRITON_INTERPRET=1 runs it on CPU, for tests); use --lev-basis auto")
         if fused is not None and compute_dtype(x, delta) == torch.float32:
             return fused(
-                x, delta, int(num_knots),
+                x, delta, int(num_knots), log_eps=float(log_eps),
                 fallback=lambda x_, d_: separable_product(
                     x_, d_, num_knots, basis="dense", product_chunk=product_chunk, log_eps=log_eps),
             )
         basis = "sparse" if x.device.type == "cuda" else "dense"
     if basis not in ("dense", "sparse"):
-        raise ValueError(f"separable_product: basis must be 'dense', 'sparse' or 'fused', got {basis!r}")
+        raise ValueError(f"separable_product: basis must be 'dense', 'sparse', 'fused' or 'triton', got {basis!r}")
     if log_form_only is None:
         log_form_only = x.device.type != "cpu"
     return _SeparableProduct.apply(
@@ -342,19 +347,19 @@ def separable_product(
     )
 
 
-# Fused kernels by device type, registered by accelerator modules (megatron_lev.kernels) so that this
-# file stays plain torch. Signature: fn(x, delta, num_knots, *, fallback) -> M [N, h, r] fp32, where
-# fallback(x, delta) is the eager form for inputs the kernel flags (products out of range).
+# Fused kernels by (basis, device type), registered by accelerator modules (megatron_lev.kernels) so
+# that this file stays plain torch. Signature: fn(x, delta, num_knots, *, log_eps, fallback) -> M [N, h, r]
+# fp32, where fallback(x, delta) is the eager form for inputs the kernel flags (products out of range).
 _FUSED_PRODUCTS: dict = {}
 
 
-def register_fused_product(device_type: str, fn) -> None:
-    """Make ``fn`` the "fused" separable product for tensors on ``device_type``."""
-    _FUSED_PRODUCTS[device_type] = fn
+def register_fused_product(device_type: str, fn, basis: str = "fused") -> None:
+    """Make ``fn`` the separable product of ``basis`` ("fused" or "triton") for tensors on ``device_type``."""
+    _FUSED_PRODUCTS[(basis, device_type)] = fn
 
 
-def has_fused_product(device_type: str) -> bool:
-    return device_type in _FUSED_PRODUCTS
+def has_fused_product(device_type: str, basis: str = "fused") -> bool:
+    return (basis, device_type) in _FUSED_PRODUCTS
 
 
 def separable_product_reference(x: torch.Tensor, delta: torch.Tensor, num_knots: int) -> torch.Tensor:

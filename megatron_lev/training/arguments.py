@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lev-rank", type=int, default=64, help="r: modes per head")
     g.add_argument("--lev-heads", type=int, default=8, help="h: heads (divisible by TP)")
     g.add_argument("--lev-compute-mode", default="unique", choices=["token", "unique", "table"])
-    g.add_argument("--lev-basis", default="auto", choices=["auto", "dense", "sparse"])
+    g.add_argument("--lev-basis", default="auto", choices=["auto", "dense", "sparse", "fused", "triton"])
     g.add_argument("--lev-log-eps", type=float, default=1e-30)
     g.add_argument("--lev-chunk-size", type=int, default=4096)
     g.add_argument("--lev-product-chunk", type=int, default=16)

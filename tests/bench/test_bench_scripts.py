@@ -102,8 +102,8 @@ def test_throughput_arms_and_report(tp, tmp_path):
     assert names[:2] == ["tied", "untied"] and len(names) == 8
     assert [x["name"] for x in arms if x.get("default")] == ["lev unique/fused"]
 
-    def arm(name, a, ms, **kw):
-        return {"arm": a, "ms_per_iter": ms, "ms_min": ms, "ms_max": ms, "tokens_per_s": 2048 / ms * 1e3,
+    def arm(name, a, ms, best=None, **kw):
+        return {"arm": a, "ms_per_iter": ms, "ms_min": best or ms, "ms_max": ms, "tokens_per_s": 2048 / ms * 1e3,
                 "input_layer_ms": 1.0, "input_layer_share": 1.0 / ms, "peak_step_mib": 10.0, "parameters": 1,
                 "input_side_parameters": 1, "vs_tied": ms / 100.0, **kw}
 
@@ -111,7 +111,7 @@ def test_throughput_arms_and_report(tp, tmp_path):
            "unique_ids": 5, "tokens_per_step": 2048, "repeats": 3, "load_start": [1, 1, 1], "load_end": [1, 1, 1],
            "arms": {"tied": arm("tied", "tied", 100.0), "untied": arm("untied", "untied", 110.0),
                     "lev unique/dense": arm("", "lev", 104.0, mode="unique", basis="dense"),
-                    "lev unique/fused": arm("", "lev", 103.0, mode="unique", basis="fused", default=True)},
+                    "lev unique/fused": arm("", "lev", 103.0, 95.0, mode="unique", basis="fused", default=True)},
            "lev_default": "lev unique/fused", "lev_fastest": "lev unique/fused"}
     results = {"command": "python bench/throughput.py", "created": "now", "machine": {"cpu": "c", "cpus": 2, "threads": 2,
                "gpu": None, "platform": "p"}, "versions": {"torch": "t"}, "load_start": [9, 9, 9], "load_end": [9, 9, 9],
@@ -121,7 +121,13 @@ def test_throughput_arms_and_report(tp, tmp_path):
     out = tmp_path / "t.md"
     tp.write_report(out, results)
     text = out.read_text()
-    assert "LEV/TIED step time = 1.030" in text and "met" in text
+    # The headline is on median steps (a quiet best step of one arm must not decide it), against both arms.
+    assert "LEV/TIED = 1.030, LEV/UNTIED = 0.936" in text and "met" in text
+    assert "On best steps: LEV/TIED = 0.950" in text
+    assert "process CPU time" not in text
+    res["clock"] = "cpu"  # --clock cpu says so in the section
+    tp.write_report(out, results)
+    assert "timed in process CPU time (--clock cpu)" in out.read_text()
     assert "The GPU section did not run" in text
     assert "a loaded machine" in text
     assert "tok/s table" in text

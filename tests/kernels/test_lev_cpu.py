@@ -79,3 +79,29 @@ def test_layer_with_kernel_matches_dense_layer():
         # fp32 rounding through the LayerNorm backward: compare relative to the gradient's scale.
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-5 * float(pb.grad.abs().max()),
                                    msg=name)
+
+
+def test_default_cpu_path_keeps_its_values_and_gradients_at_the_default_widths():
+    # d_s, kappa, r at the defaults, ids over several forward tiles: the tiled kernel must give the
+    # eager form's values (the product's order over d is unchanged) and its gradients.
+    x, delta, up = _case(37, 2, 128, 16, 64, seed=7)
+    assert LEVConfig().resolved_basis("cpu") == "fused"
+    fused = _run("fused", x, delta, up, 16)
+    eager = _run("dense", x, delta, up, 16)
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0.0)  # 128 fp32 factors
+    for a, b in zip(fused[1:], eager[1:]):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6 * float(b.abs().max()))
+
+
+def test_gradients_do_not_depend_on_the_thread_count():
+    x, delta, up = _case(50, 3, 9, 5, 8, seed=8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run("fused", x, delta, up, 5)
+        torch.set_num_threads(2)
+        two = _run("fused", x, delta, up, 5)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
