@@ -375,6 +375,7 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         if rank_env == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
+    groups_before = _process_groups()
     own_group = _init_distributed(args)
     try:
         return _run(args, tokenizer, config, model_config)
@@ -389,8 +390,22 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
             ps.destroy_model_parallel()
             if own_group:
                 torch.distributed.destroy_process_group()
+            else:
+                # destroy_model_parallel (megatron-core 0.16.1) forgets its groups without destroying them;
+                # in a process that outlives the run each would keep its communication threads.
+                for group in _process_groups() - groups_before:
+                    torch.distributed.destroy_process_group(group)
         except Exception:
             pass
+
+
+def _process_groups() -> set:
+    """The process groups that exist now (none before the default group is initialised)."""
+    if not torch.distributed.is_initialized():
+        return set()
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)  # no public listing of live groups in torch 2.x
 
 
 class _StartupError(Exception):
