@@ -12,6 +12,8 @@ Checks, in order (each timed, each with a status ok / failed / skipped and a one
   pytest_gpu  ``pytest -m gpu`` (FP8/Transformer Engine tests only where TE imports: they are marked ``te``).
   lev_layer   the LEV layer on CUDA in fp32 and bf16 (parameters created there) against the fp64 CPU layer
               holding the same weights: forward and every gradient, unique and table modes.
+  kernel      ``bench/lev_layer.py --device cuda --kernel-only``: the Triton kernel's forward and backward
+              time per 1,000 ids (paper defaults, D x N grid) beside the eager path and VocabParallelEmbedding.
   arms        every input arm trained ``--steps`` steps through ``pretrain_lev.py`` in bf16 over NCCL at
               TP=1 (mock data), and LEV once more with the shipped Pile configs' flags (table mode,
               distributed optimizer, overlapped grad reduce); final loss and ms/iteration per arm.
@@ -45,11 +47,11 @@ from typing import Any, Callable, Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-CHECKS = ("install", "env", "pytest_gpu", "lev_layer", "arms", "throughput", "next_mcore")
+CHECKS = ("install", "env", "pytest_gpu", "lev_layer", "kernel", "arms", "throughput", "next_mcore")
 ARMS = ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev")
 # What a bare GPU image (torch, triton, transformers, tokenizers, sentencepiece, safetensors) lacks.
 WHEELS = ("megatron-core==0.16.1", "tiktoken", "zstandard", "psutil")
-TIMEOUTS = {"pytest_gpu": 150, "arms": 240, "throughput": 240, "next_mcore": 120}
+TIMEOUTS = {"pytest_gpu": 150, "kernel": 120, "arms": 240, "throughput": 240, "next_mcore": 120}
 LAYER_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # max |error| / max |reference|
 RESULT_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+).*?lm loss: ([\d.E+-]+)")
 
@@ -186,6 +188,17 @@ def check_lev_layer(ctx) -> Dict[str, Any]:
     return figures
 
 
+def check_kernel(ctx) -> Dict[str, Any]:
+    if not _cuda():
+        raise Skip("no CUDA device")
+    path = Path(ctx["out"]) / "lev_kernel.json"
+    r = _run([sys.executable, "bench/lev_layer.py", "--device", "cuda", "--dtype", "bfloat16", "--kernel-only",
+              "--json", str(path)], TIMEOUTS["kernel"])
+    if r.returncode != 0:
+        raise RuntimeError(f"bench/lev_layer.py --kernel-only exit {r.returncode}: {_tail(r.stderr, 400)}")
+    return {"table": json.loads(path.read_text()), "stdout_tail": _tail(r.stdout, 2500)}
+
+
 def _pretrain_argv(arm: str, steps: int, extra=()) -> List[str]:
     return ["pretrain_lev.py", "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
             "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "8",
@@ -269,7 +282,7 @@ def check_next_mcore(ctx) -> Dict[str, Any]:
 
 FUNCS: Dict[str, Callable] = {
     "env": check_env, "install": check_install, "pytest_gpu": check_pytest_gpu, "lev_layer": check_lev_layer,
-    "arms": check_arms, "throughput": check_throughput, "next_mcore": check_next_mcore,
+    "kernel": check_kernel, "arms": check_arms, "throughput": check_throughput, "next_mcore": check_next_mcore,
 }
 
 

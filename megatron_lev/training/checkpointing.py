@@ -281,13 +281,13 @@ def save_checkpoint(
     if scheduler is not None and not args.no_save_optim:
         state["opt_param_scheduler"] = scheduler.state_dict()
 
-    kill = args.debug_kill_during_save
+    kill = getattr(args, "debug_kill_during_save", None)  # test hooks: absent from programmatic args
     if kill is not None:
         k_rank, k_iter = (int(x) for x in kill.split(":"))
         if rank == k_rank and iteration == k_iter:
             # Test hook: die abruptly while the other ranks are writing this checkpoint.
             os.kill(os.getpid(), signal.SIGKILL)
-    stall = args.debug_stall_during_save
+    stall = getattr(args, "debug_stall_during_save", None)
     if stall is not None and tuple(int(x) for x in stall.split(":")) == (rank, iteration):
         _stall_writers()
 

@@ -23,7 +23,6 @@ import math
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -82,12 +81,6 @@ class SignalHandler:
 # start-up
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_distributed(args) -> bool:
     """Process group (unless one exists already) and megatron's parallel state; True if the default
     process group was created here (and is destroyed at the end of the run)."""
@@ -99,17 +92,16 @@ def _init_distributed(args) -> bool:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
         cuda = torch.cuda.is_available()
         backend = args.distributed_backend or ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch.distributed.init_process_group(
-            backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
-        )
+        kw = dict(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                  timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        if kw["world_size"] == 1 and "MASTER_PORT" not in os.environ:
+            # A single process started without a launcher needs no rendezvous (and no free port to race for).
+            kw["store"] = torch.distributed.HashStore()
+        torch.distributed.init_process_group(backend, **kw)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

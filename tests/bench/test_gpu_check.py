@@ -44,7 +44,7 @@ def test_without_cuda_every_gpu_check_is_skipped_and_reported(gc, tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     status = {c["name"]: (c["status"], c["reason"]) for c in report["checks"]}
     assert list(status) == list(gc.CHECKS)
-    for name in ("pytest_gpu", "lev_layer", "arms", "throughput"):
+    for name in ("pytest_gpu", "lev_layer", "kernel", "arms", "throughput"):
         assert status[name] == ("skipped", "no CUDA device"), name
     assert status["env"][0] == "ok" and status["install"][0] == "skipped"
     env = next(c for c in report["checks"] if c["name"] == "env")["figures"]

@@ -24,13 +24,13 @@ CONFIGS = sorted((REPO / "examples" / "pile" / "configs").glob("*.yaml"))
 # Sizes only: every other setting comes from the shipped file.
 SCALE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "16", "--train-iters", "3", "--lr-warmup-iters", "1", "--mock-data",
-         "--vocab-size", "1000", "--tensor-model-parallel-size", "2", "--log-interval", "1",
-         "--eval-iters", "0", "--quiet-config", "--lev-chunk-size", "300"]
+         "--global-batch-size", "8", "--train-iters", "3", "--lr-warmup-iters", "1", "--mock-data",
+         "--vocab-size", "256", "--tensor-model-parallel-size", "2", "--log-interval", "1",
+         "--eval-iters", "0", "--quiet-config", "--lev-chunk-size", "100"]
 
 LEV_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3",
-            "--mock-data", "--vocab-size", "1000", "--log-interval", "1", "--eval-iters", "0", "--quiet-config",
+            "--mock-data", "--vocab-size", "256", "--log-interval", "1", "--eval-iters", "0", "--quiet-config",
             "--input-embedding", "lev", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
             "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2", "--lev-knots", "8",
             "--lev-chunk-size", "64"]
