@@ -15,9 +15,10 @@ differ from D with --kv-channels), g query groups, F the MLP width, V the padded
     input side, per token   tied/untied: 0 (a row gather)
                             albert: 2 e D;  flat_mlp: 2 (e m + m D);  factored_mlp: 2 (d_s m + m D)
     LEV, per evaluated id   2 * h * (d_s^2 + d_s*r*c + d_s*r + r*D)
-                            (seed projection, spline basis x Delta with c = 3 non-zero knots for the
-                            sparse basis or c = kappa for the dense one, the separable product, the
-                            head output; spec "Cost"). Ids evaluated per iteration: every token in
+                            (seed projection, spline basis x Delta with c = 3 non-zero knots, the
+                            separable product, the head output; spec "Cost"). Model FLOPs: c = 3 for
+                            every basis; the eager dense basis also multiplies kappa - 3 zeros per
+                            dimension, which is work of that implementation, not of the model. Ids evaluated per iteration: every token in
                             ``token`` mode, at most every token in ``unique`` mode (counted as every
                             token: an upper bound), V once per iteration in ``table`` mode.
 
@@ -34,11 +35,10 @@ from typing import Dict, Optional
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
 
 
-def lev_forward_flops_per_id(args, resolved_basis: Optional[str] = None) -> float:
-    h, ds, r, D, kappa = args.lev_heads, args.lev_seed_dim, args.lev_rank, args.hidden_size, args.lev_knots
-    basis = resolved_basis or ("sparse" if args.lev_basis == "sparse" else "dense")
-    c = 3 if basis == "sparse" else kappa
-    return 2.0 * h * (ds * ds + ds * r * c + ds * r + r * D)
+def lev_forward_flops_per_id(args) -> float:
+    h, ds, r, D = args.lev_heads, args.lev_seed_dim, args.lev_rank, args.hidden_size
+    active_knots = 3  # a quadratic B-spline has 3 non-zero basis functions at any point
+    return 2.0 * h * (ds * ds + ds * r * active_knots + ds * r + r * D)
 
 
 def _input_side_per_token(args) -> float:
@@ -70,14 +70,14 @@ def transformer_forward_flops_per_token(args) -> float:
     return proj + scores + mlp + head
 
 
-def flops_per_iteration(args, resolved_basis: Optional[str] = None) -> float:
+def flops_per_iteration(args) -> float:
     """Model FLOPs of one optimizer step (all ranks together)."""
     tokens = args.global_batch_size * args.seq_length
     per_token = transformer_forward_flops_per_token(args) + _input_side_per_token(args)
     total = 3.0 * tokens * per_token
     if args.input_embedding == "lev":
         ids = args.padded_vocab_size if args.lev_compute_mode == "table" else tokens
-        total += 3.0 * ids * lev_forward_flops_per_id(args, resolved_basis)
+        total += 3.0 * ids * lev_forward_flops_per_id(args)
     return total
 
 
