@@ -90,7 +90,9 @@ def test_missing_data_and_tokenizer_files():
 
 def _cli(args, env_extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("RANK", None)
+    # Earlier in-process tests (evaluation) may have set a rendezvous address that this process still holds.
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
     env.update(env_extra or {})
     return subprocess.run([sys.executable, str(REPO / "pretrain_lev.py")] + args, capture_output=True, text=True,
                           env=env, timeout=120, cwd=str(REPO))
