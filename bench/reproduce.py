@@ -537,7 +537,8 @@ def build_report(a, rows, out: Path, command: str, meta: Dict[str, Any]) -> str:
                 cells.append(_pct(m / t - 1))
             else:
                 cells.append(f"{100 * (m - t):+.2f} pt")
-        L.append(f"| {arm} (n={len(arms[arm])}) | " + " | ".join(cells) + " |")
+        evaluated = sum(1 for r in arms[arm] if r.get("eval"))  # runs still missing do not count
+        L.append(f"| {arm} (n={evaluated}) | " + " | ".join(cells) + " |")
     L.append("")
     # seed spread
     multi = {arm: rs for arm, rs in arms.items() if len(rs) > 1}
