@@ -3,22 +3,17 @@ the commands each run gets, and the reports generated from fake run and result f
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_load = load_bench
 
 
 @pytest.fixture(scope="module")

@@ -3,20 +3,16 @@ report generated from fake fit, evaluation and metrics files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from tests.bench import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_dense_to_lev", REPO / "bench" / "dense_to_lev.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("dense_to_lev")
 
 
 def test_dry_run_lists_every_step(tmp_path, capsys):

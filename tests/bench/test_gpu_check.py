@@ -4,24 +4,16 @@ ratios it extracts, and the LEV layer comparison it runs on the GPU (here on the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-
+from tests.bench import load_bench
 
 @pytest.fixture(scope="module")
 def gc():
-    sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_gpu_check", REPO / "bench" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("gpu_check")
 
 
 def test_arguments(gc, capsys):
