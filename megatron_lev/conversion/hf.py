@@ -55,6 +55,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from megatron_lev.models.config import INPUT_EMBEDDINGS
+
 from .source import ConversionError, open_checkpoint
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -153,7 +155,7 @@ def check_hf_compatible(a: Dict[str, Any]) -> None:
                      ("rope_scaling", "rope scaling"), ("num_experts", "mixture of experts")):
         if a.get(key):
             refuse(f"--{key.replace('_', '-')}", why)
-    if a.get("input_embedding") not in ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev"):
+    if a.get("input_embedding") not in INPUT_EMBEDDINGS:
         refuse(f"--input-embedding {a.get('input_embedding')}", "unknown input arm")
 
 

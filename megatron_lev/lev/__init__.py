@@ -3,7 +3,7 @@
 See ``shared/spec/lev.md``. ``layer`` documents the design choices.
 """
 
-from .config import BASIS_KINDS, COMPUTE_MODES, LEVConfig, lev_param_count, smallest_base
+from .config import BASIS_KINDS, COMPUTE_MODES, ConfigError, LEVConfig, lev_param_count, smallest_base
 from .functional import (
     bspline_basis_dense,
     bspline_basis_sparse,
@@ -35,6 +35,7 @@ from .layer import (
 __all__ = [
     "BASIS_KINDS",
     "COMPUTE_MODES",
+    "ConfigError",
     "LEVConfig",
     "lev_param_count",
     "smallest_base",

@@ -1,17 +1,24 @@
 """Configuration of the LEV input-embedding layer, and its parameter count.
 
-One dataclass holds every knob of the layer (spec: ``shared/spec/lev.md``). Each field maps to a
-``--lev-*`` command-line flag; error messages name the flag so a user knows what to change.
+One dataclass holds every knob of the layer (spec: ``shared/spec/lev.md``). Each field is one
+``--lev-*`` command-line flag (``lev_flag``): the training parser generates the flags from the fields
+(type, default, choices, help from the field docstring), and error messages name the flag so a user
+knows what to change. ``ConfigError``, the one error class of every configuration check in the
+project, lives here, in the lowest layer, so that every package above can raise and catch it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Mapping, Optional
 
 COMPUTE_MODES = ("token", "unique", "table")
 BASIS_KINDS = ("auto", "dense", "sparse", "fused", "triton")
 MIN_INIT_SAMPLE_SIZE = 4096
+
+
+class ConfigError(ValueError):
+    """An impossible or inconsistent configuration; the message is one line naming the flag and the fix."""
 
 
 def smallest_base(vocab_size: int, num_digits: int) -> int:
@@ -31,50 +38,58 @@ def smallest_base(vocab_size: int, num_digits: int) -> int:
 class LEVConfig:
     """Hyperparameters of the LEV embedding G: {0..V-1} -> R^D (see the spec's table)."""
 
-    num_digits: int = 3
-    """k: number of digits of the compositional index of a token id (flag --lev-digits)."""
+    num_digits: int = field(default=3, metadata={"flag": "--lev-digits"})
+    """k: number of digits of the compositional index of a token id."""
 
     base: Optional[int] = None
-    """b: base of the digits; None selects the smallest integer with b**k >= V (flag --lev-base)."""
+    """b: base of the digits; None selects the smallest integer with b**k >= V."""
 
     seed_dim: int = 128
-    """d_s: width of each codebook row, i.e. of the seed z(i) (flag --lev-seed-dim)."""
+    """d_s: width of each codebook row, i.e. of the seed z(i)."""
 
-    num_knots: int = 16
-    """kappa: uniform knots of each univariate quadratic B-spline, >= 3 (flag --lev-knots)."""
+    num_knots: int = field(default=16, metadata={"flag": "--lev-knots"})
+    """kappa: uniform knots of each univariate quadratic B-spline, >= 3."""
 
     rank: int = 64
-    """r: rank of the separable tensor product, i.e. modes per head (flag --lev-rank)."""
+    """r: rank of the separable tensor product, i.e. modes per head."""
 
-    num_heads: int = 8
-    """h: parallel heads; must be divisible by the tensor-parallel size (flag --lev-heads)."""
+    num_heads: int = field(default=8, metadata={"flag": "--lev-heads"})
+    """h: parallel heads; must be divisible by the tensor-parallel size."""
 
-    compute_mode: str = "unique"
+    compute_mode: str = field(default="unique", metadata={"choices": COMPUTE_MODES})
     """How G is evaluated per micro-batch: "token" (every position), "unique" (once per distinct id),
-    or "table" (all V ids once per optimizer step) (flag --lev-compute-mode)."""
+    or "table" (all V ids once per optimizer step)."""
 
-    basis: str = "auto"
+    basis: str = field(default="auto", metadata={"choices": BASIS_KINDS})
     """Spline-basis evaluation: "dense" (kappa-wide einsum), "sparse" (gather of the 3 non-zero knots),
     "fused" (a registered fused kernel for the device, e.g. ``megatron_lev.kernels``' numba kernel on
     CPU or Triton kernel on CUDA; falls back to the eager form where none is registered or for fp64
     inputs), "triton" (the fused Triton kernel; an error where it is not available), or "auto" (triton
-    on CUDA where Triton imports, else fused where registered, else dense on CPU and sparse on CUDA)
-    (flag --lev-basis)."""
+    on CUDA where Triton imports, else fused where registered, else dense on CPU and sparse on CUDA)."""
 
     log_eps: float = 1e-30
-    """Floor on |phi| before the log in the stable product; far below 1 (flag --lev-log-eps)."""
+    """Floor on |phi| before the log in the stable product; far below 1."""
 
     chunk_size: int = 4096
-    """Ids per chunk for the initialisation statistics, materialize() and the table mode
-    (flag --lev-chunk-size)."""
+    """Ids per chunk for the initialisation statistics, materialize() and the table mode."""
 
     product_chunk: int = 16
     """Seed dimensions per chunk inside the separable-product kernel; bounds its peak memory to
-    N*h*product_chunk*r values (flag --lev-product-chunk)."""
+    N*h*product_chunk*r values."""
 
     init_sample_size: Optional[int] = None
     """Ids used for the initialisation statistics: None = all V ids, otherwise a fixed-seed uniform
-    sample of this many ids (at least 4096) (flag --lev-init-sample-size)."""
+    sample of this many ids (at least 4096)."""
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> "LEVConfig":
+        """The config from flat arguments (``{"lev_digits": 3, ...}``: parsed flags or a checkpoint's saved
+        arguments); a missing name keeps the field's default."""
+        return cls(**{f.name: args[lev_arg(f.name)] for f in fields(cls) if lev_arg(f.name) in args})
+
+    def to_args(self) -> Dict[str, Any]:
+        """The flat arguments of this config (inverse of :meth:`from_args`)."""
+        return {lev_arg(f.name): getattr(self, f.name) for f in fields(self)}
 
     def resolved_base(self, vocab_size: int) -> int:
         """The base b in use for ``vocab_size``: ``base`` if given, else the smallest b with b**k >= V."""
@@ -95,59 +110,73 @@ class LEVConfig:
         return "sparse" if device_type == "cuda" else "dense"
 
     def validate(self, vocab_size: int, hidden_size: Optional[int] = None, tp_size: int = 1) -> None:
-        """Raise ValueError (one line naming the flag and the fix) for an unusable configuration."""
+        """Raise ConfigError (one line naming the flag and the fix) for an unusable configuration.
 
-        def fail(msg: str) -> None:
-            raise ValueError(f"LEV config: {msg}")
-
+        The one check of every LEV setting: :meth:`validate_settings`, then what depends on the
+        vocabulary and the hidden size."""
+        self.validate_settings(tp_size)
         if not isinstance(vocab_size, int) or vocab_size < 1:
-            fail(f"vocabulary size must be a positive integer (got {vocab_size!r})")
+            _fail(f"vocabulary size must be a positive integer (got {vocab_size!r})")
         if hidden_size is not None and (not isinstance(hidden_size, int) or hidden_size < 1):
-            fail(f"hidden size must be a positive integer (got {hidden_size!r}); check --hidden-size")
-        for flag, value in (
-            ("--lev-digits", self.num_digits),
-            ("--lev-seed-dim", self.seed_dim),
-            ("--lev-rank", self.rank),
-            ("--lev-heads", self.num_heads),
-            ("--lev-chunk-size", self.chunk_size),
-            ("--lev-product-chunk", self.product_chunk),
-        ):
+            _fail(f"hidden size must be a positive integer (got {hidden_size!r}); check --hidden-size")
+        if self.base is not None and self.base**self.num_digits < vocab_size:
+            need = smallest_base(vocab_size, self.num_digits)
+            _fail(
+                f"--lev-base {self.base} with --lev-digits {self.num_digits} covers only "
+                f"{self.base ** self.num_digits} ids < vocabulary size {vocab_size}; "
+                f"use --lev-base >= {need}, more --lev-digits, or leave --lev-base unset"
+            )
+
+    def validate_settings(self, tp_size: int = 1) -> None:
+        """The checks that need no vocabulary (run when the flags are parsed): ranges, choices, and the
+        heads' divisibility by the tensor-parallel size ``tp_size``."""
+        for name in ("num_digits", "seed_dim", "rank", "num_heads", "chunk_size", "product_chunk"):
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                fail(f"{flag} must be a positive integer (got {value!r})")
+                _fail(f"{lev_flag(name)} must be a positive integer (got {value!r})")
         if not isinstance(self.num_knots, int) or self.num_knots < 3:
-            fail(
+            _fail(
                 f"--lev-knots must be an integer >= 3 for a quadratic B-spline (got {self.num_knots!r}); "
                 "use e.g. --lev-knots 16"
             )
-        if self.base is not None:
-            if not isinstance(self.base, int) or self.base < 1:
-                fail(f"--lev-base must be a positive integer or unset (got {self.base!r})")
-            if self.base**self.num_digits < vocab_size:
-                need = smallest_base(vocab_size, self.num_digits)
-                fail(
-                    f"--lev-base {self.base} with --lev-digits {self.num_digits} covers only "
-                    f"{self.base ** self.num_digits} ids < vocabulary size {vocab_size}; "
-                    f"use --lev-base >= {need}, more --lev-digits, or leave --lev-base unset"
-                )
+        if self.base is not None and (not isinstance(self.base, int) or self.base < 1):
+            _fail(f"--lev-base must be a positive integer or unset (got {self.base!r})")
         if not isinstance(tp_size, int) or tp_size < 1:
-            fail(f"tensor-parallel size must be a positive integer (got {tp_size!r})")
+            _fail(f"tensor-parallel size must be a positive integer (got {tp_size!r})")
         if self.num_heads % tp_size != 0:
-            fail(
-                f"--lev-heads {self.num_heads} is not divisible by the tensor-parallel size {tp_size}; "
+            _fail(
+                f"--lev-heads {self.num_heads} is not divisible by --tensor-model-parallel-size {tp_size}; "
                 f"choose --lev-heads as a multiple of {tp_size}"
             )
-        if self.compute_mode not in COMPUTE_MODES:
-            fail(f"--lev-compute-mode must be one of {', '.join(COMPUTE_MODES)} (got {self.compute_mode!r})")
-        if self.basis not in BASIS_KINDS:
-            fail(f"--lev-basis must be one of {', '.join(BASIS_KINDS)} (got {self.basis!r})")
+        for name in ("compute_mode", "basis"):
+            choices = _FIELDS[name].metadata["choices"]
+            if getattr(self, name) not in choices:
+                _fail(f"{lev_flag(name)} must be one of {', '.join(choices)} (got {getattr(self, name)!r})")
         if not (0.0 < float(self.log_eps) < 1e-6):
-            fail(f"--lev-log-eps must be in (0, 1e-6), far below 1 (got {self.log_eps!r}); default 1e-30")
+            _fail(f"--lev-log-eps must be in (0, 1e-6), far below 1 (got {self.log_eps!r}); default 1e-30")
         if self.init_sample_size is not None:
             if not isinstance(self.init_sample_size, int) or self.init_sample_size < MIN_INIT_SAMPLE_SIZE:
-                fail(
+                _fail(
                     f"--lev-init-sample-size must be unset (all ids) or >= {MIN_INIT_SAMPLE_SIZE} "
                     f"(got {self.init_sample_size!r})"
                 )
+
+
+def _fail(msg: str) -> None:
+    raise ConfigError(f"LEV config: {msg}")
+
+
+def lev_flag(name: str) -> str:
+    """The command-line flag of ``LEVConfig`` field ``name``: its ``flag`` metadata, else ``--lev-<name>``."""
+    return _FIELDS[name].metadata.get("flag", "--lev-" + name.replace("_", "-"))
+
+
+def lev_arg(name: str) -> str:
+    """The argument name (argparse ``dest``, saved-config key) of ``LEVConfig`` field ``name``."""
+    return lev_flag(name)[2:].replace("-", "_")
+
+
+_FIELDS = {f.name: f for f in fields(LEVConfig)}
 
 
 def lev_param_count(

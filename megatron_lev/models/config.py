@@ -15,17 +15,16 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megatron_lev.lev.config import LEVConfig
+from megatron_lev.lev.config import ConfigError, LEVConfig
 
-INPUT_EMBEDDINGS = ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev")
+from .params import ARMS_MATCHED, match_flat_mlp_hidden, matched_widths
+
+# The input arms, in the order of the paper's tables; the flag's choices and the check use this tuple.
+INPUT_EMBEDDINGS = ("tied", "untied") + ARMS_MATCHED + ("lev",)
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
-
-
-class ConfigError(ValueError):
-    """An impossible or inconsistent model configuration; the message is one line naming the flag."""
 
 
 def te_available() -> bool:
@@ -68,7 +67,7 @@ class LevModelConfig:
     max_sequence_length: int
     """Longest sequence the model accepts; sizes learned absolute positions (flag --seq-length)."""
 
-    input_embedding: str = "lev"
+    input_embedding: str = field(default="lev", metadata={"choices": INPUT_EMBEDDINGS})
     """Input representation, one of tied, untied, albert, flat_mlp, factored_mlp, lev
     (flag --input-embedding). Every arm but ``tied`` has an untied vocab-parallel output head."""
 
@@ -113,7 +112,7 @@ class LevModelConfig:
     add_bias_linear: bool = False
     """Biases in the transformer's linear layers (flag --add-bias-linear / --disable-bias-linear)."""
 
-    transformer_impl: str = "auto"
+    transformer_impl: str = field(default="auto", metadata={"choices": TRANSFORMER_IMPLS})
     """"auto" (Transformer Engine when TE and CUDA are present, else local), "local", or
     "transformer_engine" (flag --transformer-impl)."""
 
@@ -129,11 +128,9 @@ class LevModelConfig:
 
         Keys: ``albert_dim``, ``flat_mlp_dim``, ``mlp_hidden`` (flat_mlp), ``factored_mlp_hidden``.
         Only the keys of this config's arm are computed (matching can fail for other arms)."""
-        from .params import matched_widths
-
         arm = self.input_embedding
         out: Dict[str, int] = {}
-        if arm not in ("albert", "flat_mlp", "factored_mlp"):
+        if arm not in ARMS_MATCHED:
             return out
         need_match = (
             (arm == "albert" and self.albert_dim is None)
@@ -146,9 +143,7 @@ class LevModelConfig:
         elif arm == "flat_mlp":
             if self.flat_mlp_dim is not None and self.mlp_hidden is None:
                 # e given, m matched to the remaining budget.
-                from .params import _match_flat_mlp_hidden
-
-                m = _match_flat_mlp_hidden(self.vocab_size, hidden_size, self.lev, self.flat_mlp_dim)
+                m = match_flat_mlp_hidden(self.vocab_size, hidden_size, self.lev, self.flat_mlp_dim)
                 out.update(flat_mlp_dim=self.flat_mlp_dim, mlp_hidden=m)
             else:
                 out["flat_mlp_dim"] = (
@@ -231,22 +226,14 @@ class LevModelConfig:
             raise ConfigError("--rotary-percent leaves fewer than 2 rotated channels per head; raise it")
 
         # The LEV settings matter for lev (layer) and factored_mlp (seed), and for matching.
-        if self.input_embedding in ("lev", "factored_mlp", "albert", "flat_mlp"):
+        if self.input_embedding in ("lev",) + ARMS_MATCHED:
             self._validate_lev(config.hidden_size, tp if self.input_embedding == "lev" else 1)
-        if self.input_embedding in ("albert", "flat_mlp", "factored_mlp"):
+        if self.input_embedding in ARMS_MATCHED:
             self.resolved_widths(config.hidden_size)  # raises ConfigError when matching is impossible
 
     def _validate_lev(self, hidden_size: int, tp: int) -> None:
         lev = self.lev
-        if lev.num_heads % tp != 0:
-            raise ConfigError(
-                f"--lev-heads {lev.num_heads} is not divisible by --tensor-model-parallel-size {tp}; "
-                f"choose --lev-heads as a multiple of {tp}"
-            )
-        try:
-            lev.validate(self.vocab_size, hidden_size, tp_size=tp)
-        except ValueError as e:  # LEVConfig's messages already name the --lev-* flag
-            raise ConfigError(str(e).splitlines()[0]) from None
+        lev.validate(self.vocab_size, hidden_size, tp_size=tp)
         b = lev.resolved_base(self.vocab_size)
         k = lev.num_digits
         if k > 1 and b ** (k - 1) >= self.vocab_size:

@@ -25,11 +25,12 @@ If V alone (e = 1) exceeds the budget, albert and flat_mlp cannot be matched: ``
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
-from megatron_lev.lev.config import LEVConfig, lev_param_count
+from megatron_lev.lev.config import ConfigError, LEVConfig, lev_param_count
 
-from .config import ConfigError, LevModelConfig
+if TYPE_CHECKING:  # models/config.py imports this module (the matching), not the other way round
+    from .config import LevModelConfig
 
 MATCH_TOLERANCE = 0.02
 ARMS_MATCHED = ("albert", "flat_mlp", "factored_mlp")
@@ -56,7 +57,7 @@ def _closest(width_estimate: float, count, budget: int) -> int:
     return min(sorted(cands), key=lambda x: abs(count(x) - budget))
 
 
-def _match_flat_mlp_hidden(vocab_size: int, hidden_size: int, lev: LEVConfig, e: int) -> int:
+def match_flat_mlp_hidden(vocab_size: int, hidden_size: int, lev: LEVConfig, e: int) -> int:
     V, D = vocab_size, hidden_size
     P = lev_param_count(V, D, lev)
     rest = P - V * e - D
@@ -118,7 +119,7 @@ def matched_widths(
                 f"flat_mlp: a V x 1 table ({V:,} parameters) already exhausts LEV's {P:,} for V={V}, "
                 f"D={D}; parameter matching is impossible, give --flat-mlp-dim and --mlp-hidden explicitly"
             )
-        m = _match_flat_mlp_hidden(V, D, lev, e)
+        m = match_flat_mlp_hidden(V, D, lev, e)
         out["flat_mlp_dim"], out["flat_mlp_hidden"] = e, m
         check("flat_mlp", flat_mlp_params(V, D, e, m), "--flat-mlp-dim/--mlp-hidden")
     if "factored_mlp" in arms:
@@ -147,7 +148,7 @@ def input_side_params(model_config: LevModelConfig, hidden_size: int) -> int:
         return flat_mlp_params(V, D, w["flat_mlp_dim"], w["mlp_hidden"])
     if arm == "factored_mlp":
         return factored_mlp_params(V, D, model_config.lev, w["factored_mlp_hidden"])
-    raise ConfigError(f"--input-embedding must be one of tied, untied, albert, flat_mlp, factored_mlp, lev (got {arm!r})")
+    raise ConfigError(f"--input-embedding {arm!r}: not an input arm (LevModelConfig.validate lists them)")
 
 
 def transformer_params(config: Any) -> int:

@@ -5,7 +5,9 @@ Entry point: ``pretrain(argv)`` (used by ``pretrain_lev.py``); the checkpoint re
 (``checkpointing.load_checkpoint``/``find_checkpoint``) is shared with evaluation and conversion.
 """
 
-from .arguments import ConfigError, build_parser, parse_args, resolved_config
+from megatron_lev.lev.config import ConfigError
+
+from .arguments import build_parser, parse_args, resolved_config
 
 
 def pretrain(argv=None) -> int:

@@ -19,18 +19,26 @@ start-up and written as ``config.yaml`` beside each checkpoint. Feeding that fil
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+import textwrap
+import typing
+from dataclasses import MISSING, fields
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-INPUT_EMBEDDINGS = ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev")
+from megatron_lev.lev.config import ConfigError, LEVConfig, lev_flag
+from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, \
+    check_parallel_settings
+
 # Arguments that describe the run rather than the model/optimisation: not compared on resume.
 _DERIVED = ("data_parallel_size", "world_size", "num_microbatches", "padded_vocab_size", "params_dtype_name")
-
-
-class ConfigError(ValueError):
-    """An invalid argument or combination; the message is one line that names the flag."""
+# LevModelConfig fields that are flags of their own name (--albert-dim ...); the others come from
+# Megatron-LM's flags (--seq-length, --swiglu, --disable-bias-linear, ...) in model_config_from_args.
+_MODEL_FLAG_FIELDS = ("input_embedding", "albert_dim", "flat_mlp_dim", "mlp_hidden")
+_MODEL_SHAPE_FLAG_FIELDS = ("rotary_base", "rotary_percent", "transformer_impl")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,6 +57,41 @@ def _str2bool(v: Any) -> bool:
     if s in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+def field_docs(cls) -> Dict[str, str]:
+    """The field docstrings of dataclass ``cls`` (the string after each field), read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs: Dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def add_config_flags(group, cls, flag_of: Callable[[str], str], names: Optional[Iterable[str]] = None,
+                     defaults: Optional[Dict[str, Any]] = None) -> None:
+    """One flag per field of dataclass ``cls`` (or of ``names``): type, default, ``choices`` metadata and
+    help (the field docstring) come from the field, as megatron-core's ``core_transformer_config_from_args``
+    reads a TransformerConfig from the flags of its fields. ``defaults`` replaces a field's default on the
+    command line (where the flag's default is resolved later). A field of a type without a flag form is an
+    error, so a new field cannot go without its flag."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    wanted = None if names is None else set(names)
+    for f in fields(cls):
+        if wanted is not None and f.name not in wanted:
+            continue
+        typ = hints[f.name]
+        if typing.get_origin(typ) is typing.Union:  # Optional[X]: unset is None
+            (typ,) = [t for t in typing.get_args(typ) if t is not type(None)]
+        if typ not in (int, float, str) or f.default is MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for a {typ!r} field without a default")
+        default = (defaults or {}).get(f.name, f.default)
+        group.add_argument(flag_of(f.name), type=typ, default=default, choices=f.metadata.get("choices"),
+                           help=docs.get(f.name, "").replace("%", "%%"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,10 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", default="learned_absolute", choices=["rope", "learned_absolute"])
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    # Megatron-LM's command-line defaults (learned positions, LayerNorm), not LevModelConfig's.
+    g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES)
+    g.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    add_config_flags(g, LevModelConfig, _model_flag, _MODEL_SHAPE_FLAG_FIELDS)
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (default: GeLU, as Megatron-LM)")
     g.add_argument("--disable-bias-linear", action="store_true")
@@ -84,32 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Megatron's flag; the same as --input-embedding untied")
-    g.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"])
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
     g = p.add_argument_group("input embedding (the paper's arms) and LEV")
-    g.add_argument("--input-embedding", default=None, choices=INPUT_EMBEDDINGS,
-                   help="input representation; default tied (Megatron's shared embedding/head)")
-    g.add_argument("--lev-digits", type=int, default=3, help="k: digits of the compositional index")
-    g.add_argument("--lev-base", type=int, default=None, help="b: default smallest b with b**k >= V")
-    g.add_argument("--lev-seed-dim", type=int, default=128, help="d_s: seed width")
-    g.add_argument("--lev-knots", type=int, default=16, help="kappa: spline knots")
-    g.add_argument("--lev-rank", type=int, default=64, help="r: modes per head")
-    g.add_argument("--lev-heads", type=int, default=8, help="h: heads (divisible by TP)")
-    g.add_argument("--lev-compute-mode", default="unique", choices=["token", "unique", "table"])
-    g.add_argument("--lev-basis", default="auto", choices=["auto", "dense", "sparse", "fused", "triton"])
-    g.add_argument("--lev-log-eps", type=float, default=1e-30)
-    g.add_argument("--lev-chunk-size", type=int, default=4096)
-    g.add_argument("--lev-product-chunk", type=int, default=16)
-    g.add_argument("--lev-init-sample-size", type=int, default=None)
-    g.add_argument("--albert-dim", type=int, default=None,
-                   help="albert: table width e (default: parameter-matched to LEV)")
-    g.add_argument("--flat-mlp-dim", type=int, default=None,
-                   help="flat_mlp: table width e (default: parameter-matched to LEV)")
-    g.add_argument("--mlp-hidden", type=int, default=None,
-                   help="flat_mlp/factored_mlp: MLP hidden width m (default: parameter-matched to LEV)")
+    # Default: tied (Megatron's shared embedding/head), or untied with --untie-embeddings-and-output-weights.
+    add_config_flags(g, LevModelConfig, _model_flag, _MODEL_FLAG_FIELDS, defaults={"input_embedding": None})
+    add_config_flags(g, LEVConfig, lev_flag)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -248,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _add_negations(p: argparse.ArgumentParser) -> None:
     """Give every on/off flag a ``--no-...`` form, so a value set by ``--config`` can be turned off on the
     command line (e.g. ``--config 400m.yaml --no-overlap-grad-reduce``)."""
@@ -365,7 +394,15 @@ def _require(args, name: str) -> None:
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Check the combination and derive Megatron-LM's implied values (in place)."""
+    """Check the combination and derive Megatron-LM's implied values (in place), one named check after
+    another (each raises a one-line ConfigError naming the flag)."""
+    args.world_size = world_size
+    for check in _CHECKS:
+        check(args)
+
+
+def _check_required_and_ranges(args) -> None:
+    """Required flags, and the ranges of single values."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "train_iters", "lr"):
         _require(args, name)
@@ -389,20 +426,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1) (got {v})")
 
-    # --- parallel sizes
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+
+def _check_parallel_sizes(args) -> None:
+    """TP x PP against the world size, query groups, virtual stages; then the model's own layout check."""
+    tp, pp, world_size = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     if world_size % (tp * pp) != 0:
         raise ConfigError(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
             f"does not divide the world size {world_size}"
         )
-    args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
-    if args.num_attention_heads % tp != 0:
-        raise ConfigError(
-            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
-        )
     if args.group_query_attention or args.num_query_groups is not None:
         if args.num_query_groups is None:
             raise ConfigError("--group-query-attention needs --num-query-groups")
@@ -416,36 +449,31 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                 f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}"
             )
         args.group_query_attention = True
-    if args.sequence_parallel and tp == 1:
-        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.num_layers % pp != 0:
-        raise ConfigError(
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}"
-        )
     if args.num_layers_per_virtual_pipeline_stage is not None:
         if args.virtual_pipeline_model_parallel_size is not None:
             raise ConfigError("give only one of --num-layers-per-virtual-pipeline-stage and "
                               "--virtual-pipeline-model-parallel-size")
         per_stage = args.num_layers // pp
-        if args.num_layers_per_virtual_pipeline_stage < 1 or per_stage % args.num_layers_per_virtual_pipeline_stage:
+        if (args.num_layers % pp or args.num_layers_per_virtual_pipeline_stage < 1
+                or per_stage % args.num_layers_per_virtual_pipeline_stage):
             raise ConfigError(
                 f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} does "
-                f"not divide the {per_stage} layers of each pipeline stage"
+                f"not divide the {per_stage} layers of each of the --pipeline-model-parallel-size {pp} stages"
             )
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
-    if args.virtual_pipeline_model_parallel_size is not None:
-        vpp = args.virtual_pipeline_model_parallel_size
-        if vpp < 1 or args.num_layers % (pp * vpp) != 0:
-            raise ConfigError(
-                f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
-                f"virtual stages {vpp}"
-            )
-        if pp == 1:
-            raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-        if vpp == 1:
-            args.virtual_pipeline_model_parallel_size = None
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp < 1:
+        raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1 (got {vpp})")
+    # Heads and layers against TP/PP/virtual stages, sequence parallelism: the model config's check.
+    check_parallel_settings(tp=tp, pp=pp, vpp=vpp, num_layers=args.num_layers,
+                            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                            sequence_parallel=args.sequence_parallel)
+    if vpp == 1:
+        args.virtual_pipeline_model_parallel_size = None
 
-    # --- batch sizes
+
+def _check_batch_sizes(args) -> None:
+    """Batch sizes."""
     dp = args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
@@ -455,15 +483,17 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"{args.micro_batch_size} x data-parallel size {dp}"
         )
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-    if (args.virtual_pipeline_model_parallel_size is not None
-            and args.num_microbatches % pp != 0):
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None and args.num_microbatches % pp != 0:
         raise ConfigError(
             f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches} = "
             f"--global-batch-size / (--micro-batch-size x data-parallel size)) divisible by "
             f"--pipeline-model-parallel-size {pp}"
         )
 
-    # --- model shape
+
+def _check_model_shape(args) -> None:
+    """Model shape."""
     if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
         raise ConfigError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -481,16 +511,21 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--max-position-embeddings {args.max_position_embeddings} is smaller than --seq-length {args.seq_length}"
         )
 
-    # --- input arm
+
+def _check_input_arm(args) -> None:
+    """Input arm."""
     if args.input_embedding is None:
         args.input_embedding = "untied" if args.untie_embeddings_and_output_weights else "tied"
     elif args.input_embedding == "tied" and args.untie_embeddings_and_output_weights:
         raise ConfigError("--untie-embeddings-and-output-weights contradicts --input-embedding tied")
     args.untie_embeddings_and_output_weights = args.input_embedding != "tied"
-    if args.input_embedding in ("lev", "factored_mlp") and args.lev_heads % tp != 0:
-        raise ConfigError(f"--lev-heads {args.lev_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    # The LEV settings that need no vocabulary (the heads shard over TP in the lev arm only).
+    tp = args.tensor_model_parallel_size if args.input_embedding == "lev" else 1
+    LEVConfig.from_args(vars(args)).validate_settings(tp)
 
-    # --- precision
+
+def _check_precision(args) -> None:
+    """Precision."""
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive")
     if args.fp8_format is not None and not (args.bf16 or args.fp16):
@@ -501,7 +536,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
 
-    # --- learning-rate schedule
+
+def _check_lr_schedule(args) -> None:
+    """Learning-rate schedule."""
     if args.lr_decay_iters is None:
         args.lr_decay_iters = max(1, args.train_iters)
     if args.lr_decay_iters < 1:
@@ -523,7 +560,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
 
-    # --- data
+
+def _check_data(args) -> None:
+    """Data."""
     split_paths = any(getattr(args, n) for n in ("train_data_path", "valid_data_path", "test_data_path"))
     if args.mock_data:
         if args.data_path or split_paths:
@@ -551,7 +590,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"--split {args.split!r}: expected up to 3 non-negative weights with a positive sum")
 
-    # --- checkpointing
+
+def _check_checkpointing(args) -> None:
+    """Checkpointing."""
     if args.save_interval is not None and args.save_interval < 1:
         raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
     if args.save_interval is not None and args.save is None:
@@ -568,6 +609,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                 setattr(args, name, f"{int(r)}:{int(it)}")
             except ValueError:
                 raise ConfigError(f"--{name.replace('_', '-')} expects RANK:ITERATION") from None
+
+
+_CHECKS = (
+    _check_required_and_ranges,
+    _check_parallel_sizes,
+    _check_batch_sizes,
+    _check_model_shape,
+    _check_input_arm,
+    _check_precision,
+    _check_lr_schedule,
+    _check_data,
+    _check_checkpointing,
+)
 
 
 def _validate_tokenizer_files(args) -> None:

@@ -35,7 +35,9 @@ import torch
 from megatron_lev.parallel.collectives import all_reduce_
 
 from . import checkpointing
-from .arguments import ConfigError, config_to_yaml, format_config, parse_args, resolved_config
+from megatron_lev.lev.config import ConfigError
+
+from .arguments import config_to_yaml, format_config, parse_args, resolved_config
 from .logger import TrainingLogger, print_rank0
 
 EXIT_CONFIG_ERROR = 2
@@ -406,9 +408,8 @@ class _StartupError(Exception):
 
 def _startup_errors():
     from megatron_lev.data.datasets import DatasetValidationError
-    from megatron_lev.models import ConfigError as ModelConfigError
 
-    return (ConfigError, checkpointing.CheckpointError, ModelConfigError, DatasetValidationError)
+    return (ConfigError, checkpointing.CheckpointError, DatasetValidationError)
 
 
 def _setup_configs(argv):
