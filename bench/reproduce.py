@@ -436,17 +436,15 @@ def param_breakdowns(a, rows) -> Dict[str, Dict[str, Any]]:
         if not cfgs:
             continue
         try:
-            import argparse as _ap
-
             import yaml
 
+            from megatron_lev.checkpoint import build_configs
             from megatron_lev.models import parameter_breakdown
-            from megatron_lev.training.model_provider import build_configs
 
-            ns = _ap.Namespace(**yaml.safe_load(cfgs[-1].read_text()))
-            if not hasattr(ns, "padded_vocab_size") or ns.padded_vocab_size is None:
+            saved = yaml.safe_load(cfgs[-1].read_text())
+            if saved.get("padded_vocab_size") is None:
                 continue
-            config, model_config = build_configs(ns)
+            config, model_config = build_configs(saved)
             out[r["arm"]] = parameter_breakdown(model_config, config)
         except Exception as e:  # reported in the table instead of failing the report
             out[r["arm"]] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}

@@ -21,11 +21,11 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=200019, help="tokenizer vocabulary (o200k_base: 200019)")
     a = p.parse_args(argv)
 
+    from megatron_lev.checkpoint import build_configs
+    from megatron_lev.checkpoint.arguments import parse_args
+    from megatron_lev.lev.config import ConfigError, LEVConfig
     from megatron_lev.models import parameter_breakdown
     from megatron_lev.tokenizer import padded_vocab_size
-    from megatron_lev.training.arguments import parse_args
-    from megatron_lev.models import ConfigError
-    from megatron_lev.training.model_provider import build_configs, lev_config_from_args
 
     print(f"Tokenizer vocabulary {a.vocab_size:,}; padded as Megatron pads it (128 x TP).\n")
     print("| scale | arm | input side | transformer | output head | total | input side / dense table |")
@@ -39,16 +39,16 @@ def main(argv=None) -> int:
                                                        args.tensor_model_parallel_size)
             note = ""
             try:
-                config, model_config = build_configs(args)
+                config, model_config = build_configs(vars(args))
             except ConfigError:
                 # albert's width moves the count in steps of V + D: with a 200k vocabulary no width is
                 # within 2% of LEV, so the launch script passes the nearest one explicitly.
                 from megatron_lev.lev.config import lev_param_count
 
-                budget = lev_param_count(args.padded_vocab_size, args.hidden_size, lev_config_from_args(args))
+                budget = lev_param_count(args.padded_vocab_size, args.hidden_size, LEVConfig.from_args(vars(args)))
                 args.albert_dim = max(1, round((budget - args.hidden_size) / (args.padded_vocab_size + args.hidden_size)))
                 note = f" (--albert-dim {args.albert_dim})"
-                config, model_config = build_configs(args)
+                config, model_config = build_configs(vars(args))
             b = parameter_breakdown(model_config, config)
             ratio = b["input_side"] / max(1, b["dense_table"])
             print(f"| {scale} | {arm}{note} | {b['input_side']:,} | {b['transformer']:,} | {b['output_head']:,} | "

@@ -42,15 +42,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from megatron_lev.lev import LEVConfig, LEVEmbedding, lev_param_count
+from megatron_lev.lev import ConfigError, LEVConfig, LEVEmbedding, lev_param_count
 
 from .source import ConversionError, open_checkpoint
-
-LEV_FLAGS = {"num_digits": "lev_digits", "base": "lev_base", "seed_dim": "lev_seed_dim", "num_knots": "lev_knots",
-             "rank": "lev_rank", "num_heads": "lev_heads", "compute_mode": "lev_compute_mode", "basis": "lev_basis",
-             "log_eps": "lev_log_eps", "chunk_size": "lev_chunk_size", "product_chunk": "lev_product_chunk",
-             "init_sample_size": "lev_init_sample_size"}
-"""LEVConfig field -> saved training argument (``--lev-*`` flag)."""
 
 
 @dataclass
@@ -263,12 +257,10 @@ def fit_lev(table: torch.Tensor, lev_config: LEVConfig, *, init_method_std: floa
 def lev_config_for(a: Dict[str, Any], overrides: Dict[str, Any]) -> LEVConfig:
     """The LEV config of the converted model: the source's saved ``--lev-*`` values, then ``overrides``
     (LEVConfig field -> value; None = keep)."""
-    kw = {f: a[arg] for f, arg in LEV_FLAGS.items() if a.get(arg) is not None}
-    kw.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = set(kw) - set(LEV_FLAGS)
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(LEVConfig)}
     if unknown:
         raise ConversionError(f"unknown LEV setting {sorted(unknown)[0]!r}")
-    return LEVConfig(**kw)
+    return dataclasses.replace(LEVConfig.from_args(a), **{k: v for k, v in overrides.items() if v is not None})
 
 
 def _read_table_rank(src_path: str, a: Dict[str, Any], out_file: str) -> Dict[str, Any]:
@@ -347,7 +339,7 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     the report as JSON. Returns the :class:`FitReport`."""
     import json
 
-    from megatron_lev.training.checkpointing import TRACKER
+    from megatron_lev.checkpoint import TRACKER
 
     from .launch import run_ranks
     from .model_io import layout_args
@@ -374,12 +366,12 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     tp, pp = int(a.get("tensor_model_parallel_size", 1)), int(a.get("pipeline_model_parallel_size", 1))
     try:
         lev_cfg.validate(V, D, tp)
-    except ValueError as e:
+    except ConfigError as e:
         raise ConversionError(str(e)) from None
     if counts is not None and counts.size > V:
         raise ConversionError(f"--token-counts {token_counts}: {counts.size} entries but the model has {V} ids")
     lev_a = dict(a, input_embedding="lev", untie_embeddings_and_output_weights=True,
-                 **{arg: getattr(lev_cfg, f) for f, arg in LEV_FLAGS.items()})
+                 **lev_cfg.to_args())
     log(f"converting {source.path} ({a['input_embedding']}, V={V}, D={D}, iteration {source.iteration}) to lev "
         f"-> {dst}")
     os.makedirs(dst, exist_ok=True)

@@ -229,7 +229,8 @@ def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Opti
     """The resolved training arguments of the imported model at TP x PP (pretrain_lev.py's parser and
     validation), with ``padded_vocab_size`` set. Training hyperparameters and data are left unset."""
     from megatron_lev.tokenizer import padded_vocab_size
-    from megatron_lev.training.arguments import ConfigError, parse_args, resolved_config
+    from megatron_lev.checkpoint.arguments import parse_args, resolved_config
+    from megatron_lev.lev.config import ConfigError
 
     cfg = model.config
     h = _hf_args(cfg)
@@ -315,7 +316,7 @@ def import_hf(hf_model: str, save: str, *, tp: int = 1, pp: int = 1, seq_length:
               progress: bool = True) -> str:
     """Convert the ``LlamaForCausalLM`` directory ``hf_model`` into a megatron-lev checkpoint root ``save``
     at TP=``tp`` x PP=``pp``; return the ``iter_0000000`` directory."""
-    from megatron_lev.training.checkpointing import TRACKER
+    from megatron_lev.checkpoint import TRACKER
 
     from .launch import run_ranks
     from .model_io import layout_args

@@ -3,7 +3,7 @@
 megatron-core's dist_checkpointing does the work: the model is built at the *target* layout on
 ``tp x pp`` CPU ranks, the source checkpoint (any layout: its ``torch_dist`` shards are pieces of
 global tensors) is loaded into it, and it is saved with the training checkpointer
-(``megatron_lev.training.checkpointing.save_checkpoint``), so the result has the structure of a
+(``megatron_lev.checkpoint.save_checkpoint``), so the result has the structure of a
 training checkpoint: ``iter_XXXXXXX/`` with the model shards, the iteration, consumed samples and
 counters, the LR-scheduler state, fresh RNG states and ``config.yaml`` with the new layout; the
 tracker file is written last. Every input arm is handled the same way (the LEV heads are split over
@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional
 
 from .launch import run_ranks
 from .source import ConversionError, open_checkpoint
-from megatron_lev.training.checkpointing import TRACKER
+from megatron_lev.checkpoint import TRACKER
 
 
 def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],

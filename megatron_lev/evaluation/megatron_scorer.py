@@ -2,8 +2,8 @@
 
 Loading: the checkpoint's ``config.yaml`` (the resolved training arguments saved beside every
 checkpoint) gives the model; the tensor/pipeline sizes of *this* run choose the layout and
-``dist_checkpointing`` reshards the weights (``training.checkpointing.load_checkpoint``, model only:
-no optimizer, no RNG). The padded vocabulary of the checkpoint is kept (padding it again for another
+``dist_checkpointing`` reshards the weights (``megatron_lev.checkpoint``, model only: no optimizer,
+no RNG). The padded vocabulary of the checkpoint is kept (padding it again for another
 TP size would change the output layer's shape); it must be divisible by the new TP size. Virtual
 pipeline stages, sequence parallelism and dropout are switched off for evaluation.
 
@@ -17,7 +17,6 @@ results gathered, so every rank ends with every score.
 
 from __future__ import annotations
 
-import argparse
 import os
 from datetime import timedelta
 from functools import partial
@@ -99,104 +98,74 @@ def is_main_process() -> bool:
 
 
 def checkpoint_config(load_dir: str) -> Tuple[Dict[str, Any], int, str]:
-    """(saved config, iteration, iteration directory) of the newest checkpoint under ``load_dir``.
+    """(saved arguments, iteration, iteration directory) of the newest checkpoint under ``load_dir``.
 
     ``load_dir`` is the ``--save`` directory of training (with ``latest_checkpointed_iteration.txt``).
     """
-    import yaml
-
-    from megatron_lev.training.checkpointing import CONFIG_NAME, CheckpointError, find_checkpoint
+    from megatron_lev.checkpoint import CheckpointError, open_checkpoint
 
     if not os.path.isdir(load_dir):
         raise EvalSetupError(f"{load_dir}: no such checkpoint directory")
     try:
-        found = find_checkpoint(load_dir)
+        saved = open_checkpoint(load_dir)
     except CheckpointError as e:
         raise EvalSetupError(str(e)) from None
-    if found is None:
-        raise EvalSetupError(f"{load_dir}: no checkpoint (latest_checkpointed_iteration.txt missing)")
-    iteration, path = found
-    cfg_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.isfile(cfg_path):
-        raise EvalSetupError(f"{cfg_path}: missing (the model configuration saved with the checkpoint)")
-    with open(cfg_path, "r", encoding="utf-8") as f:
-        cfg = yaml.safe_load(f) or {}
-    return cfg, iteration, path
+    return saved.args, saved.iteration, saved.path
 
 
 def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1,
-              micro_batch_size: int = 4) -> argparse.Namespace:
-    """Training arguments of the checkpoint, re-laid-out for evaluation at TP x PP."""
-    from megatron_lev.models.config import settings_for_loading
-    from megatron_lev.training.arguments import build_parser
+              micro_batch_size: int = 4) -> Dict[str, Any]:
+    """The checkpoint's saved arguments, re-laid-out for evaluation at TP x PP (no virtual stages,
+    sequence parallelism, dropout or recomputation)."""
+    from megatron_lev.checkpoint import relayout
+    from megatron_lev.lev.config import ConfigError
 
-    args = build_parser().parse_args([])
-    for k, v in cfg.items():
-        setattr(args, k, v)
-    name = lambda n: f"the checkpoint's {n}"  # noqa: E731
-    if args.num_layers % pp:
-        raise EvalSetupError(f"{name('num_layers')} {args.num_layers} is not divisible by PP {pp}")
-    if args.num_attention_heads % tp:
-        raise EvalSetupError(f"{name('num_attention_heads')} {args.num_attention_heads} is not divisible by TP {tp}")
-    if args.num_query_groups is not None and args.num_query_groups % tp:
-        raise EvalSetupError(f"{name('num_query_groups')} {args.num_query_groups} is not divisible by TP {tp}")
-    if args.input_embedding in ("lev", "factored_mlp") and args.lev_heads % tp:
-        raise EvalSetupError(f"{name('lev_heads')} {args.lev_heads} is not divisible by TP {tp}")
-    if args.padded_vocab_size % tp:
-        raise EvalSetupError(f"{name('padded_vocab_size')} {args.padded_vocab_size} is not divisible by TP {tp}")
-    args.tensor_model_parallel_size = tp
-    args.pipeline_model_parallel_size = pp
-    args.virtual_pipeline_model_parallel_size = None
-    args.num_layers_per_virtual_pipeline_stage = None
-    args.sequence_parallel = False
-    args.hidden_dropout = 0.0
-    args.attention_dropout = 0.0
-    args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
-    args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
-    args.micro_batch_size = micro_batch_size
-    args.global_batch_size = micro_batch_size * args.data_parallel_size
-    args.num_microbatches = 1
-    for k, v in settings_for_loading(cfg).items():  # a TE-trained model evaluates with the local spec on CPU
-        setattr(args, k, v)
-    # Model weights only.
-    args.no_load_optim = True
-    args.no_load_rng = True
-    args.finetune = False
-    args.exit_on_missing_checkpoint = True
-    return args
+    try:
+        a = relayout(cfg, tp, pp, world_size=world_size)
+    except ConfigError as e:
+        raise EvalSetupError(f"the checkpoint cannot be evaluated at TP={tp} PP={pp}: {e}") from None
+    a.update(sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None,
+             recompute_method=None, recompute_num_layers=None, micro_batch_size=micro_batch_size,
+             global_batch_size=micro_batch_size * a["data_parallel_size"], num_microbatches=1)
+    return a
 
 
 def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 4, log=None):
     """Build this rank's model chunk and load the newest checkpoint under ``load_dir`` into it.
 
     Needs :func:`setup_distributed` (TP/PP groups) first. Returns ``(chunks, transformer_config, args,
-    info)`` with ``info`` = {checkpoint, iteration, iteration_dir, config}.
+    info)`` with ``args`` the evaluation's arguments (a mapping) and ``info`` = {checkpoint, iteration,
+    iteration_dir, config}.
     """
-    from megatron_lev.training import checkpointing
-    from megatron_lev.training.model_provider import build_configs, build_model_chunks
+    from megatron_lev.checkpoint import build_configs, build_model_chunks, load_model_state
+    from megatron_lev.lev.config import ConfigError
 
     cfg, iteration, path = checkpoint_config(load_dir)
     args = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
-    config, model_config = build_configs(args)
-    model_config.weights_from_checkpoint = True
-    chunks = build_model_chunks(args, config, model_config)
+    try:
+        config, model_config = build_configs(args, for_loading=True)
+    except ConfigError as e:
+        raise EvalSetupError(f"the checkpoint cannot be evaluated at TP={tp} PP={pp}: {e}") from None
+    chunks = build_model_chunks(config, model_config)
     if torch.cuda.is_available():
         chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
-    if args.bf16 or args.fp16:
+    if config.bf16 or config.fp16:
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(config, c) for c in chunks]
-    quiet = (lambda *a, **k: None) if log is None else log
     try:
-        checkpointing.load_checkpoint(load_dir, chunks, None, None, args, log=quiet)
-    except checkpointing.CheckpointError as e:
-        raise EvalSetupError(str(e)) from None
+        load_model_state(chunks, path, log=log)
+    except Exception as e:  # dist_checkpointing's errors are many lines long
+        raise EvalSetupError(f"{path}: cannot load the model ({type(e).__name__}: {_first_line(e)})") from None
     for c in chunks:
         c.eval()
     info = {"checkpoint": os.path.abspath(load_dir), "iteration": iteration, "iteration_dir": os.path.abspath(path),
             "config": cfg}
     return chunks, config, args, info
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,12 +243,12 @@ class MegatronScorer(Scorer):
         chunks, config, args, info = load_model(load_dir, tp, pp, micro_batch_size, log=log)
         # Learned absolute positions cap the window at max_position_embeddings; RoPE models may be
         # given a longer window than they were trained on.
-        limit = args.seq_length
-        if args.position_embedding_type == "learned_absolute":
-            limit = min(max_length or limit, args.max_position_embeddings)
+        limit = args["seq_length"]
+        if args["position_embedding_type"] == "learned_absolute":
+            limit = min(max_length or limit, args["max_position_embeddings"])
         elif max_length:
             limit = max_length
-        scorer = cls(chunks, config, max_length=limit, vocab_size=args.padded_vocab_size,
+        scorer = cls(chunks, config, max_length=limit, vocab_size=args["padded_vocab_size"],
                      micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                      description=f"megatron-lev {info['checkpoint']} (iteration {info['iteration']}, TP={tp}, PP={pp})")
         return scorer, args, info

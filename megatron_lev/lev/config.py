@@ -84,8 +84,8 @@ class LEVConfig:
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "LEVConfig":
         """The config from flat arguments (``{"lev_digits": 3, ...}``: parsed flags or a checkpoint's saved
-        arguments); a missing name keeps the field's default."""
-        return cls(**{f.name: args[lev_arg(f.name)] for f in fields(cls) if lev_arg(f.name) in args})
+        arguments); a missing or None value keeps the field's default."""
+        return cls(**{f.name: args[lev_arg(f.name)] for f in fields(cls) if args.get(lev_arg(f.name)) is not None})
 
     def to_args(self) -> Dict[str, Any]:
         """The flat arguments of this config (inverse of :meth:`from_args`)."""

@@ -97,7 +97,7 @@ def make_iterator(dataset, consumed_samples: int, args, cyclic: bool = False) ->
     sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
                                  ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), cyclic=cyclic)
     if args.num_workers > 0:
-        from ._procutil import ignore_stop_signals
+        from megatron_lev._procutil import ignore_stop_signals
 
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
                                              collate_fn=_collate, persistent_workers=False,

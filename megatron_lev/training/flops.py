@@ -29,69 +29,72 @@ Norms, softmax, rotary and the loss are left out (a few FLOPs per element, under
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Optional
+
+from megatron_lev.lev.config import LEVConfig
 
 # Dense bf16 peak TFLOP/s of common accelerators (for MFU when --peak-tflops-per-device is not given).
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
 
 
-def lev_forward_flops_per_id(args) -> float:
-    h, ds, r, D = args.lev_heads, args.lev_seed_dim, args.lev_rank, args.hidden_size
-    active_knots = 3  # a quadratic B-spline has 3 non-zero basis functions at any point
+def lev_forward_flops_per_id(lev: LEVConfig, hidden_size: int) -> float:
+    """Forward FLOPs of G for one id. The same for every ``lev.basis`` (and whatever ``auto`` resolves to
+    on a device, ``LEVConfig.resolved_basis``): model FLOPs count the 3 non-zero knots of a quadratic
+    B-spline; the dense basis's kappa - 3 zero products are work of that implementation."""
+    h, ds, r, D = lev.num_heads, lev.seed_dim, lev.rank, hidden_size
+    active_knots = 3
     return 2.0 * h * (ds * ds + ds * r * active_knots + ds * r + r * D)
 
 
-def _input_side_per_token(args) -> float:
-    arm, D = args.input_embedding, args.hidden_size
-    widths: Dict[str, int] = getattr(args, "resolved_widths", None) or {}
+def _input_side_per_token(model_config, hidden_size: int) -> float:
+    arm, D = model_config.input_embedding, hidden_size
+    widths = model_config.resolved_widths(D)
     if arm == "albert":
-        return 2.0 * widths.get("albert_dim", args.albert_dim or 0) * D
+        return 2.0 * widths["albert_dim"] * D
     if arm == "flat_mlp":
-        e = widths.get("flat_mlp_dim", args.flat_mlp_dim or 0)
-        m = widths.get("mlp_hidden", args.mlp_hidden or 0)
+        e, m = widths["flat_mlp_dim"], widths["mlp_hidden"]
         return 2.0 * (e * m + m * D)
     if arm == "factored_mlp":
-        m = widths.get("factored_mlp_hidden", args.mlp_hidden or 0)
-        return 2.0 * (args.lev_seed_dim * m + m * D)
+        m = widths["factored_mlp_hidden"]
+        return 2.0 * (model_config.lev.seed_dim * m + m * D)
     return 0.0
 
 
-def transformer_forward_flops_per_token(args) -> float:
-    D, L, s = args.hidden_size, args.num_layers, args.seq_length
-    a = args.num_attention_heads
-    dh = args.kv_channels or D // a
-    g = args.num_query_groups or a
-    F = args.ffn_hidden_size
-    V = args.padded_vocab_size
+def transformer_forward_flops_per_token(config: Any, vocab_size: int, seq_length: int) -> float:
+    """Decoder and output head, per token, for a megatron-core TransformerConfig."""
+    D, L, s = config.hidden_size, config.num_layers, seq_length
+    a = config.num_attention_heads
+    dh = config.kv_channels or D // a
+    g = config.num_query_groups or a
+    F = config.ffn_hidden_size
     proj = 2.0 * L * D * dh * (a + 2 * g) + 2.0 * L * a * dh * D
     scores = 2.0 * L * 2 * s * a * dh
-    mlp = 2.0 * L * D * F * (3 if args.swiglu else 2)
-    head = 2.0 * D * V
+    mlp = 2.0 * L * D * F * (3 if config.gated_linear_unit else 2)
+    head = 2.0 * D * vocab_size
     return proj + scores + mlp + head
 
 
-def flops_per_iteration(args) -> float:
-    """Model FLOPs of one optimizer step (all ranks together)."""
-    tokens = args.global_batch_size * args.seq_length
-    per_token = transformer_forward_flops_per_token(args) + _input_side_per_token(args)
+def flops_per_iteration(config: Any, model_config, *, global_batch_size: int, seq_length: int) -> float:
+    """Model FLOPs of one optimizer step (all ranks together) for a TransformerConfig and a LevModelConfig."""
+    D, V = config.hidden_size, model_config.vocab_size
+    tokens = global_batch_size * seq_length
+    per_token = transformer_forward_flops_per_token(config, V, seq_length) + _input_side_per_token(model_config, D)
     total = 3.0 * tokens * per_token
-    if args.input_embedding == "lev":
-        ids = args.padded_vocab_size if args.lev_compute_mode == "table" else tokens
-        total += 3.0 * ids * lev_forward_flops_per_id(args)
+    if model_config.input_embedding == "lev":
+        ids = V if model_config.lev.compute_mode == "table" else tokens
+        total += 3.0 * ids * lev_forward_flops_per_id(model_config.lev, D)
     return total
 
 
-def peak_tflops_per_device(args) -> Optional[float]:
-    if args.peak_tflops_per_device:
-        return float(args.peak_tflops_per_device)
-    try:
-        import torch
+def peak_tflops_per_device(given: Optional[float] = None) -> Optional[float]:
+    """``given`` (--peak-tflops-per-device), else the known peak of this CUDA device, else None."""
+    if given:
+        return float(given)
+    import torch
 
-        if torch.cuda.is_available():
-            name = torch.cuda.get_device_name()
-            for key, val in _PEAK_TFLOPS.items():
-                if key in name:
-                    return val
-    except Exception:  # pragma: no cover
-        pass
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, val in _PEAK_TFLOPS.items():
+            if key in name:
+                return val
     return None

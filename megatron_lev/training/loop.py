@@ -25,6 +25,7 @@ import random
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from typing import Any, Dict, List, Optional
@@ -34,10 +35,11 @@ import torch
 
 from megatron_lev.parallel.collectives import all_reduce_
 
-from . import checkpointing
+from megatron_lev import checkpoint
 from megatron_lev.lev.config import ConfigError
 
-from .arguments import config_to_yaml, format_config, parse_args, resolved_config
+
+from megatron_lev.checkpoint.arguments import format_config, parse_args, resolved_config
 from .logger import TrainingLogger, print_rank0
 
 EXIT_CONFIG_ERROR = 2
@@ -48,17 +50,35 @@ class NanDetected(RuntimeError):
     pass
 
 
+@dataclass
 class _State:
-    """Mutable counters of the run (saved in checkpoints)."""
+    """The run's state: counters saved in checkpoints, and the iteration of the latest save."""
 
-    def __init__(self) -> None:
-        self.iteration = 0
-        self.consumed_train_samples = 0
-        self.skipped_iterations = 0
-        self.nan_iterations = 0
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    last_saved: Optional[int] = None
 
     def counters(self) -> Dict[str, int]:
         return {"skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations}
+
+    def restore(self, loaded: Dict[str, Any]) -> None:
+        """Continue from a loaded checkpoint's common state."""
+        self.iteration = int(loaded["iteration"])
+        self.consumed_train_samples = int(loaded["consumed_train_samples"])
+        self.skipped_iterations = int(loaded["counters"].get("skipped_iterations", 0))
+        self.nan_iterations = int(loaded["counters"].get("nan_iterations", 0))
+        self.last_saved = self.iteration if self.iteration > 0 else None
+
+
+@dataclass
+class _Interval:
+    """Time, iterations and losses since the last log line."""
+
+    start: float
+    iters: int = 0
+    losses: List[float] = field(default_factory=list)
 
 
 class SignalHandler:
@@ -153,17 +173,15 @@ def _wrap_model(args, config, chunks):
     ]
 
 
-def _build_optimizer(args, model):
+def _build_optimizer(args, config, model):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from .model_provider import params_dtype
 
     opt_config = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=params_dtype(args), loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        params_dtype=config.params_dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
     )
@@ -316,8 +334,7 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
     for chunk in model:
         chunk.eval()
     it = valid_iterators(valid_dataset, args)
-    dummy = _State()
-    dummy.iteration = -10
+    dummy = _State(iteration=-10)
     collected: List[Dict[str, torch.Tensor]] = []
     # LEV table mode outside training evaluates G per distinct id (no table, no gradient).
     for _ in range(args.eval_iters):
@@ -339,8 +356,8 @@ def _will_load_checkpoint(args) -> bool:
     if not args.load or not os.path.isdir(args.load):
         return False
     try:
-        return checkpointing.find_checkpoint(args.load) is not None
-    except checkpointing.CheckpointError:
+        return checkpoint.find_checkpoint(args.load) is not None
+    except checkpoint.CheckpointError:
         return False  # reported by the load itself
 
 
@@ -409,40 +426,73 @@ class _StartupError(Exception):
 def _startup_errors():
     from megatron_lev.data.datasets import DatasetValidationError
 
-    return (ConfigError, checkpointing.CheckpointError, DatasetValidationError)
+    return (ConfigError, checkpoint.CheckpointError, DatasetValidationError)
 
 
 def _setup_configs(argv):
+    """Arguments, tokenizer and the typed configs (TransformerConfig, LevModelConfig) of the run."""
     from .data import build_tokenizer_from_args, padded_vocab
-    from .model_provider import build_configs
 
     try:
         args = parse_args(argv)
-        checkpointing.check_save_and_load(args)
+        checkpoint.check_save_and_load(args)
         try:
             tokenizer = build_tokenizer_from_args(args)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: {str(e).splitlines()[0]}") from None
         args.padded_vocab_size = padded_vocab(args, tokenizer)
-        config, model_config = build_configs(args)
-        if hasattr(model_config, "resolved_widths"):
-            args.resolved_widths = model_config.resolved_widths(args.hidden_size)
+        config, model_config = checkpoint.build_configs(vars(args))
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
     return args, tokenizer, config, model_config
 
 
+@dataclass
+class _Run:
+    """What the loop works with, built once at start-up (``_start``)."""
+
+    args: Any
+    config: Any
+    """megatron-core's TransformerConfig."""
+    model_config: Any
+    """The project's LevModelConfig."""
+    cfg: Dict[str, Any]
+    """The resolved arguments (printed at start-up, saved with every checkpoint)."""
+    logger: TrainingLogger
+    model: List[Any]
+    optimizer: Any
+    scheduler: Any
+    table_modules: List[Any]
+    t_start: float
+    train_iter: Any = None
+    valid_ds: Any = None
+    flops_iter: float = 0.0
+    peak: Optional[float] = None
+    handler: Optional[SignalHandler] = None
+
+
 def _run(args, tokenizer, config, model_config) -> int:
+    run = _start(args, config, model_config)
+    state = _State()
+    _load(run, state)
+    _start_data(run, state, tokenizer)
+    try:
+        return _train(run, state)
+    finally:
+        if run.handler is not None:
+            run.handler.release()
+        run.logger.close()
+
+
+def _start(args, config, model_config) -> _Run:
+    """Logger, seeds, model chunks (with the parameter report), DDP, optimizer and schedule hooks."""
     from megatron.core import parallel_state as ps
 
-    from . import data as data_mod
-    from .flops import flops_per_iteration, peak_tflops_per_device
-    from .model_provider import build_model_chunks, lev_table_modules
+    from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 
     t_start = time.time()
     logger = TrainingLogger(args)
     cfg = resolved_config(args)
-    cfg.pop("resolved_widths", None)
     if not args.quiet_config:
         logger.log(format_config(cfg))
     logger.set_config(cfg)
@@ -450,160 +500,181 @@ def _run(args, tokenizer, config, model_config) -> int:
     _set_seed(args.seed)
     # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
     model_config.weights_from_checkpoint = _will_load_checkpoint(args)
-    chunks = build_model_chunks(args, config, model_config)
-    from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
-
+    chunks = checkpoint.build_model_chunks(config, model_config)
     logger.log(format_parameter_breakdown(parameter_breakdown(model_config, config)))
-    n_params = _count_params(chunks)
     logger.log(f" > number of parameters on (tensor, pipeline) model parallel rank "
-               f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): {n_params}")
+               f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): "
+               f"{_count_params(chunks)}")
     model = _wrap_model(args, config, chunks)
-    table_modules = lev_table_modules(chunks)
-    optimizer, scheduler = _build_optimizer(args, model)
+    table_modules = checkpoint.lev_table_modules(chunks)
+    optimizer, scheduler = _build_optimizer(args, config, model)
     _configure_hooks(args, config, model, optimizer, table_modules)
+    return _Run(args=args, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
+                optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start)
 
-    state = _State()
-    if args.load:
-        try:
-            loaded = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args, log=logger.log)
-        except checkpointing.CheckpointError as e:
-            raise _StartupError(str(e)) from None
-        if loaded is not None:
-            state.iteration = int(loaded["iteration"])
-            state.consumed_train_samples = int(loaded["consumed_train_samples"])
-            state.skipped_iterations = int(loaded["counters"].get("skipped_iterations", 0))
-            state.nan_iterations = int(loaded["counters"].get("nan_iterations", 0))
 
+def _load(run: _Run, state: _State) -> None:
+    """Resume from ``--load`` (model, optimizer, scheduler, RNG, counters) when it holds a checkpoint."""
+    args = run.args
+    if not args.load:
+        return
     try:
-        train_ds, valid_ds, _test_ds = data_mod.build_datasets(args, tokenizer)
+        loaded = checkpoint.load_checkpoint(
+            args.load, run.model, run.optimizer, run.scheduler, run_args=vars(args),
+            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
+            exit_on_missing=args.exit_on_missing_checkpoint, log=run.logger.log)
+    except checkpoint.CheckpointError as e:
+        raise _StartupError(str(e)) from None
+    if loaded is not None:
+        state.restore(loaded)
+
+
+def _start_data(run: _Run, state: _State, tokenizer) -> None:
+    """Datasets and the training iterator (from the consumed samples), FLOPs figures, signal handler."""
+    from . import data as data_mod
+    from .flops import flops_per_iteration, peak_tflops_per_device
+
+    args = run.args
+    try:
+        train_ds, run.valid_ds, _test_ds = data_mod.build_datasets(args, tokenizer)
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0]) from None
-    train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, args)
+    run.train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, args)
+    run.flops_iter = flops_per_iteration(run.config, run.model_config, global_batch_size=args.global_batch_size,
+                                         seq_length=args.seq_length)
+    run.peak = peak_tflops_per_device(args.peak_tflops_per_device)
+    run.handler = SignalHandler() if args.exit_signal_handler else None
+    run.logger.log(
+        f"[after start-up] {time.time() - run.t_start:.1f} s; training from iteration {state.iteration} "
+        f"to {args.train_iters} ({args.num_microbatches} micro-batches of {args.micro_batch_size} per "
+        f"data-parallel rank, DP={args.data_parallel_size}, TP={args.tensor_model_parallel_size}, "
+        f"PP={args.pipeline_model_parallel_size})")
 
-    flops_iter = flops_per_iteration(args)
-    peak = peak_tflops_per_device(args)
-    world = torch.distributed.get_world_size()
-    handler = SignalHandler() if args.exit_signal_handler else None
-    logger.log(f"[after start-up] {time.time() - t_start:.1f} s; training from iteration {state.iteration} "
-               f"to {args.train_iters} ({args.num_microbatches} micro-batches of {args.micro_batch_size} per "
-               f"data-parallel rank, DP={args.data_parallel_size}, TP={args.tensor_model_parallel_size}, "
-               f"PP={args.pipeline_model_parallel_size})")
 
-    def save(iteration: int) -> bool:
-        """Write a checkpoint; refuse (False, one error line) when the parameters are not finite."""
-        if not _params_finite(model):
-            msg = (f"NaN/Inf in the parameters at iteration {iteration}; no checkpoint written (the latest "
-                   f"stays {last_saved if last_saved is not None else 'none'}); lower --lr or keep the NaN check on")
-            logger.log(f"ERROR: {msg}")
-            if rank_is0():
-                print(f"error: {msg}", file=sys.stderr, flush=True)
-            return False
-        checkpointing.save_checkpoint(
-            args.save, iteration, model, optimizer, scheduler,
-            consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=cfg,
-            args=args, log=logger.log)
-        return True
+def _save(run: _Run, state: _State, iteration: int) -> bool:
+    """Write a checkpoint; refuse (False, one error line) when the parameters are not finite."""
+    args = run.args
+    if not _params_finite(run.model):
+        msg = (f"NaN/Inf in the parameters at iteration {iteration}; no checkpoint written (the latest "
+               f"stays {state.last_saved if state.last_saved is not None else 'none'}); lower --lr or keep the "
+               "NaN check on")
+        run.logger.log(f"ERROR: {msg}")
+        if rank_is0():
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+        return False
+    checkpoint.save_checkpoint(
+        args.save, iteration, run.model, run.optimizer, run.scheduler,
+        consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
+        save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+        optim_fully_reshardable=args.dist_ckpt_optim_fully_reshardable, kill_at=args.debug_kill_during_save,
+        stall_at=args.debug_stall_during_save, log=run.logger.log)
+    state.last_saved = iteration
+    return True
 
-    def run_eval(prefix: str, iteration: int) -> None:
-        loss = evaluate(args, model, valid_ds, table_modules)
-        if loss is None:
-            return
-        logger.log(logger.validation_block(prefix, {"lm loss": loss}))
-        ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
-        logger.scalars(iteration, {"validation/lm loss": loss, "validation/lm loss ppl": ppl},
-                       consumed_samples=state.consumed_train_samples)
-        logger.record("valid", iteration, {"lm loss": loss, "lm loss hex": float(loss).hex(), "ppl": ppl})
 
-    last_saved = state.iteration if args.load and state.iteration > 0 else None
-    exit_code = 0
-    interval_start = time.time()
-    interval_iters = 0
-    interval_losses: List[float] = []
-    for chunk in model:
+def _run_eval(run: _Run, state: _State, prefix: str) -> None:
+    loss = evaluate(run.args, run.model, run.valid_ds, run.table_modules)
+    if loss is None:
+        return
+    logger = run.logger
+    logger.log(logger.validation_block(prefix, {"lm loss": loss}))
+    ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
+    logger.scalars(state.iteration, {"validation/lm loss": loss, "validation/lm loss ppl": ppl},
+                   consumed_samples=state.consumed_train_samples)
+    logger.record("valid", state.iteration, {"lm loss": loss, "lm loss hex": float(loss).hex(), "ppl": ppl})
+
+
+def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_norm, ok: bool, got_nan: bool) -> None:
+    """The per-iteration record, and every --log-interval iterations the log line and scalars."""
+    args, logger = run.args, run.logger
+    lr = run.optimizer.param_groups[0]["lr"]
+    loss_scale = float(run.optimizer.get_loss_scale().item())
+    logger.record("train", state.iteration, {
+        "lm loss": loss, "lm loss hex": float(loss).hex() if loss is not None else None,
+        "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
+        "consumed_samples": state.consumed_train_samples})
+    if state.iteration % args.log_interval != 0:
+        return
+    per_iter = (time.time() - interval.start) / max(1, interval.iters)
+    tokens_s = args.global_batch_size * args.seq_length / per_iter
+    tflops = run.flops_iter / per_iter / torch.distributed.get_world_size() / 1e12
+    mfu = tflops / run.peak if run.peak else None
+    avg = sum(interval.losses) / len(interval.losses) if interval.losses else float("nan")
+    logger.log(logger.training_line(
+        iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_train_samples,
+        consumed_tokens=state.consumed_train_samples * args.seq_length, ms_per_iter=per_iter * 1000,
+        lr=lr, global_batch_size=args.global_batch_size, losses={"lm loss": avg},
+        loss_scale=loss_scale, grad_norm=grad_norm, skipped=state.skipped_iterations,
+        nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu))
+    logger.scalars(state.iteration, {
+        "lm loss": avg, "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm,
+        "tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
+        "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
+    }, consumed_samples=state.consumed_train_samples)
+    interval.start, interval.iters, interval.losses = time.time(), 0, []
+
+
+def _should_stop(run: _Run, state: _State) -> bool:
+    """SIGTERM on any rank, --exit-duration-in-mins passed on any rank, or an --exit-interval iteration."""
+    args, log = run.args, run.logger.log
+    stop = False
+    if run.handler is not None and run.handler.any_rank_received():
+        log(f"exiting on SIGTERM at iteration {state.iteration}")
+        stop = True
+    if args.exit_duration_in_mins is not None:
+        if _any_rank((time.time() - run.t_start) / 60.0 > args.exit_duration_in_mins):
+            log(f"exiting after {args.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+            stop = True
+    if args.exit_interval and state.iteration % args.exit_interval == 0:
+        log(f"exiting at iteration {state.iteration} (--exit-interval)")
+        stop = True
+    return stop
+
+
+def _train(run: _Run, state: _State) -> int:
+    """The iterations up to --train-iters (or only the evaluation with --skip-train); the exit code."""
+    args = run.args
+    interval = _Interval(start=time.time())
+    for chunk in run.model:
         chunk.train()
-    try:
-        while not args.skip_train and state.iteration < args.train_iters:
-            try:
-                loss, grad_norm, ok, got_nan = _train_step(args, state, model, optimizer, scheduler, train_iter,
-                                                           table_modules)
-            except NanDetected as e:
-                logger.log(f"ERROR: {e}; stopping")
-                if rank_is0():
-                    print(f"error: {e}", file=sys.stderr, flush=True)
-                if args.nan_action == "save-and-stop" and args.save and last_saved != state.iteration:
-                    # The failed step was not applied: this is the state after the last good iteration.
-                    save(state.iteration)
-                exit_code = EXIT_NAN
-                break
-            state.iteration += 1
-            state.consumed_train_samples += args.global_batch_size
-            if not ok:
-                state.skipped_iterations += 1
-            if got_nan:
-                state.nan_iterations += 1
-            interval_iters += 1
-            if loss is not None and math.isfinite(loss):
-                interval_losses.append(loss)
-            lr = optimizer.param_groups[0]["lr"]
-            loss_scale = float(optimizer.get_loss_scale().item())
-            logger.record("train", state.iteration, {
-                "lm loss": loss, "lm loss hex": float(loss).hex() if loss is not None else None,
-                "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
-                "consumed_samples": state.consumed_train_samples})
-            if state.iteration % args.log_interval == 0:
-                elapsed = time.time() - interval_start
-                per_iter = elapsed / max(1, interval_iters)
-                tokens_s = args.global_batch_size * args.seq_length / per_iter
-                tflops = flops_iter / per_iter / world / 1e12
-                mfu = tflops / peak if peak else None
-                avg = sum(interval_losses) / len(interval_losses) if interval_losses else float("nan")
-                logger.log(logger.training_line(
-                    iteration=state.iteration, train_iters=args.train_iters,
-                    consumed_samples=state.consumed_train_samples,
-                    consumed_tokens=state.consumed_train_samples * args.seq_length, ms_per_iter=per_iter * 1000,
-                    lr=lr, global_batch_size=args.global_batch_size, losses={"lm loss": avg},
-                    loss_scale=loss_scale, grad_norm=grad_norm, skipped=state.skipped_iterations,
-                    nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu))
-                logger.scalars(state.iteration, {
-                    "lm loss": avg, "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm,
-                    "tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
-                    "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
-                }, consumed_samples=state.consumed_train_samples)
-                interval_start, interval_iters, interval_losses = time.time(), 0, []
-            t_side = time.time()  # evaluation and checkpointing are kept out of the per-iteration time
-            if args.eval_interval and state.iteration % args.eval_interval == 0 and state.iteration < args.train_iters:
-                run_eval(f"iteration {state.iteration}", state.iteration)
-            stop = False
-            if handler is not None and handler.any_rank_received():
-                logger.log(f"exiting on SIGTERM at iteration {state.iteration}")
-                stop = True
-            if args.exit_duration_in_mins is not None:
-                over = (time.time() - t_start) / 60.0 > args.exit_duration_in_mins
-                if _any_rank(over):
-                    logger.log(f"exiting after {args.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
-                    stop = True
-            if args.exit_interval and state.iteration % args.exit_interval == 0:
-                logger.log(f"exiting at iteration {state.iteration} (--exit-interval)")
-                stop = True
-            if args.save and (stop or (args.save_interval and state.iteration % args.save_interval == 0)):
-                if not save(state.iteration):
-                    exit_code = EXIT_NAN
-                    break
-                last_saved = state.iteration
-            interval_start += time.time() - t_side
-            if stop:
-                break
-        if exit_code == 0 and not args.skip_train and state.iteration >= args.train_iters:
-            run_eval(f"iteration {state.iteration} on validation set", state.iteration)
-            if args.save and last_saved != state.iteration and not save(state.iteration):
-                exit_code = EXIT_NAN
-        elif args.skip_train:
-            run_eval(f"iteration {state.iteration} on validation set", state.iteration)
-    finally:
-        if handler is not None:
-            handler.release()
-        logger.close()
-    return exit_code
+    while not args.skip_train and state.iteration < args.train_iters:
+        try:
+            loss, grad_norm, ok, got_nan = _train_step(args, state, run.model, run.optimizer, run.scheduler,
+                                                       run.train_iter, run.table_modules)
+        except NanDetected as e:
+            run.logger.log(f"ERROR: {e}; stopping")
+            if rank_is0():
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            if args.nan_action == "save-and-stop" and args.save and state.last_saved != state.iteration:
+                # The failed step was not applied: this is the state after the last good iteration.
+                _save(run, state, state.iteration)
+            return EXIT_NAN
+        state.iteration += 1
+        state.consumed_train_samples += args.global_batch_size
+        if not ok:
+            state.skipped_iterations += 1
+        if got_nan:
+            state.nan_iterations += 1
+        interval.iters += 1
+        if loss is not None and math.isfinite(loss):
+            interval.losses.append(loss)
+        _log_iteration(run, state, interval, loss, grad_norm, ok, got_nan)
+        t_side = time.time()  # evaluation and checkpointing are kept out of the per-iteration time
+        if args.eval_interval and state.iteration % args.eval_interval == 0 and state.iteration < args.train_iters:
+            _run_eval(run, state, f"iteration {state.iteration}")
+        stop = _should_stop(run, state)
+        if args.save and (stop or (args.save_interval and state.iteration % args.save_interval == 0)):
+            if not _save(run, state, state.iteration):
+                return EXIT_NAN
+        interval.start += time.time() - t_side
+        if stop:
+            break
+    if args.skip_train or state.iteration >= args.train_iters:
+        _run_eval(run, state, f"iteration {state.iteration} on validation set")
+        if not args.skip_train and args.save and state.last_saved != state.iteration:
+            if not _save(run, state, state.iteration):
+                return EXIT_NAN
+    return 0
 
 
 def rank_is0() -> bool:

@@ -13,7 +13,6 @@ saying transformer_engine + FP8) and as versions before the TE key names wrote t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib
@@ -175,15 +174,13 @@ class _Chunk:
 
 
 def _save(model_sd, src, dst_root: str, settings: Dict) -> str:
-    from megatron_lev.training import checkpointing
+    from megatron_lev import checkpoint
 
-    args = argparse.Namespace(no_save_optim=True, no_save_rng=False, debug_kill_during_save=None,
-                              dist_ckpt_optim_fully_reshardable=False)
     common = src.common
-    return checkpointing.save_checkpoint(
+    return checkpoint.save_checkpoint(
         dst_root, src.iteration, [_Chunk(model_sd)], None, None,
         consumed_train_samples=int(common.get("consumed_train_samples", 0)), counters=dict(common.get("counters", {})),
-        config=dict(src.args, **settings), args=args, log=lambda m: None)
+        config=dict(src.args, **settings), save_optim=False, log=lambda m: None)
 
 
 def write_layouts(src_path: str, te_root: str, old_root: str, te_extra: Set[str]) -> Dict[str, int]:

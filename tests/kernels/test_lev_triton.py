@@ -18,7 +18,7 @@ import megatron_lev.kernels  # noqa: F401  (registers the kernels)
 from megatron_lev.kernels import lev_triton
 from megatron_lev.lev import LEVConfig, LEVEmbedding, separable_product
 from megatron_lev.lev import functional
-from megatron_lev.training.arguments import build_parser
+from megatron_lev.checkpoint.arguments import build_parser
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[2]

@@ -180,7 +180,7 @@ def _ns(**kw):
 
 
 def test_save_over_another_run_and_bad_load_paths_are_refused(tmp_path):
-    from megatron_lev.training.checkpointing import CheckpointError, check_save_and_load
+    from megatron_lev.checkpoint import CheckpointError, check_save_and_load
 
     run = tmp_path / "run"
     (run / "iter_0000040").mkdir(parents=True)
@@ -227,7 +227,7 @@ def test_scheduler_and_tp_mismatch_messages():
     import torch
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_lev.training.checkpointing import _structure_mismatch, scheduler_mismatch_message
+    from megatron_lev.checkpoint.sharded import _structure_mismatch, scheduler_mismatch_message
 
     def sched(lr, wd_steps):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_lev.training.arguments import ConfigError, config_to_yaml, parse_args, resolved_config
+from megatron_lev.checkpoint.arguments import config_to_yaml, parse_args, resolved_config
+from megatron_lev.lev.config import ConfigError
 from tests.conftest import tokenizer_flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,3 +113,51 @@ def test_cli_errors_are_one_line_without_traceback(tok_args, tmp_path):
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "missing_text_document" in err[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_lev_flags_are_the_config_fields():
+    """Every LEVConfig field is a flag with the field's type, default and choices (generated from the
+    dataclass); the parsed flags give back the dataclass defaults."""
+    from dataclasses import fields
+
+    from megatron_lev.checkpoint.arguments import build_parser
+    from megatron_lev.lev.config import BASIS_KINDS, COMPUTE_MODES, LEVConfig, lev_arg, lev_flag
+
+    actions = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
+    for f in fields(LEVConfig):
+        action = actions.get(lev_flag(f.name))
+        assert action is not None, f"LEVConfig.{f.name} has no flag"
+        assert action.dest == lev_arg(f.name) and action.default == f.default
+        assert action.choices == f.metadata.get("choices") and action.help
+    assert actions["--lev-basis"].choices == BASIS_KINDS and actions["--lev-compute-mode"].choices == COMPUTE_MODES
+    assert lev_flag("num_heads") == "--lev-heads" and lev_flag("seed_dim") == "--lev-seed-dim"
+    args = parse_args(BASE, world_size=1)
+    assert LEVConfig.from_args(vars(args)) == LEVConfig()
+
+
+def test_model_flags_are_the_model_config_fields():
+    from megatron_lev.checkpoint.arguments import build_parser
+    from megatron_lev.models.config import INPUT_EMBEDDINGS, TRANSFORMER_IMPLS, LevModelConfig
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert actions["input_embedding"].choices == INPUT_EMBEDDINGS
+    assert actions["input_embedding"].default is None  # resolved from --untie-embeddings-and-output-weights
+    assert actions["transformer_impl"].choices == TRANSFORMER_IMPLS
+    defaults = LevModelConfig(vocab_size=2, max_sequence_length=1)
+    for name in ("albert_dim", "flat_mlp_dim", "mlp_hidden", "rotary_base", "rotary_percent", "transformer_impl"):
+        assert actions[name].default == getattr(defaults, name), name
+
+
+def test_a_field_without_a_command_line_form_is_refused():
+    import argparse
+    from dataclasses import dataclass, field
+
+    from megatron_lev.checkpoint.arguments import add_config_flags
+
+    @dataclass
+    class WithList:
+        widths: list = field(default_factory=list)
+        """Not a scalar: no flag form."""
+
+    with pytest.raises(TypeError, match="WithList.widths"):
+        add_config_flags(argparse.ArgumentParser(), WithList, lambda n: f"--{n}")

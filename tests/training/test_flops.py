@@ -2,29 +2,44 @@
 
 from __future__ import annotations
 
-from argparse import Namespace
+from types import SimpleNamespace
 
+from megatron_lev.lev import functional
+from megatron_lev.lev.config import BASIS_KINDS, LEVConfig
+from megatron_lev.models import LevModelConfig
 from megatron_lev.training.flops import flops_per_iteration, lev_forward_flops_per_id
 
+# spec "Cost": h d_s 3 r + h d_s r + h r D + h d_s^2 = 1,441,792 multiply-adds at the defaults, D = 2048
+SPEC_PER_ID = 2.0 * (8 * 128 * 3 * 64 + 8 * 128 * 64 + 8 * 64 * 2048 + 8 * 128 * 128)
 
-def _args(**kw):
-    base = dict(lev_heads=8, lev_seed_dim=128, lev_rank=64, hidden_size=2048, lev_knots=16, lev_basis="auto",
-                input_embedding="lev", lev_compute_mode="unique", global_batch_size=2, seq_length=4,
-                num_layers=1, num_attention_heads=16, kv_channels=None, num_query_groups=None,
-                ffn_hidden_size=4096, swiglu=True, padded_vocab_size=1000, albert_dim=None, flat_mlp_dim=None,
-                mlp_hidden=None)
-    base.update(kw)
-    return Namespace(**base)
+
+def _configs(compute_mode="unique"):
+    # The TransformerConfig fields the count reads (a full one needs megatron's parallel state checks).
+    config = SimpleNamespace(hidden_size=2048, num_layers=1, num_attention_heads=16, kv_channels=128,
+                             num_query_groups=16, ffn_hidden_size=4096, gated_linear_unit=True)
+    model_config = LevModelConfig(vocab_size=1000, max_sequence_length=4, input_embedding="lev",
+                                  lev=LEVConfig(compute_mode=compute_mode))
+    return config, model_config
 
 
 def test_lev_flops_per_id_is_the_specs_count_for_every_basis():
-    # spec "Cost": h d_s 3 r + h d_s r + h r D + h d_s^2 = 1,441,792 multiply-adds at the defaults, D = 2048
-    expected = 2.0 * (8 * 128 * 3 * 64 + 8 * 128 * 64 + 8 * 64 * 2048 + 8 * 128 * 128)
-    for basis in ("auto", "dense", "sparse", "fused", "triton"):
-        assert lev_forward_flops_per_id(_args(lev_basis=basis)) == expected
+    for basis in BASIS_KINDS:
+        assert lev_forward_flops_per_id(LEVConfig(basis=basis), 2048) == SPEC_PER_ID
+
+
+def test_lev_flops_on_the_basis_auto_resolves_to_on_cuda(monkeypatch):
+    # On CUDA without a fused kernel "auto" is the sparse basis, with Triton the triton one; the count
+    # follows the model, not the kernel (no kappa-wide count for any resolution).
+    for registered in (set(), {"triton"}):
+        monkeypatch.setattr(functional, "has_fused_product", lambda dev, kind="fused", r=registered: kind in r)
+        resolved = LEVConfig().resolved_basis("cuda")
+        assert resolved == ("triton" if registered else "sparse")
+        assert lev_forward_flops_per_id(LEVConfig(basis=resolved), 2048) == SPEC_PER_ID
 
 
 def test_table_mode_counts_the_vocabulary_once_per_iteration():
-    unique, table = flops_per_iteration(_args()), flops_per_iteration(_args(lev_compute_mode="table"))
-    per_id = lev_forward_flops_per_id(_args())
-    assert table - unique == 3.0 * per_id * (1000 - 2 * 4)
+    config, unique_mc = _configs()
+    _, table_mc = _configs("table")
+    unique = flops_per_iteration(config, unique_mc, global_batch_size=2, seq_length=4)
+    table = flops_per_iteration(config, table_mc, global_batch_size=2, seq_length=4)
+    assert table - unique == 3.0 * SPEC_PER_ID * (1000 - 2 * 4)

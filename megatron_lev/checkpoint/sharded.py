@@ -31,53 +31,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-TRACKER = "latest_checkpointed_iteration.txt"
-CONFIG_NAME = "config.yaml"
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, checkpoint_dir, find_checkpoint, \
+    looks_like_one_checkpoint, read_tracker, write_tracker
+
 CHECKPOINT_VERSION = 3.0
-# Arguments that must match between a checkpoint and the run that loads it (model structure).
-_STRUCTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                   "input_embedding", "padded_vocab_size", "normalization", "swiglu", "position_embedding_type",
-                   "lev_digits", "lev_base", "lev_seed_dim", "lev_knots", "lev_rank", "lev_heads")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (missing, incomplete, incompatible); one-line message."""
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> Optional[int]:
-    """Iteration named by the tracker file, or None when there is none."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    with open(path, "r", encoding="utf-8") as f:
-        text = f.read().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
-
-
-def _write_tracker(root: str, iteration: int) -> None:
-    tmp = os.path.join(root, f".{TRACKER}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"{iteration}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER))
-    try:
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def _unwrap(chunk):
@@ -118,12 +75,6 @@ def _layout() -> Dict[str, int]:
 
     return {"world_size": torch.distributed.get_world_size(),
             "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size()}
-
-
-def optim_sharding_type(args) -> str:
-    """megatron-core's distributed-optimizer layout: dp_reshardable (fast; reloads with the same TP/PP)
-    or fully_reshardable (gathers on DP rank 0; reloads with any TP/PP/DP)."""
-    return "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
 
 
 def _ensure_optimizer_state(optimizer) -> None:
@@ -177,13 +128,7 @@ def _sharded_state_dict(model, optimizer, include_optim: bool, include_rng: bool
     the checkpoint's layout first (``checkpoint_keys.fit_to_checkpoint``, counts in ``match``)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_lev.models.checkpoint_keys import fit_to_checkpoint
-
-    state: Dict[str, Any] = {}
-    for key, chunk in zip(_model_keys(len(model)), model):
-        state[key] = _unwrap(chunk).sharded_state_dict()
-        if saved is not None:
-            state[key] = fit_to_checkpoint(state[key], saved, match)
+    state = _model_state(model, saved, match)
     if include_optim and optimizer is not None:
         if is_loading:
             _ensure_optimizer_state(optimizer)
@@ -193,6 +138,43 @@ def _sharded_state_dict(model, optimizer, include_optim: bool, include_rng: bool
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     return state
+
+
+def _model_state(model, saved=None, match=None) -> Dict[str, Any]:
+    """The chunks' sharded state dicts under ``model``/``model0``...; fitted to the checkpoint's keys
+    ``saved`` when loading (``models.checkpoint_keys``, counts in ``match``)."""
+    from megatron_lev.models.checkpoint_keys import fit_to_checkpoint
+
+    state: Dict[str, Any] = {}
+    for key, chunk in zip(_model_keys(len(model)), model):
+        state[key] = _unwrap(chunk).sharded_state_dict()
+        if saved is not None:
+            state[key] = fit_to_checkpoint(state[key], saved, match)
+    return state
+
+
+def _restore_model(model, loaded) -> None:
+    from megatron_lev.models.checkpoint_keys import restore_missing_extra_state
+
+    for key, chunk in zip(_model_keys(len(model)), model):
+        _unwrap(chunk).load_state_dict(restore_missing_extra_state(_unwrap(chunk), loaded[key]), strict=True)
+
+
+def load_model_state(model, path: str, log=None) -> None:
+    """Load the model part of the dist checkpoint directory ``path`` into the chunks ``model`` (any
+    TP/PP layout, Transformer Engine or local layer spec on either side; no optimizer, no RNG)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+    from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
+
+    saved, match = saved_keys(path), KeyMatch()
+    state = _model_state(model, saved, match)
+    loaded = dist_checkpointing.load(state, path, sharded_strategy=get_default_load_sharded_strategy(path))
+    _restore_model(model, loaded)
+    if log is not None:
+        for note in match.describe(saved):
+            log(f"  {path}: {note}")
 
 
 def _save_strategy():
@@ -223,7 +205,7 @@ def _install_write_queue() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    from ._procutil import rank_helper_init
+    from megatron_lev._procutil import rank_helper_init
 
     if getattr(fa, "_results_queue", None) is not None:
         return
@@ -250,9 +232,16 @@ def _stall_writers() -> None:
 
 def save_checkpoint(
     root: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
-    counters: Dict[str, int], config: Dict[str, Any], args, log=print,
+    counters: Dict[str, int], config: Dict[str, Any], save_optim: bool = True, save_rng: bool = True,
+    optim_fully_reshardable: bool = False, kill_at: Optional[str] = None, stall_at: Optional[str] = None,
+    log=print,
 ) -> str:
-    """Save a complete checkpoint of this iteration on every rank; return its directory."""
+    """Save a complete checkpoint of this iteration on every rank; return its directory.
+
+    ``config``: the resolved arguments (saved inside and as ``config.yaml``). ``optim_fully_reshardable``:
+    megatron-core's distributed-optimizer layout fully_reshardable (gathers on DP rank 0; reloads with
+    any TP/PP/DP) instead of dp_reshardable (fast; reloads with the same TP/PP). ``kill_at`` /
+    ``stall_at`` ("RANK:ITERATION"): test hooks that kill this rank, or stall its writers, in this save."""
     import yaml
     from megatron.core import dist_checkpointing
 
@@ -266,9 +255,9 @@ def save_checkpoint(
         os.makedirs(path)
     torch.distributed.barrier()
 
-    sharding = optim_sharding_type(args)
-    state = _sharded_state_dict(model, optimizer, include_optim=not args.no_save_optim,
-                                include_rng=not args.no_save_rng, is_loading=False, sharding_type=sharding)
+    sharding = "fully_reshardable" if optim_fully_reshardable else "dp_reshardable"
+    state = _sharded_state_dict(model, optimizer, include_optim=save_optim,
+                                include_rng=save_rng, is_loading=False, sharding_type=sharding)
     state.update(
         optim_sharding_type=sharding,
         checkpoint_version=CHECKPOINT_VERSION,
@@ -278,17 +267,13 @@ def save_checkpoint(
         args=dict(config),
         layout=_layout(),
     )
-    if scheduler is not None and not args.no_save_optim:
+    if scheduler is not None and save_optim:
         state["opt_param_scheduler"] = scheduler.state_dict()
 
-    kill = getattr(args, "debug_kill_during_save", None)  # test hooks: absent from programmatic args
-    if kill is not None:
-        k_rank, k_iter = (int(x) for x in kill.split(":"))
-        if rank == k_rank and iteration == k_iter:
-            # Test hook: die abruptly while the other ranks are writing this checkpoint.
-            os.kill(os.getpid(), signal.SIGKILL)
-    stall = getattr(args, "debug_stall_during_save", None)
-    if stall is not None and tuple(int(x) for x in stall.split(":")) == (rank, iteration):
+    if kill_at is not None and tuple(int(x) for x in kill_at.split(":")) == (rank, iteration):
+        # Test hook: die abruptly while the other ranks are writing this checkpoint.
+        os.kill(os.getpid(), signal.SIGKILL)
+    if stall_at is not None and tuple(int(x) for x in stall_at.split(":")) == (rank, iteration):
         _stall_writers()
 
     dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
@@ -296,14 +281,10 @@ def save_checkpoint(
     if rank == 0:
         with open(os.path.join(path, CONFIG_NAME), "w", encoding="utf-8") as f:
             yaml.safe_dump(dict(config), f, sort_keys=True)
-        _write_tracker(root, iteration)
+        write_tracker(root, iteration)
     torch.distributed.barrier()
     log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
     return path
-
-
-def _looks_like_one_checkpoint(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, n)) for n in ("metadata.json", "common.pt", ".metadata"))
 
 
 def check_save_and_load(args) -> None:
@@ -320,7 +301,7 @@ def check_save_and_load(args) -> None:
         if not os.path.isdir(load):
             raise CheckpointError(f"--load {load}: not a directory")
         if read_tracker(load) is None:
-            if _looks_like_one_checkpoint(load):
+            if looks_like_one_checkpoint(load):
                 raise CheckpointError(
                     f"--load {load}: this is one checkpoint's folder; pass the directory above it "
                     f"(--load {os.path.dirname(os.path.abspath(load))}), which holds {TRACKER}")
@@ -379,44 +360,37 @@ def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any],
     return f"--{name.replace('_', '-')} {current} differs from the checkpoint's {saved} ({path})"
 
 
-def find_checkpoint(root: str) -> Optional[Tuple[int, str]]:
-    """(iteration, directory) of the newest complete checkpoint under ``root``, or None."""
-    it = read_tracker(root)
-    if it is None:
-        return None
-    path = checkpoint_dir(root, it)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"{path}: named by {os.path.join(root, TRACKER)} but incomplete (no metadata.json)")
-    return it, path
-
-
-def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print) -> Optional[Dict[str, Any]]:
+def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[str, Any], load_optim: bool = True,
+                    load_rng: bool = True, finetune: bool = False, exit_on_missing: bool = False,
+                    log=print) -> Optional[Dict[str, Any]]:
     """Load the newest complete checkpoint under ``root`` into model/optimizer/scheduler/RNG.
 
-    Returns the checkpoint's common state (iteration, consumed samples, counters, args), or None
-    when there is no checkpoint (the run starts from scratch).
+    ``run_args``: this run's resolved arguments (the model structure must match the checkpoint's).
+    ``finetune``: model weights only, from iteration 0. Returns the checkpoint's common state (iteration,
+    consumed samples, counters, args), or None when there is no checkpoint (the run starts from scratch).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
-    from megatron_lev.models.checkpoint_keys import KeyMatch, restore_missing_extra_state, saved_keys
+    from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
 
     found = find_checkpoint(root) if os.path.isdir(root) else None
     if found is None:
-        if args.exit_on_missing_checkpoint:
+        if exit_on_missing:
             raise CheckpointError(f"--load {root}: no checkpoint found ({TRACKER} missing)")
         log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
         return None
     iteration, path = found
     common = dist_checkpointing.load_common_state_dict(path)
     saved_args = common.get("args", {})
-    for name in _STRUCTURE_ARGS:
-        if name in saved_args and saved_args[name] != getattr(args, name, None):
-            raise CheckpointError(_structure_mismatch(name, saved_args[name], getattr(args, name, None),
+    for name in STRUCTURE_ARGS:
+        if name in saved_args and saved_args[name] != run_args.get(name):
+            raise CheckpointError(_structure_mismatch(name, saved_args[name], run_args.get(name),
                                                       common.get("layout") or {}, _layout(), path))
     same_layout = common.get("layout") == _layout()
-    load_optim = not (args.finetune or args.no_load_optim) and "optimizer" in _saved_keys(common, path)
-    load_rng = not (args.finetune or args.no_load_rng) and same_layout
+    want_rng = load_rng and not finetune
+    load_optim = load_optim and not finetune and "optimizer" in _saved_keys(common, path)
+    load_rng = want_rng and same_layout
     sharding = common.get("optim_sharding_type", "dp_reshardable")
     layout = _layout()
     saved_layout = common.get("layout") or {}
@@ -431,8 +405,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print) -> 
                                 sharding_type=sharding, saved=saved, match=match)
     strategy = get_default_load_sharded_strategy(path)
     loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
-    for key, chunk in zip(_model_keys(len(model)), model):
-        _unwrap(chunk).load_state_dict(restore_missing_extra_state(_unwrap(chunk), loaded[key]), strict=True)
+    _restore_model(model, loaded)
     for note in match.describe(saved):
         log(f"  {path}: {note}")
     if load_optim:
@@ -448,11 +421,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args, log=print) -> 
         optimizer.reload_model_params()
     if load_rng:
         _set_rng_state(loaded["rng_state"])
-    elif not (args.finetune or args.no_load_rng):
+    elif want_rng:
         log(f"WARNING: checkpoint layout {common.get('layout')} differs from this run's {_layout()}: "
             "RNG states not restored")
     log(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
-    if args.finetune:
+    if finetune:
         return {"iteration": 0, "consumed_train_samples": 0, "counters": {}, "args": saved_args}
     return {"iteration": common.get("iteration", iteration),
             "consumed_train_samples": common.get("consumed_train_samples", 0),

@@ -1,0 +1,40 @@
+"""Checkpoints below training: find one (tracker file), read its saved arguments, build the configs and
+model chunks from them, load and save (megatron-core ``dist_checkpointing``).
+
+- ``files``: the tracker, ``iter_*`` directories, ``open_checkpoint`` (saved arguments and common state).
+- ``build``: flat arguments -> TransformerConfig + LevModelConfig -> model chunks; ``relayout``.
+- ``sharded``: ``save_checkpoint`` / ``load_checkpoint`` (model, optimizer, scheduler, RNG) and
+  ``load_model_state`` (model only, any layout).
+
+Training, evaluation and conversion all use this package; it imports ``models`` and ``lev`` only.
+"""
+
+from .build import build_configs, build_model_chunks, lev_table_modules, model_config_from_args, params_dtype, \
+    relayout, transformer_config_kwargs
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, checkpoint_dir, \
+    find_checkpoint, load_common, open_checkpoint, read_tracker
+from .sharded import check_save_and_load, load_checkpoint, load_model_state, save_checkpoint
+
+__all__ = [
+    "CONFIG_NAME",
+    "STRUCTURE_ARGS",
+    "TRACKER",
+    "CheckpointError",
+    "SavedCheckpoint",
+    "build_configs",
+    "build_model_chunks",
+    "check_save_and_load",
+    "checkpoint_dir",
+    "find_checkpoint",
+    "lev_table_modules",
+    "load_checkpoint",
+    "load_common",
+    "load_model_state",
+    "model_config_from_args",
+    "open_checkpoint",
+    "params_dtype",
+    "read_tracker",
+    "relayout",
+    "save_checkpoint",
+    "transformer_config_kwargs",
+]
