@@ -1,5 +1,10 @@
 """Command-line arguments of ``pretrain_lev.py``: Megatron-LM's flag names, a YAML config, validation.
 
+They are also what every checkpoint saves (``config.yaml``), so they live here, below training: the
+conversions write complete argument sets for the checkpoints they create with the same parser. The
+``--lev-*`` flags and the input-arm flags are generated from the fields of ``LEVConfig`` and
+``LevModelConfig`` (``add_config_flags``): type, default, choices and help are written once, there.
+
 Precedence: built-in defaults < ``--config FILE.yaml`` < flags on the command line.
 
 The YAML file maps argument names to values. Names may be written as the flag (``num-layers``,

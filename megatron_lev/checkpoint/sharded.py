@@ -26,7 +26,7 @@ import os
 import random
 import shutil
 import signal
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch

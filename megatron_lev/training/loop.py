@@ -40,7 +40,7 @@ from megatron_lev.lev.config import ConfigError
 
 
 from megatron_lev.checkpoint.arguments import format_config, parse_args, resolved_config
-from .logger import TrainingLogger, print_rank0
+from .logger import TrainingLogger
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
