@@ -21,7 +21,7 @@ def layout_args(saved: Dict[str, Any], tp: int, pp: int, vpp: Optional[int] = No
     try:
         return checkpoint.relayout(saved, tp, pp, vpp)
     except ConfigError as e:
-        raise ConversionError(f"target layout: {e} (--target-tp/--target-pp)") from None
+        raise ConversionError(f"target layout --target-tp {tp} --target-pp {pp}: {e}") from None
 
 
 def build_model(a: Dict[str, Any], *, fast_init: bool = True):

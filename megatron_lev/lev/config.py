@@ -145,8 +145,8 @@ class LEVConfig:
             _fail(f"tensor-parallel size must be a positive integer (got {tp_size!r})")
         if self.num_heads % tp_size != 0:
             _fail(
-                f"--lev-heads {self.num_heads} is not divisible by --tensor-model-parallel-size {tp_size}; "
-                f"choose --lev-heads as a multiple of {tp_size}"
+                f"--lev-heads {self.num_heads} is not divisible by the tensor-parallel size {tp_size} "
+                f"(--tensor-model-parallel-size); choose --lev-heads as a multiple of {tp_size}"
             )
         for name in ("compute_mode", "basis"):
             choices = _FIELDS[name].metadata["choices"]
