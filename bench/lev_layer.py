@@ -42,7 +42,7 @@ def _ids(vocab: int, batch: int, seq: int, shared: Path) -> tuple[torch.Tensor, 
     corpus = shared / "corpus" / "valid.jsonl.zst"
     gpt2 = shared / "tokenizers" / "gpt2"
     if vocab == 50257 and corpus.exists() and gpt2.exists():
-        from megatron_lev.data import iter_json_docs
+        from megatron_lev.jsonl import iter_json_docs
         from megatron_lev.tokenizer import build_tokenizer
 
         tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(gpt2 / "vocab.json"),

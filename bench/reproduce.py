@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
@@ -40,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -207,7 +208,7 @@ def prepare_data(a) -> None:
         sub = d / f"train_first{cfg['train_docs']}.jsonl"
         if not sub.exists() and not a.dry_run:
             sys.path.insert(0, str(REPO))
-            from megatron_lev.data.jsonl import iter_lines
+            from megatron_lev.jsonl import iter_lines
 
             lines: List[bytes] = []
             for _, line in iter_lines(str(train_in)):
@@ -436,15 +437,11 @@ def param_breakdowns(a, rows) -> Dict[str, Dict[str, Any]]:
         if not cfgs:
             continue
         try:
-            import argparse as _ap
-
-            import yaml
-
             from megatron_lev.models import parameter_breakdown
             from megatron_lev.training.model_provider import build_configs
 
-            ns = _ap.Namespace(**yaml.safe_load(cfgs[-1].read_text()))
-            if not hasattr(ns, "padded_vocab_size") or ns.padded_vocab_size is None:
+            ns = argparse.Namespace(**yaml.safe_load(cfgs[-1].read_text()))
+            if getattr(ns, "padded_vocab_size", None) is None:
                 continue
             config, model_config = build_configs(ns)
             out[r["arm"]] = parameter_breakdown(model_config, config)

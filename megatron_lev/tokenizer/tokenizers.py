@@ -436,7 +436,6 @@ def build_tokenizer(
     tiktoken_special_tokens: Optional[Dict[str, int]] = None,
     eod_token: Optional[str] = None,
     backend: str = "tiktoken",
-    **unused: Any,
 ) -> LevTokenizer:
     """Build a tokenizer by Megatron-LM type name.
 
