@@ -182,7 +182,7 @@ class TikTokenizer(LevTokenizer):
             raise ValueError(f"eod token {eod_token!r} is not a special token of this encoding")
         self._eod = self._special[eod_token]
         self._core = self._enc._core_bpe
-        self._has_buffer = hasattr(self._core, "encode_to_tiktoken_buffer")
+        self._has_buffer = hasattr(self._core, "encode_to_tiktoken_buffer")  # private; not in every tiktoken release
 
     def tokenize(self, text: str) -> List[int]:
         return self._enc.encode_ordinary(text)
