@@ -253,7 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     errors = (UsageError, EvalSetupError, DataFormatError, ValueError, FileNotFoundError)
     meta: Dict[str, Any] = {"label": args.label, "command": " ".join(sys.argv if argv is None else ["evaluate.py", *argv]),
                             "limit": args.limit, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    distributed = False
+    dist_setup = None
     try:
         examples = check_inputs(args)  # before loading anything
         if args.hf_model:
@@ -264,11 +264,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tokenizer = scorer.tokenizer() if args.tokenizer_type is None else _tokenizer_for_checkpoint(args, {})
             meta.update(model=scorer.description, hf_model=os.path.abspath(args.hf_model))
         else:
-            from .megatron_scorer import MegatronScorer, setup_distributed
+            from megatron_lev.distributed import init_distributed
 
-            distributed = True
+            from .megatron_scorer import MegatronScorer
+
             tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-            setup_distributed(tp, pp, backend=args.distributed_backend)
+            dist_setup = init_distributed(tp=tp, pp=pp, backend=args.distributed_backend, seed=1234)
             scorer, margs, info = MegatronScorer.from_checkpoint(
                 args.load, tp=tp, pp=pp, micro_batch_size=args.micro_batch_size,
                 num_microbatches=args.num_microbatches, max_length=args.seq_length, log=log)
@@ -288,7 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except errors as e:
         return fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     finally:
-        if distributed:
-            from .megatron_scorer import teardown_distributed
+        if dist_setup is not None:
+            from megatron_lev.distributed import destroy_distributed
 
-            teardown_distributed()
+            destroy_distributed(dist_setup)
