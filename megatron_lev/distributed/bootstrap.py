@@ -83,9 +83,11 @@ def _resolve_backend(backend: Optional[str], cuda: bool) -> str:
     if backend is None:
         return "nccl" if cuda else "gloo"
     if backend not in BACKENDS:
-        raise DistributedConfigError(f"distributed backend {backend!r} is not supported; use one of {', '.join(BACKENDS)}")
+        raise DistributedConfigError(
+            f"distributed backend {backend!r} is not supported; use one of {', '.join(BACKENDS)}")
     if backend == "nccl" and not cuda:
-        raise DistributedConfigError("distributed backend 'nccl' needs CUDA, which this process does not have; use gloo")
+        raise DistributedConfigError(
+            "distributed backend 'nccl' needs CUDA, which this process does not have; use gloo")
     return backend
 
 

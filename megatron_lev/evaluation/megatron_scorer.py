@@ -116,8 +116,8 @@ def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1
 def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 4, log=None):
     """Build this rank's model chunk and load the newest checkpoint under ``load_dir`` into it.
 
-    Needs megatron's TP/PP groups (:func:`megatron_lev.distributed.init_distributed`) first. Returns ``(chunks, transformer_config, args,
-    info)`` with ``info`` = {checkpoint, iteration, iteration_dir, config}.
+    Needs megatron's TP/PP groups (:func:`megatron_lev.distributed.init_distributed`) first. Returns
+    ``(chunks, transformer_config, args, info)`` with ``info`` = {checkpoint, iteration, iteration_dir, config}.
     """
     from megatron_lev.training import checkpointing
     from megatron_lev.training.model_provider import build_configs, build_model_chunks
@@ -216,7 +216,8 @@ class MegatronScorer(Scorer):
     @classmethod
     def from_checkpoint(cls, load_dir: str, *, tp: int = 1, pp: int = 1, micro_batch_size: int = 4,
                         num_microbatches: Optional[int] = None, max_length: Optional[int] = None, log=None):
-        """Load ``load_dir`` (after :func:`megatron_lev.distributed.init_distributed`) and return ``(scorer, args, info)``."""
+        """Load ``load_dir`` (after :func:`megatron_lev.distributed.init_distributed`); return
+        ``(scorer, args, info)``."""
         chunks, config, args, info = load_model(load_dir, tp, pp, micro_batch_size, log=log)
         # Learned absolute positions cap the window at max_position_embeddings; RoPE models may be
         # given a longer window than they were trained on.
