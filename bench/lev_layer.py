@@ -182,25 +182,10 @@ def kernel_table(vocab: int, dtype, repeats: int, tcfg_for, hidden=KERNEL_HIDDEN
 
 
 def _init_parallel(device: str):
-    import torch.distributed as dist
+    """Megatron's (single-rank) groups for VocabParallelEmbedding; returns the setup to destroy."""
+    from megatron_lev.distributed import init_distributed
 
-    from megatron_lev import compat
-
-    compat.apply()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
+    return init_distributed(backend="nccl" if device == "cuda" else "gloo", seed=1234)
 
 
 def _reexec_with_returning_malloc() -> None:

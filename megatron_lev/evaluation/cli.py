@@ -25,11 +25,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_lev.distributed import destroy_distributed, init_distributed
 from megatron_lev.jsonl import expand_inputs
 from megatron_lev.tokenizer import TokenizerSpec
 
 from .hf_scorer import HFScorer
-from .megatron_scorer import EvalSetupError, MegatronScorer, setup_distributed, teardown_distributed
+from .megatron_scorer import EvalSetupError, MegatronScorer
 from .perplexity import (
     DataFormatError,
     documents_from_path,
@@ -261,9 +262,8 @@ def _hf_model(args, meta: Dict[str, Any]):
 
 
 def _checkpoint_model(args, meta: Dict[str, Any]):
-    """The scorer and tokenizer of ``--load`` at the requested TP/PP (process groups set up here)."""
+    """The scorer and tokenizer of ``--load`` at the requested TP/PP (process groups already set up)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    setup_distributed(tp, pp, backend=args.distributed_backend)
     scorer, _, info = MegatronScorer.from_checkpoint(
         args.load, tp=tp, pp=pp, micro_batch_size=args.micro_batch_size,
         num_microbatches=args.num_microbatches, max_length=args.seq_length, log=_log)
@@ -278,13 +278,14 @@ def _evaluate(args, command: str) -> int:
     """Check the inputs, load the model, evaluate and write the report."""
     meta: Dict[str, Any] = {"label": args.label, "command": command, "limit": args.limit,
                             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    distributed = False
+    dist_setup = None
     try:
         examples = check_inputs(args)  # before loading anything
         if args.hf_model:
             scorer, tokenizer = _hf_model(args, meta)
         else:
-            distributed = True
+            dist_setup = init_distributed(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                                          backend=args.distributed_backend, seed=1234)
             scorer, tokenizer = _checkpoint_model(args, meta)
         t0 = time.time()
         results = run_evaluation(scorer, tokenizer, args, meta, log=_log, examples=examples)
@@ -296,8 +297,8 @@ def _evaluate(args, command: str) -> int:
     except (UsageError, EvalSetupError, DataFormatError, ValueError, FileNotFoundError) as e:
         return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     finally:
-        if distributed:
-            teardown_distributed()
+        if dist_setup is not None:
+            destroy_distributed(dist_setup)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -177,18 +177,14 @@ def test_kernel_benchmark_table_runs_and_says_when_no_gpu_figure_exists(capsys):
         assert "no GPU figure exists" in capsys.readouterr().out
     tcfg = lambda D: __import__("megatron.core.transformer", fromlist=["x"]).TransformerConfig(  # noqa: E731
         num_layers=1, hidden_size=D, num_attention_heads=1, use_cpu_initialization=True)
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron_lev.distributed import destroy_distributed
 
-    was = dist.is_initialized()
-    lev_layer._init_parallel(DEVICE)  # VocabParallelEmbedding needs megatron's groups
+    setup = lev_layer._init_parallel(DEVICE)  # VocabParallelEmbedding needs megatron's groups
     try:
         k = lev_layer.kernel_table(60, torch.float32, 1, tcfg, hidden=(8,), n_ids=(40,), device=DEVICE,
                                    lev_kw=dict(seed_dim=4, num_knots=4, rank=3, num_heads=2))
     finally:
-        if not was:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+        destroy_distributed(setup)
     (row,) = k["rows"]
     assert row["hidden"] == 8 and row["ids"] == 40
     for key in ("triton", "sparse", "table"):
