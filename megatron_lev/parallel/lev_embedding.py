@@ -37,10 +37,7 @@ The fused separable-product kernels (``megatron_lev.kernels``) are registered wh
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,

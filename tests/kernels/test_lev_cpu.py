@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_lev import kernels
 from megatron_lev.kernels import lev_cpu, register_default_kernels
 from megatron_lev.lev import LEVConfig, LEVEmbedding, separable_product, separable_product_reference
 from megatron_lev.lev import functional
@@ -112,8 +113,6 @@ def test_gradients_do_not_depend_on_the_thread_count():
 
 
 def test_registration_is_explicit_and_idempotent(monkeypatch):
-    import megatron_lev.kernels as kernels
-
     registered = dict(functional._FUSED_PRODUCTS)
     assert registered[("fused", "cpu")] is lev_cpu.fused_separable_product
     # Starting from an empty registry, as after a fresh import of the package: the first call

@@ -1,10 +1,11 @@
 """Tensor-parallel LEV embedding on gloo ranks: TP = 1, 2, 4, with and without sequence parallelism.
 
 One launch per TP size, in float64 so that "equal" can be tested tightly (the fp32 product of d_s
-factors and the LayerNorm backward leave ~1e-5 of rounding noise); each rank checks, against the pure-torch layer holding the gathered weights:
-forward values, every parameter's gradient (gathered), the three compute modes (run by the pure layer's
-``ComputeModes`` in both layers), materialize(), the sharded-state-dict layout, and that the fused
-kernels are registered by building the layer, not by importing it. The launches' initial functions are compared with each other.
+factors and the LayerNorm backward leave ~1e-5 of rounding noise); each rank checks, against the
+pure-torch layer holding the gathered weights: forward values, every parameter's gradient (gathered),
+the three compute modes (run by the pure layer's ``ComputeModes`` in both layers), materialize(), the
+sharded-state-dict layout, and that the fused kernels are registered by building the layer, not by
+importing it. The launches' initial functions are compared with each other.
 """
 
 from __future__ import annotations
