@@ -147,12 +147,13 @@ def kernel_table(vocab: int, dtype, repeats: int, tcfg_for, hidden=KERNEL_HIDDEN
                  device: str = "cuda", lev_kw: Optional[dict] = None) -> dict:
     """The fused-kernel timings (see the module doc), each row per 1,000 ids. ``lev_kw`` overrides the
     paper's defaults and ``device`` may be "cpu" with TRITON_INTERPRET=1 (the tests' small shapes)."""
-    import megatron_lev.kernels  # noqa: F401  (registers the Triton kernel)
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
+    from megatron_lev.kernels import register_default_kernels
     from megatron_lev.lev import LEVConfig, LEVEmbedding
     from megatron_lev.lev.functional import has_fused_product
 
+    register_default_kernels()
     if not has_fused_product(device, "triton"):
         return {"rows": [], "note": "the Triton kernel is not available (pip install triton)"}
     rows = []

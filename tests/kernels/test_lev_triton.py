@@ -14,13 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron_lev.kernels  # noqa: F401  (registers the kernels)
-from megatron_lev.kernels import lev_triton
+from megatron_lev.kernels import lev_triton, register_default_kernels
 from megatron_lev.lev import LEVConfig, LEVEmbedding, separable_product
 from megatron_lev.lev import functional
 from megatron_lev.training.arguments import build_parser
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels():
+    register_default_kernels()
 REPO = Path(__file__).resolve().parents[2]
 
 
