@@ -1,7 +1,12 @@
 #!/usr/bin/env python
-"""Pretrain a GPT model with the LEV input embedding (or a baseline arm) on megatron-core.
+r"""Pretrain a GPT model with the LEV input embedding (or a baseline arm) on megatron-core.
 
-    torchrun --nproc-per-node 8 pretrain_lev.py --config examples/pile/lev_400m.yaml --save ckpt --load ckpt
+    torchrun --nproc-per-node 8 pretrain_lev.py --config examples/pile/configs/400m.yaml --input-embedding lev \
+        --data-path DATA_text_document --tokenizer-type TikTokenizer --tokenizer-model o200k_base.tiktoken \
+        --save ckpt --load ckpt
+
+(``examples/pile/configs/`` holds the shipped 200M/400M/1.2B configs; ``examples/pile/train.sh`` is the full
+launch over the preprocessed Pile.)
 
 Flags follow Megatron-LM's names; ``--config FILE.yaml`` holds any of them and the command line
 overrides it. ``python pretrain_lev.py --help`` lists them all.

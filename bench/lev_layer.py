@@ -42,7 +42,7 @@ def _ids(vocab: int, batch: int, seq: int, shared: Path) -> tuple[torch.Tensor, 
     corpus = shared / "corpus" / "valid.jsonl.zst"
     gpt2 = shared / "tokenizers" / "gpt2"
     if vocab == 50257 and corpus.exists() and gpt2.exists():
-        from megatron_lev.data import iter_json_docs
+        from megatron_lev.jsonl import iter_json_docs
         from megatron_lev.tokenizer import build_tokenizer
 
         tok = build_tokenizer("GPT2BPETokenizer", vocab_file=str(gpt2 / "vocab.json"),
@@ -147,12 +147,13 @@ def kernel_table(vocab: int, dtype, repeats: int, tcfg_for, hidden=KERNEL_HIDDEN
                  device: str = "cuda", lev_kw: Optional[dict] = None) -> dict:
     """The fused-kernel timings (see the module doc), each row per 1,000 ids. ``lev_kw`` overrides the
     paper's defaults and ``device`` may be "cpu" with TRITON_INTERPRET=1 (the tests' small shapes)."""
-    import megatron_lev.kernels  # noqa: F401  (registers the Triton kernel)
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
+    from megatron_lev.kernels import register_default_kernels
     from megatron_lev.lev import LEVConfig, LEVEmbedding
     from megatron_lev.lev.functional import has_fused_product
 
+    register_default_kernels()
     if not has_fused_product(device, "triton"):
         return {"rows": [], "note": "the Triton kernel is not available (pip install triton)"}
     rows = []
@@ -182,25 +183,10 @@ def kernel_table(vocab: int, dtype, repeats: int, tcfg_for, hidden=KERNEL_HIDDEN
 
 
 def _init_parallel(device: str):
-    import torch.distributed as dist
+    """Megatron's (single-rank) groups for VocabParallelEmbedding; returns the setup to destroy."""
+    from megatron_lev.distributed import init_distributed
 
-    from megatron_lev import compat
-
-    compat.apply()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
+    return init_distributed(backend="nccl" if device == "cuda" else "gloo", seed=1234)
 
 
 def _reexec_with_returning_malloc() -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
@@ -40,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -207,7 +208,7 @@ def prepare_data(a) -> None:
         sub = d / f"train_first{cfg['train_docs']}.jsonl"
         if not sub.exists() and not a.dry_run:
             sys.path.insert(0, str(REPO))
-            from megatron_lev.data.jsonl import iter_lines
+            from megatron_lev.jsonl import iter_lines
 
             lines: List[bytes] = []
             for _, line in iter_lines(str(train_in)):
@@ -436,8 +437,6 @@ def param_breakdowns(a, rows) -> Dict[str, Dict[str, Any]]:
         if not cfgs:
             continue
         try:
-            import yaml
-
             from megatron_lev.checkpoint import build_configs
             from megatron_lev.models import parameter_breakdown
 

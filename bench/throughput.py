@@ -87,8 +87,10 @@ def _machine() -> Dict[str, Any]:
 
 def arm_list(device: str, modes=("token", "unique", "table")) -> List[Dict[str, Any]]:
     """The arms timed: tied, untied, and LEV for each compute mode x basis of this device."""
-    import megatron_lev.kernels  # noqa: F401  (registers the fused CPU kernel, as the LEV layer does)
+    from megatron_lev.kernels import register_default_kernels
     from megatron_lev.lev.config import LEVConfig
+
+    register_default_kernels()  # as the LEV layer does when it is built
 
     default = LEVConfig()
     default_basis = default.resolved_basis(device)

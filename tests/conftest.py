@@ -68,7 +68,7 @@ class SampleCorpus:
     manifest: dict = field(repr=False)
 
     def docs(self, split: str = "valid") -> List[str]:
-        from megatron_lev.data.jsonl import iter_json_docs
+        from megatron_lev.jsonl import iter_json_docs
 
         return list(iter_json_docs([getattr(self, split)]))
 

@@ -13,7 +13,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lev.data.preprocessing import BadInputError, PreprocessConfig, PreprocessError, preprocess  # noqa: E402
-from megatron_lev.tokenizer import TIKTOKEN_PATTERNS, TOKENIZER_TYPES  # noqa: E402
+from megatron_lev.tokenizer import TIKTOKEN_PATTERNS, TOKENIZER_TYPES, TokenizerSpec  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -58,9 +58,8 @@ def main(argv=None) -> int:
     # megatron-core's import notes that fused kernels are missing; the indexed-dataset writer needs none.
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     cfg = PreprocessConfig(
-        inputs=a.input, output_prefix=a.output_prefix, tokenizer_type=a.tokenizer_type,
-        vocab_file=a.vocab_file, merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,
-        vocab_size=a.vocab_size, tiktoken_pattern=a.tiktoken_pattern, json_keys=a.json_keys,
+        **vars(TokenizerSpec.from_args(a)),
+        inputs=a.input, output_prefix=a.output_prefix, json_keys=a.json_keys,
         append_eod=a.append_eod, workers=a.workers, log_interval=a.log_interval,
         partitions=a.partitions, partition_index=a.partition_index or 0,
         pile_set_names=a.pile_set_name, strict=a.strict, allow_truncated_input=a.allow_truncated_input,

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from megatron_lev.models.config import INPUT_EMBEDDINGS
+from megatron_lev.tokenizer import TokenizerSpec
 
 from .source import ConversionError, open_checkpoint
 
@@ -337,15 +338,12 @@ class ShardedSafetensorsWriter:
 
 def tokenizer_info(a: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Vocabulary size and special ids of the checkpoint's tokenizer (None when it cannot be built)."""
-    t = a.get("tokenizer_type")
-    if not t:
+    spec = TokenizerSpec.from_args(a)
+    if spec is None:
         return None
+    t = spec.tokenizer_type
     try:
-        from megatron_lev.tokenizer import build_tokenizer
-
-        tok = build_tokenizer(t, vocab_file=a.get("vocab_file"), merge_file=a.get("merge_file"),
-                              tokenizer_model=a.get("tokenizer_model"), vocab_size=a.get("vocab_size"),
-                              tiktoken_pattern=a.get("tiktoken_pattern", "o200k"))
+        tok = spec.build()
     except Exception as e:  # the export goes on without tokenizer files, but says why
         print(f"warning: the checkpoint's tokenizer ({t}) could not be loaded, so no tokenizer files are "
               f"exported: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

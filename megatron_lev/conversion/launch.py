@@ -4,14 +4,14 @@ Conversions run on CPU whatever the machine: each rank holds only its shard of t
 dist_checkpointing reads and writes the shards. CUDA is hidden from the ranks (gloo carries CPU
 tensors; the CPU backend of ``megatron_lev.compat`` is installed). A ``ConversionError`` raised on a
 rank comes back as one line; any other failure carries the rank's traceback. The process handling is
-``megatron_lev.parallel.spawn``.
+``megatron_lev.distributed``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from megatron_lev.parallel.spawn import RankFailure, spawn_ranks
+from megatron_lev.distributed import RankFailure, spawn_ranks
 
 from .source import ConversionError
 

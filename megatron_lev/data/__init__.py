@@ -1,11 +1,11 @@
-"""Data: streaming jsonl readers, indexed-dataset writing, token counts, dataset providers.
+"""Data: indexed-dataset writing, token counts, dataset providers (the jsonl readers are
+:mod:`megatron_lev.jsonl`).
 
 Heavy imports (megatron.core, torch) happen only inside the functions that need them (or, for
 preprocessing, in a background thread).
 """
 
 from megatron_lev.data.indexed import BackgroundImport, IndexInfo, max_token_id, read_index_info
-from megatron_lev.data.jsonl import expand_inputs, iter_json_docs, iter_lines, open_binary
 from megatron_lev.data.preprocessing import (
     BadInputError,
     PreprocessConfig,
@@ -21,10 +21,6 @@ __all__ = [
     "IndexInfo",
     "max_token_id",
     "read_index_info",
-    "expand_inputs",
-    "iter_json_docs",
-    "iter_lines",
-    "open_binary",
     "BadInputError",
     "PreprocessConfig",
     "PreprocessError",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import struct
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -62,8 +63,6 @@ class IndexInfo:
 
 def read_index_info(idx_path: str) -> IndexInfo:
     """Totals of an .idx read with megatron-core's index reader; ValueError for truncated or foreign files."""
-    import struct
-
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     size = os.path.getsize(idx_path)

@@ -38,6 +38,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_lev.data.indexed import BackgroundImport
-from megatron_lev.data.jsonl import TruncatedInputError, expand_inputs, iter_lines
+from megatron_lev.jsonl import TruncatedInputError, expand_inputs, iter_lines
+from megatron_lev.tokenizer import TokenizerSpec
 
 ERROR_REASONS = ("invalid_utf8", "malformed_json", "missing_key", "non_string")
 SKIP_REASONS = ("blank", "empty", "filtered")
@@ -60,16 +62,12 @@ class BadInputError(PreprocessError):
     """Bad input line met with ``strict=True``."""
 
 
-@dataclass
-class PreprocessConfig:
+@dataclass(kw_only=True)
+class PreprocessConfig(TokenizerSpec):
+    """What to preprocess and how; the tokenizer settings are :class:`TokenizerSpec`'s fields."""
+
     inputs: Sequence[str]
     output_prefix: str
-    tokenizer_type: str
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    vocab_size: Optional[int] = None
-    tiktoken_pattern: str = "o200k"
     json_keys: Sequence[str] = ("text",)
     append_eod: bool = False
     workers: int = 1
@@ -85,15 +83,6 @@ class PreprocessConfig:
     batch_bytes: int = 4 << 20
     max_examples: int = 5
     progress: Optional[bool] = None  # None: a tqdm bar when stderr is a terminal, log lines otherwise
-
-    def tokenizer_kwargs(self) -> Dict[str, Any]:
-        return dict(
-            vocab_file=self.vocab_file,
-            merge_file=self.merge_file,
-            tokenizer_model=self.tokenizer_model,
-            vocab_size=self.vocab_size,
-            tiktoken_pattern=self.tiktoken_pattern,
-        )
 
 
 @dataclass
@@ -161,20 +150,18 @@ def transport_dtype(vocab_size: int) -> np.dtype:
 _STATE: Dict[str, Any] = {}
 
 
-def _init_state(tokenizer_type: str, tokenizer_kwargs: Dict[str, Any], opts: Dict[str, Any]) -> None:
-    from megatron_lev.tokenizer import build_tokenizer
-
-    if _STATE.get("key") == (tokenizer_type, repr(sorted(tokenizer_kwargs.items())), repr(sorted(opts.items()))):
+def _init_state(spec: TokenizerSpec, opts: Dict[str, Any], tokenizer=None) -> None:
+    """The worker's tokenizer and options; ``tokenizer``: one already built from ``spec``."""
+    key = (spec, repr(sorted(opts.items())))
+    if _STATE.get("key") == key:
         return  # inherited through fork
-    _STATE["tokenizer"] = build_tokenizer(tokenizer_type, **tokenizer_kwargs)
-    _STATE["opts"] = opts
-    _STATE["key"] = (tokenizer_type, repr(sorted(tokenizer_kwargs.items())), repr(sorted(opts.items())))
+    _STATE.update(tokenizer=tokenizer if tokenizer is not None else spec.build(), opts=opts, key=key)
 
 
-def _worker_init(tokenizer_type, tokenizer_kwargs, opts) -> None:
+def _worker_init(spec: TokenizerSpec, opts: Dict[str, Any]) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
-    _init_state(tokenizer_type, tokenizer_kwargs, opts)
+    _init_state(spec, opts)
 
 
 def _check_text(text: str) -> bool:
@@ -188,96 +175,99 @@ def _check_text(text: str) -> bool:
         return False
 
 
+def _parse_line(line: bytes, keys: Sequence[str], pile_sets) -> Any:
+    """The line's JSON object, or why it is left out: ``(reason, detail)``, reason in ERROR/SKIP_REASONS."""
+    if not line.strip():
+        return "blank", ""
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return "invalid_utf8", f"byte {e.start}"
+    try:
+        obj = json.loads(s)
+    except ValueError as e:
+        return "malformed_json", str(e).split(":")[0]
+    if not isinstance(obj, dict):
+        return "malformed_json", f"a JSON {type(obj).__name__}, not an object"
+    if pile_sets is not None:
+        meta = obj.get("meta")
+        name = meta.get("pile_set_name") if isinstance(meta, dict) else None
+        if name not in pile_sets:
+            return "filtered", ""
+    for k in keys:
+        if k not in obj:
+            return "missing_key", f"no key {k!r}"
+        v = obj[k]
+        if not isinstance(v, str):
+            return "non_string", f"{k!r} is a {type(v).__name__}"
+        if not _check_text(v):
+            return "invalid_utf8", f"{k!r} holds a lone surrogate"
+    return obj
+
+
+def _parse_lines(linenos: List[int], lines: List[bytes], keys: Sequence[str], pile_sets):
+    """The texts of the good lines per key, the bad lines as (reason, lineno, detail), the skip counts."""
+    texts: Dict[str, List[str]] = {k: [] for k in keys}
+    errors: List[Tuple[str, int, str]] = []
+    skipped: Counter = Counter()
+    for lineno, line in zip(linenos, lines):
+        parsed = _parse_line(line, keys, pile_sets)
+        if isinstance(parsed, dict):
+            for k in keys:
+                texts[k].append(parsed[k])
+        elif parsed[0] in SKIP_REASONS:
+            skipped[parsed[0]] += 1
+        else:
+            errors.append((parsed[0], lineno, parsed[1]))
+    return texts, errors, skipped
+
+
+def _tokenize(tok, texts: Dict[str, List[str]]) -> Tuple[Dict[str, List[np.ndarray]], np.ndarray]:
+    """Ids of every text, key by key, and which lines to keep: those where no key's text is empty."""
+    arrays = {k: tok.tokenize_batch_to_numpy(t) for k, t in texts.items()}
+    n = len(next(iter(texts.values())))
+    keep = np.ones(n, dtype=bool)
+    for a in arrays.values():
+        keep &= np.fromiter((x.size > 0 for x in a), dtype=bool, count=n)
+    return arrays, keep
+
+
+def _concatenate(arrays: List[np.ndarray], keep: np.ndarray, eod: Optional[int], dtype) -> Tuple[np.ndarray, np.ndarray]:
+    """One key's kept documents as one token array (each followed by ``eod`` unless None) and their lengths."""
+    parts: List[np.ndarray] = []
+    lengths = []
+    eod_arr = None if eod is None else np.array([eod], dtype=dtype)
+    for a, ok in zip(arrays, keep):
+        if not ok:
+            continue
+        parts.append(a)
+        if eod_arr is not None:
+            parts.append(eod_arr)
+        lengths.append(a.size + (eod_arr is not None))
+    tokens = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+    return tokens, np.asarray(lengths, dtype=np.int64)
+
+
 def encode_batch(batch: Tuple[int, List[int], List[bytes]]) -> Dict[str, Any]:
     """Encode one batch of raw lines (runs in a worker, or in-process with one worker)."""
     file_index, linenos, lines = batch
-    tok = _STATE["tokenizer"]
-    opts = _STATE["opts"]
-    keys: Sequence[str] = opts["json_keys"]
-    eod = tok.eod if opts["append_eod"] else None
-    pile_sets = opts["pile_set_names"]
-    dtype = opts["dtype"]
-
-    errors: List[Tuple[str, int, str]] = []  # (reason, lineno, detail)
-    skipped: Counter = Counter()
-    texts: Dict[str, List[str]] = {k: [] for k in keys}
-    kept_lines: List[int] = []
-    nbytes = 0
-    for lineno, line in zip(linenos, lines):
-        nbytes += len(line) + 1
-        if not line.strip():
-            skipped["blank"] += 1
-            continue
-        try:
-            s = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            errors.append(("invalid_utf8", lineno, f"byte {e.start}"))
-            continue
-        try:
-            obj = json.loads(s)
-        except ValueError as e:
-            errors.append(("malformed_json", lineno, str(e).split(":")[0]))
-            continue
-        if not isinstance(obj, dict):
-            errors.append(("malformed_json", lineno, f"a JSON {type(obj).__name__}, not an object"))
-            continue
-        if pile_sets is not None:
-            meta = obj.get("meta")
-            name = meta.get("pile_set_name") if isinstance(meta, dict) else None
-            if name not in pile_sets:
-                skipped["filtered"] += 1
-                continue
-        bad = None
-        for k in keys:
-            if k not in obj:
-                bad = ("missing_key", lineno, f"no key {k!r}")
-                break
-            v = obj[k]
-            if not isinstance(v, str):
-                bad = ("non_string", lineno, f"{k!r} is a {type(v).__name__}")
-                break
-            if not _check_text(v):
-                bad = ("invalid_utf8", lineno, f"{k!r} holds a lone surrogate")
-                break
-        if bad is not None:
-            errors.append(bad)
-            continue
-        for k in keys:
-            texts[k].append(obj[k])
-        kept_lines.append(lineno)
-
-    # Tokenise key by key; then drop lines where any key is empty.
-    arrays: Dict[str, List[np.ndarray]] = {k: tok.tokenize_batch_to_numpy(texts[k]) for k in keys}
-    n = len(kept_lines)
-    keep = np.ones(n, dtype=bool)
-    for k in keys:
-        keep &= np.fromiter((a.size > 0 for a in arrays[k]), dtype=bool, count=n)
-    n_empty = int(n - keep.sum())
+    tok, opts = _STATE["tokenizer"], _STATE["opts"]
+    texts, errors, skipped = _parse_lines(linenos, lines, opts["json_keys"], opts["pile_set_names"])
+    arrays, keep = _tokenize(tok, texts)
+    n_empty = int(keep.size - keep.sum())
     if n_empty:
         skipped["empty"] += n_empty
     out: Dict[str, Any] = {
         "file_index": file_index,
         "errors": errors,
         "skipped": skipped,
-        "bytes": nbytes,
+        "bytes": sum(len(line) + 1 for line in lines),
         "lines": len(lines),
         "docs": int(keep.sum()),
     }
-    eod_arr = None if eod is None else np.array([eod], dtype=dtype)
-    for k in keys:
-        parts: List[np.ndarray] = []
-        lengths = []
-        for a, ok in zip(arrays[k], keep):
-            if not ok:
-                continue
-            parts.append(a)
-            if eod_arr is not None:
-                parts.append(eod_arr)
-                lengths.append(a.size + 1)
-            else:
-                lengths.append(a.size)
-        tokens = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
-        out[k] = (tokens, np.asarray(lengths, dtype=np.int64))
+    eod = tok.eod if opts["append_eod"] else None
+    for k, a in arrays.items():
+        out[k] = _concatenate(a, keep, eod, opts["dtype"])
     return out
 
 
@@ -419,8 +409,6 @@ class _Writer:
 
 def _check_writable(cfg: PreprocessConfig) -> None:
     """Fail before reading any input when the outputs cannot be written."""
-    import tempfile
-
     d = os.path.dirname(os.path.abspath(dataset_prefix(cfg.output_prefix, cfg.json_keys[0])))
     try:
         os.makedirs(d, exist_ok=True)
@@ -475,8 +463,6 @@ class _Progress:
 
 def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
     """Run the whole conversion; returns the statistics. Raises PreprocessError (one-line message)."""
-    from megatron_lev.tokenizer import build_tokenizer
-
     if cfg.workers < 1:
         raise PreprocessError("--workers must be >= 1")
     if cfg.partitions < 1 or not (0 <= cfg.partition_index < cfg.partitions):
@@ -488,8 +474,11 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
     except FileNotFoundError as e:
         raise PreprocessError(str(e)) from None
     _check_outputs(cfg)
+    spec = TokenizerSpec.from_args(cfg)  # just the tokenizer's settings, for the workers
+    if spec is None:
+        raise PreprocessError("--tokenizer-type is required")
     try:
-        tokenizer = build_tokenizer(cfg.tokenizer_type, **cfg.tokenizer_kwargs())
+        tokenizer = spec.build()
     except (ValueError, FileNotFoundError) as e:
         raise PreprocessError(str(e)) from None
     opts = dict(
@@ -499,9 +488,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
         dtype=transport_dtype(tokenizer.vocab_size),
     )
     _STATE.clear()
-    _STATE["tokenizer"] = tokenizer
-    _STATE["opts"] = opts
-    _STATE["key"] = (cfg.tokenizer_type, repr(sorted(cfg.tokenizer_kwargs().items())), repr(sorted(opts.items())))
+    _init_state(spec, opts, tokenizer)  # forked workers inherit it
 
     stats = PreprocessStats()
     outputs = {
@@ -520,7 +507,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
         pool = ctx.Pool(
             cfg.workers,
             initializer=_worker_init,
-            initargs=(cfg.tokenizer_type, cfg.tokenizer_kwargs(), opts),
+            initargs=(spec, opts),
         )
         importer = BackgroundImport()
         batches = _iter_batches(files, cfg, stats)

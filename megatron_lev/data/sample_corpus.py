@@ -18,7 +18,6 @@ the same chunks are held out on every machine and every run).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re

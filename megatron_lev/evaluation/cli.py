@@ -23,6 +23,34 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
+from megatron_lev.distributed import destroy_distributed, init_distributed
+from megatron_lev.jsonl import expand_inputs
+from megatron_lev.tokenizer import TokenizerSpec
+
+from .hf_scorer import HFScorer
+from .megatron_scorer import EvalSetupError, MegatronScorer
+from .perplexity import (
+    DataFormatError,
+    documents_from_path,
+    evaluate_perplexity,
+    is_indexed_prefix,
+    load_token_counts,
+    parse_edges,
+    stratify,
+)
+from .report import write_comparison, write_report
+from .tasks import (
+    ALL_TASKS,
+    LAMBADA_FILE,
+    MC_TASKS,
+    evaluate_lambada,
+    evaluate_multiple_choice,
+    load_lambada,
+    load_mc_examples,
+)
+
 EXIT_ERROR = 2
 
 
@@ -101,8 +129,6 @@ def _named(items: Sequence[str], default: str) -> List[Tuple[str, str]]:
 
 
 def task_files(args) -> Dict[str, str]:
-    from .tasks import ALL_TASKS, LAMBADA_FILE, MC_TASKS
-
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if names == ["all"]:
         names = list(ALL_TASKS)
@@ -133,11 +159,6 @@ def task_files(args) -> Dict[str, str]:
 def check_inputs(args) -> Dict[str, Any]:
     """Read every task file and check the data paths before any model is loaded, so a malformed
     file fails fast with one line naming the file and line. Returns the parsed task examples."""
-    from .perplexity import DataFormatError, is_indexed_prefix
-    from .tasks import load_lambada, load_mc_examples
-
-    from megatron_lev.data.jsonl import expand_inputs
-
     for _, path in _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot"):
         if not is_indexed_prefix(path):
             try:
@@ -153,9 +174,6 @@ def check_inputs(args) -> Dict[str, Any]:
 def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
                    examples: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Every requested evaluation; returns the result dictionary (see ``report``)."""
-    from .perplexity import documents_from_path, evaluate_perplexity, load_token_counts, parse_edges, stratify
-    from .tasks import evaluate_lambada, evaluate_multiple_choice
-
     progress = not args.no_progress
     results: Dict[str, Any] = {"meta": meta, "perplexity": {}, "tasks": {}}
     edges = parse_edges(args.freq_edges)
@@ -196,99 +214,102 @@ def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
     return results
 
 
-def _tokenizer_for_checkpoint(args, cfg):
-    from megatron_lev.tokenizer import build_tokenizer
-
-    ttype = args.tokenizer_type or cfg.get("tokenizer_type")
-    if ttype is None:
+def _tokenizer_for_checkpoint(args, saved: Dict[str, Any]):
+    """The tokenizer of the flags, else of the checkpoint's saved arguments; None when neither names one."""
+    spec = TokenizerSpec.from_args(args, saved)
+    if spec is None:
         return None
-    kw = dict(vocab_file=args.vocab_file or cfg.get("vocab_file"), merge_file=args.merge_file or cfg.get("merge_file"),
-              tokenizer_model=args.tokenizer_model or cfg.get("tokenizer_model"), vocab_size=cfg.get("vocab_size"),
-              tiktoken_pattern=cfg.get("tiktoken_pattern", "o200k"))
     try:
-        return build_tokenizer(ttype, **kw)
+        return spec.build()
     except (ValueError, FileNotFoundError, OSError) as e:
-        raise UsageError(f"tokenizer {ttype}: {str(e).splitlines()[0]} (override with --tokenizer-type/--vocab-file/"
-                         "--merge-file/--tokenizer-model)") from None
+        raise UsageError(f"tokenizer {spec.tokenizer_type}: {str(e).splitlines()[0]} (override with --tokenizer-type/"
+                         "--vocab-file/--merge-file/--tokenizer-model)") from None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    rank0 = os.environ.get("RANK", "0") == "0"
+def _log(msg: str) -> None:
+    """Print on the first rank only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, flush=True)
 
-    def log(msg: str) -> None:
-        if rank0:
-            print(msg, flush=True)
 
-    def fail(msg: str) -> int:
-        if rank0:
-            print(f"error: {msg}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
+def _fail(msg: str) -> int:
+    """One error line (first rank) and the exit status."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    return EXIT_ERROR
 
-    try:
-        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    except UsageError as e:
-        return fail(str(e))
-    if args.compare:
-        from .report import write_comparison
 
-        if not args.output_dir:
-            return fail("--compare needs --output-dir")
-        try:
-            out = write_comparison(args.compare, args.output_dir, args.labels)
-        except ValueError as e:
-            return fail(str(e))
-        with open(out["markdown"], encoding="utf-8") as f:
-            log(f.read())
-        log(f"wrote {', '.join(out.values())}")
-        return 0
-    if bool(args.load) == bool(args.hf_model):
-        return fail("give exactly one of --load DIR, --hf-model DIR (or --compare FILES)")
+def _compare(args) -> int:
     if not args.output_dir:
-        return fail("--output-dir is required")
+        return _fail("--compare needs --output-dir")
+    try:
+        out = write_comparison(args.compare, args.output_dir, args.labels)
+    except ValueError as e:
+        return _fail(str(e))
+    with open(out["markdown"], encoding="utf-8") as f:
+        _log(f.read())
+    _log(f"wrote {', '.join(out.values())}")
+    return 0
 
-    from .megatron_scorer import EvalSetupError
-    from .perplexity import DataFormatError
-    from .report import write_report
 
-    errors = (UsageError, EvalSetupError, DataFormatError, ValueError, FileNotFoundError)
-    meta: Dict[str, Any] = {"label": args.label, "command": " ".join(sys.argv if argv is None else ["evaluate.py", *argv]),
-                            "limit": args.limit, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    distributed = False
+def _hf_model(args, meta: Dict[str, Any]):
+    """The scorer and tokenizer of ``--hf-model`` (its own tokenizer unless --tokenizer-type is given)."""
+    scorer = HFScorer(args.hf_model, batch_size=args.micro_batch_size, device=args.device, dtype=args.hf_dtype,
+                      max_length=args.seq_length)
+    tokenizer = scorer.tokenizer() if args.tokenizer_type is None else _tokenizer_for_checkpoint(args, {})
+    meta.update(model=scorer.description, hf_model=os.path.abspath(args.hf_model))
+    return scorer, tokenizer
+
+
+def _checkpoint_model(args, meta: Dict[str, Any]):
+    """The scorer and tokenizer of ``--load`` at the requested TP/PP (process groups already set up)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    scorer, _, info = MegatronScorer.from_checkpoint(
+        args.load, tp=tp, pp=pp, micro_batch_size=args.micro_batch_size,
+        num_microbatches=args.num_microbatches, max_length=args.seq_length, log=_log)
+    tokenizer = _tokenizer_for_checkpoint(args, info["config"])
+    meta.update(model=scorer.description, checkpoint=info["checkpoint"], iteration=info["iteration"],
+                iteration_dir=info["iteration_dir"], config=info["config"], tp=tp, pp=pp,
+                world_size=torch.distributed.get_world_size())
+    return scorer, tokenizer
+
+
+def _evaluate(args, command: str) -> int:
+    """Check the inputs, load the model, evaluate and write the report."""
+    meta: Dict[str, Any] = {"label": args.label, "command": command, "limit": args.limit,
+                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    dist_setup = None
     try:
         examples = check_inputs(args)  # before loading anything
         if args.hf_model:
-            from .hf_scorer import HFScorer
-
-            scorer = HFScorer(args.hf_model, batch_size=args.micro_batch_size, device=args.device, dtype=args.hf_dtype,
-                              max_length=args.seq_length)
-            tokenizer = scorer.tokenizer() if args.tokenizer_type is None else _tokenizer_for_checkpoint(args, {})
-            meta.update(model=scorer.description, hf_model=os.path.abspath(args.hf_model))
+            scorer, tokenizer = _hf_model(args, meta)
         else:
-            from .megatron_scorer import MegatronScorer, setup_distributed
-
-            distributed = True
-            tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-            setup_distributed(tp, pp, backend=args.distributed_backend)
-            scorer, margs, info = MegatronScorer.from_checkpoint(
-                args.load, tp=tp, pp=pp, micro_batch_size=args.micro_batch_size,
-                num_microbatches=args.num_microbatches, max_length=args.seq_length, log=log)
-            tokenizer = _tokenizer_for_checkpoint(args, info["config"])
-            import torch
-
-            meta.update(model=scorer.description, checkpoint=info["checkpoint"], iteration=info["iteration"],
-                        iteration_dir=info["iteration_dir"], config=info["config"], tp=tp, pp=pp,
-                        world_size=torch.distributed.get_world_size())
+            dist_setup = init_distributed(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                                          backend=args.distributed_backend, seed=1234)
+            scorer, tokenizer = _checkpoint_model(args, meta)
         t0 = time.time()
-        results = run_evaluation(scorer, tokenizer, args, meta, log=log, examples=examples)
+        results = run_evaluation(scorer, tokenizer, args, meta, log=_log, examples=examples)
         meta["seconds"] = round(time.time() - t0, 2)
         if scorer.is_main:
             paths = write_report(results, args.output_dir)
-            log(f"wrote {', '.join(paths.values())}")
+            _log(f"wrote {', '.join(paths.values())}")
         return 0
-    except errors as e:
-        return fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    except (UsageError, EvalSetupError, DataFormatError, ValueError, FileNotFoundError) as e:
+        return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     finally:
-        if distributed:
-            from .megatron_scorer import teardown_distributed
+        if dist_setup is not None:
+            destroy_distributed(dist_setup)
 
-            teardown_distributed()
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as e:
+        return _fail(str(e))
+    if args.compare:
+        return _compare(args)
+    if bool(args.load) == bool(args.hf_model):
+        return _fail("give exactly one of --load DIR, --hf-model DIR (or --compare FILES)")
+    if not args.output_dir:
+        return _fail("--output-dir is required")
+    return _evaluate(args, " ".join(sys.argv if argv is None else ["evaluate.py", *argv]))

@@ -18,7 +18,6 @@ results gathered, so every rank ends with every score.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from functools import partial
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -34,59 +33,6 @@ class EvalSetupError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------------
 # process groups
-
-
-def setup_distributed(tp: int = 1, pp: int = 1, backend: Optional[str] = None, timeout_minutes: int = 30) -> None:
-    """Initialise torch.distributed (from torchrun's environment, or as a single process) and
-    megatron's model-parallel groups, unless already done. Installs the CPU backend without CUDA."""
-    if not torch.cuda.is_available():
-        from megatron_lev import compat
-
-        compat.apply()
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(minutes=timeout_minutes))
-    from megatron.core import parallel_state as ps
-
-    world = dist.get_world_size()
-    if world % (tp * pp) != 0:
-        raise EvalSetupError(f"TP {tp} x PP {pp} = {tp * pp} does not divide the world size {world}")
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
-        raise EvalSetupError(
-            f"model parallelism already initialised with TP={ps.get_tensor_model_parallel_world_size()} "
-            f"PP={ps.get_pipeline_model_parallel_world_size()}, not TP={tp} PP={pp}")
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    torch.manual_seed(1234)
-    model_parallel_cuda_manual_seed(1234)
-
-
-def teardown_distributed() -> None:
-    try:
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    except Exception:  # pragma: no cover
-        pass
 
 
 def is_main_process() -> bool:
@@ -133,9 +79,9 @@ def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1
 def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 4, log=None):
     """Build this rank's model chunk and load the newest checkpoint under ``load_dir`` into it.
 
-    Needs :func:`setup_distributed` (TP/PP groups) first. Returns ``(chunks, transformer_config, args,
-    info)`` with ``args`` the evaluation's arguments (a mapping) and ``info`` = {checkpoint, iteration,
-    iteration_dir, config}.
+    Needs megatron's TP/PP groups (:func:`megatron_lev.distributed.init_distributed`) first. Returns
+    ``(chunks, transformer_config, args, info)`` with ``args`` the evaluation's arguments (a mapping) and
+    ``info`` = {checkpoint, iteration, iteration_dir, config}.
     """
     from megatron_lev.checkpoint import build_configs, build_model_chunks, load_model_state
     from megatron_lev.lev.config import ConfigError
@@ -239,7 +185,8 @@ class MegatronScorer(Scorer):
     @classmethod
     def from_checkpoint(cls, load_dir: str, *, tp: int = 1, pp: int = 1, micro_batch_size: int = 4,
                         num_microbatches: Optional[int] = None, max_length: Optional[int] = None, log=None):
-        """Load ``load_dir`` (after :func:`setup_distributed`) and return ``(scorer, args, info)``."""
+        """Load ``load_dir`` (after :func:`megatron_lev.distributed.init_distributed`); return
+        ``(scorer, args, info)``."""
         chunks, config, args, info = load_model(load_dir, tp, pp, micro_batch_size, log=log)
         # Learned absolute positions cap the window at max_position_embeddings; RoPE models may be
         # given a longer window than they were trained on.

@@ -24,12 +24,15 @@ other edges (:func:`stratify`), also from a saved ``*_per_token.npz``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from megatron_lev.jsonl import expand_inputs, iter_lines
 
 from .scorer import Scorer, progress_bar
 
@@ -40,10 +43,6 @@ LN2 = math.log(2.0)
 def iter_json_objects(path: str) -> Iterator[Tuple[int, Dict[str, Any]]]:
     """(line number, object) of each non-empty line of a .jsonl(.gz/.zst) file; a line that is not a
     JSON object is a :class:`DataFormatError` naming file:line."""
-    import json
-
-    from megatron_lev.data.jsonl import iter_lines
-
     for lineno, line in iter_lines(path):
         if not line.strip():
             continue
@@ -99,8 +98,6 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
     A line that is not a JSON object with a string under ``key`` is a :class:`DataFormatError`
     naming the file and line (empty lines are skipped).
     """
-    from megatron_lev.data.jsonl import expand_inputs
-
     try:
         files = expand_inputs(list(paths))
     except FileNotFoundError as e:

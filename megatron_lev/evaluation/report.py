@@ -20,6 +20,8 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
+
 NA = "–"
 
 
@@ -56,8 +58,6 @@ def write_json(results: Dict[str, Any], path: str) -> None:
 
 
 def _json_default(o):
-    import numpy as np
-
     if isinstance(o, np.generic):
         return o.item()
     if isinstance(o, np.ndarray):
@@ -176,20 +176,24 @@ def plot_results(results: Dict[str, Any], out_dir: str, prefix: str = "") -> Lis
     return paths
 
 
-def write_report(results: Dict[str, Any], out_dir: str) -> Dict[str, str]:
-    """results.json, results.md and the PNG plots in ``out_dir``; returns their paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "results.md")}
-    write_json(results, paths["json"])
-    md = results_markdown(results)
-    pngs = plot_results(results, out_dir)
+def _write_files(data: Dict[str, Any], out_dir: str, name: str, markdown: str, pngs: List[str]) -> Dict[str, str]:
+    """``{name}.json`` of ``data`` and ``{name}.md`` of ``markdown`` with the PNGs (already in ``out_dir``)
+    shown below it; returns the paths by kind ("json", "markdown") and by PNG name."""
+    paths = {"json": os.path.join(out_dir, f"{name}.json"), "markdown": os.path.join(out_dir, f"{name}.md")}
+    write_json(data, paths["json"])
     if pngs:
-        md += "\n" + "\n".join(f"![{os.path.splitext(os.path.basename(p))[0]}]({os.path.basename(p)})" for p in pngs) + "\n"
+        markdown += "\n" + "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs) + "\n"
     with open(paths["markdown"], "w", encoding="utf-8") as f:
-        f.write(md)
+        f.write(markdown)
     for p in pngs:
         paths[os.path.splitext(os.path.basename(p))[0]] = p
     return paths
+
+
+def write_report(results: Dict[str, Any], out_dir: str) -> Dict[str, str]:
+    """results.json, results.md and the PNG plots in ``out_dir``; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    return _write_files(results, out_dir, "results", results_markdown(results), plot_results(results, out_dir))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,14 +320,4 @@ def write_comparison(paths: Sequence[str], out_dir: str, labels: Optional[Sequen
     os.makedirs(out_dir, exist_ok=True)
     cmp = compare_results(paths, labels)
     cmp["files"] = [os.path.relpath(f, os.path.abspath(out_dir)) for f in cmp["files"]]
-    out = {"json": os.path.join(out_dir, "comparison.json"), "markdown": os.path.join(out_dir, "comparison.md")}
-    write_json(cmp, out["json"])
-    md = comparison_markdown(cmp)
-    pngs = plot_comparison(cmp, out_dir)
-    if pngs:
-        md += "\n" + "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs) + "\n"
-    with open(out["markdown"], "w", encoding="utf-8") as f:
-        f.write(md)
-    for p in pngs:
-        out[os.path.splitext(os.path.basename(p))[0]] = p
-    return out
+    return _write_files(cmp, out_dir, "comparison", comparison_markdown(cmp), plot_comparison(cmp, out_dir))

@@ -37,6 +37,7 @@ from local jsonl files instead of ``datasets``.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -44,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .perplexity import DataFormatError, iter_json_objects
-from .scorer import Scorer, progress_bar
+from .scorer import Scorer
 
 # ------------------------------------------------------------------------------------------------
 # reading task files
@@ -52,8 +53,6 @@ from .scorer import Scorer, progress_bar
 
 def read_jsonl(path: str, limit: Optional[int] = None) -> List[Tuple[int, Dict[str, Any]]]:
     """(line number, object) of each non-empty line; bad JSON is a DataFormatError naming file:line."""
-    import os
-
     if not os.path.isfile(path):
         raise DataFormatError(f"{path}: no such task file")
     out = []

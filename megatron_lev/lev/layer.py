@@ -58,7 +58,7 @@ __all__ = [
     "check_token_ids",
     "compute_table",
     "table_backward",
-    "TableStep",
+    "ComputeModes",
 ]
 
 LN_EPS = 1e-5
@@ -430,20 +430,33 @@ def table_backward(
         torch.autograd.backward([p.view_as(p) for p in params], grads)
 
 
-class TableStep:
-    """State of the ``table`` compute mode for one LEV layer (the pure one or a tensor-parallel shard).
+class ComputeModes:
+    """The compute modes of one LEV layer: the one implementation behind the pure layer and its
+    tensor-parallel wrapper.
 
-    ``begin`` evaluates G over all V ids once (no autograd) into a leaf table held in at least fp32, so the
-    micro-batches' row gradients accumulate in fp32 in its ``.grad`` as megatron accumulates main grads;
-    ``lookup`` gathers rows (in G's own dtype) and records which ids occurred; ``finish`` pushes the rows'
-    gradients back through G once (``table_backward``) and frees the table. The set of rows is the set of
-    ids seen, so tensor-parallel ranks that saw the same batch run the same chunks (and collectives).
-    Memory while active: V x D x 4 bytes for the table and as much for its gradient.
+    The layer passes its function F to every call (``fn(ids [N]) -> [N, D]``, with autograd): the pure
+    ``LEVEmbedding`` passes G itself, ``LEVParallelEmbedding`` the partial sum of its shard of heads, which
+    it then reduces over the tensor-parallel group. So this object holds no module and does no
+    communication; F does whatever its layer needs (the wrapper's F routes the seed through its
+    tensor-parallel copy, whose backward all-reduces the codebook gradient).
+
+    ``__call__`` checks the ids and evaluates F at each of them in ``config.compute_mode``:
+    - "token": F at every position;
+    - "unique": F once per distinct id, gathered with the inverse index;
+    - "table": rows of a table of F over all V ids, evaluated once per optimizer step. The first call with
+      grad enabled starts the step (``begin``). ``begin`` evaluates F over all ids (no autograd) into a
+      leaf table held in at least fp32, so the micro-batches' row gradients accumulate in fp32 in its
+      ``.grad`` as megatron accumulates main grads; rows are returned in F's own dtype. ``finish`` pushes
+      the rows' gradients back through F once (``table_backward``: one gradient delivery per parameter,
+      as megatron DDP's overlapped grad reduce expects) and frees the table. The rows pushed back are the
+      ids seen, so tensor-parallel ranks that saw the same batch run the same chunks (and collectives).
+      Without grad and without a table (evaluation), F is evaluated as in "unique" and no table is built.
+      Memory while a table is active: V x D x 4 bytes for the table and as much for its gradient.
     """
 
-    def __init__(self, vocab_size: int, chunk_size: int):
+    def __init__(self, vocab_size: int, config: LEVConfig):
         self.vocab_size = int(vocab_size)
-        self.chunk_size = int(chunk_size)
+        self.config = config
         self.table: Optional[torch.Tensor] = None
         self._seen: Optional[torch.Tensor] = None
         self._dtype: Optional[torch.dtype] = None
@@ -452,9 +465,25 @@ class TableStep:
     def active(self) -> bool:
         return self.table is not None
 
+    def __call__(self, ids: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor:
+        """F at every id of ``ids`` (any shape) as [ids.numel(), D] rows; ``device`` holds a new table."""
+        check_token_ids(ids, self.vocab_size)
+        flat = ids.reshape(-1)
+        mode = self.config.compute_mode
+        if mode == "table" and (self.active or torch.is_grad_enabled()):
+            if not self.active:
+                self.begin(fn, device)  # first micro-batch of the step
+            return self.lookup(flat)
+        if mode == "token":
+            return fn(flat)
+        # "unique", and "table" outside training (no grad, no table)
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        return F.embedding(inverse, fn(uniq))
+
     @torch.no_grad()
-    def begin(self, compute_fn: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor:
-        table = compute_table(compute_fn, self.vocab_size, self.chunk_size, device)
+    def begin(self, fn: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor:
+        """Evaluate F over all V ids into a fresh leaf table (at least fp32) and return it."""
+        table = compute_table(fn, self.vocab_size, self.config.chunk_size, device)
         self._dtype = table.dtype
         self.table = table.to(torch.promote_types(table.dtype, torch.float32)).requires_grad_(True)
         self._seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=table.device)
@@ -464,13 +493,14 @@ class TableStep:
         self._seen[flat_ids] = True
         return F.embedding(flat_ids, self.table).to(self._dtype)
 
-    def finish(self, compute_fn: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+    def finish(self, fn: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        """Push the table's accumulated gradient back through F into ``params``, then free the table."""
         table, seen = self.table, self._seen
         self.table = self._seen = None
         if table is None:
             return
         rows = torch.nonzero(seen, as_tuple=False).squeeze(1)
-        table_backward(compute_fn, table.grad, self.chunk_size, params, rows=rows)
+        table_backward(fn, table.grad, self.config.chunk_size, params, rows=rows)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -485,14 +515,11 @@ class LEVEmbedding(nn.Module):
     ``device`` and ``dtype`` place the parameters; bf16/fp16 parameters are initialised in fp32 and
     rounded once, and the separable product always runs in at least fp32.
 
-    Compute modes (config.compute_mode), all with the same values and gradients:
-    - "token": G at every position;
-    - "unique": G once per distinct id of the batch, then gathered;
-    - "table": G over all V ids once per optimizer step (``TableStep``). The first forward with grad
-      enabled starts the step (``begin_table_step()`` may be called explicitly instead), and
-      ``finish_table_step()`` after the last backward, before the optimizer step, pushes the
-      accumulated row gradients through G and frees the table. Without grad and without a table
-      (evaluation), forward evaluates G directly, as in "unique" mode, and builds no table.
+    Compute modes (config.compute_mode), all with the same values and gradients: "token", "unique" and
+    "table" (``ComputeModes``, with F = G). In "table" mode the first forward with grad enabled starts
+    the step (``begin_table_step()`` may be called explicitly instead), and ``finish_table_step()`` after
+    the last backward, before the optimizer step, pushes the accumulated row gradients through G and
+    frees the table.
     """
 
     def __init__(
@@ -520,7 +547,7 @@ class LEVEmbedding(nn.Module):
         self.seed = LEVSeed(vocab_size, self.config, base=self.base, **kw)
         self.heads = LEVHeads(self.config, hidden_size, self.config.num_heads, **kw)
         self.offset = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))  # c
-        self._table_step = TableStep(self.vocab_size, self.config.chunk_size)
+        self._modes = ComputeModes(self.vocab_size, self.config)
         if initialize and not _is_meta(self.offset):
             self.reset_parameters(init_statistics=init_statistics)
 
@@ -536,19 +563,7 @@ class LEVEmbedding(nn.Module):
         return (self.heads(self.seed(ids)) + self.offset).to(self.offset.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        check_token_ids(ids, self.vocab_size)
-        mode = self.config.compute_mode
-        flat = ids.reshape(-1)
-        if mode == "table" and (self._table_step.active or torch.is_grad_enabled()):
-            if not self._table_step.active:
-                self.begin_table_step()
-            out = self._table_step.lookup(flat)
-        elif mode == "token":
-            out = self.compute(flat)
-        else:  # "unique", and "table" without grad and without an active table
-            uniq, inverse = torch.unique(flat, return_inverse=True)
-            out = F.embedding(inverse, self.compute(uniq))
-        return out.view(*ids.shape, self.hidden_size)
+        return self._modes(ids, self.compute, self.offset.device).view(*ids.shape, self.hidden_size)
 
     @torch.no_grad()
     def materialize(self) -> torch.Tensor:
@@ -559,12 +574,12 @@ class LEVEmbedding(nn.Module):
     @property
     def table(self) -> Optional[torch.Tensor]:
         """The active [V, D] table (a leaf with requires_grad) between begin/finish_table_step, else None."""
-        return self._table_step.table
+        return self._modes.table
 
     def begin_table_step(self) -> torch.Tensor:
         """Evaluate G over all V ids into a fresh leaf table; micro-batch gradients accumulate in its .grad."""
-        return self._table_step.begin(self.compute, self.offset.device)
+        return self._modes.begin(self.compute, self.offset.device)
 
     def finish_table_step(self) -> None:
         """Push the table's accumulated gradient back through G (ids that occurred), then free the table."""
-        self._table_step.finish(self.compute, list(self.parameters()))
+        self._modes.finish(self.compute, list(self.parameters()))

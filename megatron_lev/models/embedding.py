@@ -24,6 +24,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_lev.parallel.arms import build_arm
 from megatron_lev.parallel.lev_embedding import parameter_device
 
 
@@ -42,8 +43,6 @@ class InputArmEmbedding(MegatronModule):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
     ):
         super().__init__(config=config)
-        from megatron_lev.parallel.arms import build_arm
-
         if num_tokentypes:
             raise ValueError("token-type embeddings are not supported by the LEV input arms")
         self.vocab_size = int(vocab_size)

@@ -7,10 +7,11 @@ megatron-core has no spec slot for the embedding, so this subclasses ``GPTModel`
   through its embedding group).
 - ``untied``: megatron's own ``LanguageModelEmbedding`` and a separate ColumnParallelLinear head.
 - ``albert``, ``flat_mlp``, ``factored_mlp``, ``lev``: the first stage's ``embedding`` is an
-  ``InputArmEmbedding`` (same interface as megatron's) built *instead of* megatron's: GPTModel's
-  constructor looks its embedding class up in its module namespace, and ``LevGPTModel`` points that
-  name at a factory for the duration of ``super().__init__`` — so no V x D table is ever allocated
-  for these arms. The output head is megatron's untied vocab-parallel ColumnParallelLinear.
+  ``InputArmEmbedding`` (same interface as megatron's). megatron-core's GPTModel has no slot for another
+  embedding class (its constructor builds ``LanguageModelEmbedding`` whenever ``pre_process``), so
+  ``LevGPTModel`` builds the GPTModel as a stage without an input layer and then makes it the first
+  stage with its own input module (``_set_input_module``): no V x D table is ever allocated for these
+  arms. The output head is megatron's untied vocab-parallel ColumnParallelLinear.
 
 Untied arms and pipeline parallelism (checked against megatron-core 0.16.1): ``GPTModel`` builds the
 embedding only where ``pre_process`` and the head only where ``post_process``;
@@ -22,9 +23,6 @@ otherwise). So no dead copy exists and the embedding group carries no traffic fo
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
 from typing import Iterator, List, Optional
 
 import torch
@@ -32,33 +30,13 @@ from torch import Tensor
 
 from megatron.core.models.gpt import GPTModel
 
+from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
+
 from .config import LevModelConfig
 from .embedding import InputArmEmbedding
 from .specs import get_block_spec
 
 MEGATRON_ARMS = ("tied", "untied")
-_PATCH_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _gpt_embedding_class(factory):
-    """Make GPTModel's constructor build ``factory(...)`` where it would build LanguageModelEmbedding."""
-    if factory is None:
-        yield
-        return
-    from megatron.core.models.gpt import gpt_model as gpt_module
-
-    with _PATCH_LOCK:
-        original = gpt_module.LanguageModelEmbedding
-        gpt_module.LanguageModelEmbedding = factory
-        try:
-            yield
-        finally:
-            gpt_module.LanguageModelEmbedding = original
-
-
-def _arm_factory(model_config: LevModelConfig, **kwargs):
-    return InputArmEmbedding(model_config=model_config, **kwargs)
 
 
 class LevGPTModel(GPTModel):
@@ -91,24 +69,49 @@ class LevGPTModel(GPTModel):
         if transformer_layer_spec is None:
             transformer_layer_spec = get_block_spec(config, model_config, vp_stage=vp_stage)
         arm = model_config.input_embedding
-        factory = None if arm in MEGATRON_ARMS else functools.partial(_arm_factory, model_config)
-        with _gpt_embedding_class(factory):
-            super().__init__(
-                config=config,
-                transformer_layer_spec=transformer_layer_spec,
-                vocab_size=model_config.vocab_size,
-                max_sequence_length=model_config.max_sequence_length,
-                pre_process=pre_process,
-                post_process=post_process,
-                fp16_lm_cross_entropy=fp16_lm_cross_entropy,
-                parallel_output=parallel_output,
-                share_embeddings_and_output_weights=(arm == "tied"),
+        own_input = arm not in MEGATRON_ARMS
+        super().__init__(
+            config=config,
+            transformer_layer_spec=transformer_layer_spec,
+            vocab_size=model_config.vocab_size,
+            max_sequence_length=model_config.max_sequence_length,
+            # An arm of ours: megatron builds no input layer, _set_input_module adds ours below.
+            pre_process=pre_process and not own_input,
+            post_process=post_process,
+            fp16_lm_cross_entropy=fp16_lm_cross_entropy,
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=(arm == "tied"),
+            position_embedding_type=model_config.position_embedding_type,
+            rotary_percent=model_config.rotary_percent,
+            rotary_base=model_config.rotary_base,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        if own_input and pre_process:
+            self._set_input_module(InputArmEmbedding(
+                config=self.config,
+                model_config=model_config,
+                vocab_size=self.vocab_size,
+                max_sequence_length=self.max_sequence_length,
                 position_embedding_type=model_config.position_embedding_type,
-                rotary_percent=model_config.rotary_percent,
-                rotary_base=model_config.rotary_base,
-                pg_collection=pg_collection,
-                vp_stage=vp_stage,
-            )
+                tp_group=self.pg_collection.tp,
+            ))
+
+    def _set_input_module(self, embedding: InputArmEmbedding) -> None:
+        """Make this chunk, built by GPTModel without an input layer, the first pipeline stage with
+        ``embedding`` as its input module.
+
+        In megatron-core 0.16.1's GPTModel constructor, ``pre_process`` decides three things: whether the
+        embedding is built, the decoder's ``pre_process`` (take the embedding's output rather than the
+        previous stage's tensor), and the tied head's weight allocation (untied arms only get here).
+        The tests compare every ``pre_process`` flag and the module order with megatron's own untied model.
+        """
+        self.pre_process = True
+        self.decoder.pre_process = True
+        self.embedding = embedding
+        # Registered first, where megatron registers its embedding: the parameter order fixes megatron
+        # DDP's buffer layout, which distributed-optimizer checkpoints are saved in.
+        self._modules = {"embedding": self._modules.pop("embedding"), **self._modules}
 
     @property
     def input_embedding(self) -> str:
@@ -149,10 +152,6 @@ def _unwrap(model) -> List[torch.nn.Module]:
 
 def lev_modules(model) -> Iterator[torch.nn.Module]:
     """Every ``LEVParallelEmbedding`` in ``model`` (a model, a DDP wrapper or a list of chunks)."""
-    try:
-        from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
-    except ImportError:
-        return iter(())
     return (m for chunk in _unwrap(model) for m in chunk.modules() if isinstance(m, LEVParallelEmbedding))
 
 

@@ -22,21 +22,22 @@ function for the same seed; low-precision parameters are initialised in fp32 and
 statistics that scale W and set c are computed on the parameters' device from the full G: each chunk's
 partial output is all-reduced over TP (on the group's device) before it is accumulated.
 
-Compute modes (``LEVConfig.compute_mode``): ``token`` evaluates G at every position, ``unique``
-once per distinct id of the micro-batch, ``table`` once per optimizer step over all V ids
-(``lev.layer.TableStep``: the first forward with grad of a step evaluates the table; the training loop
-calls ``finish_table_step`` after the last backward, which pushes the accumulated row gradients back
-through G with one gradient delivery per parameter, as megatron DDP's overlapped grad reduce expects).
-Starting the table inside forward, not before the schedule, also means it is computed after megatron
-DDP's forward pre-hooks have finished any overlapped parameter all-gather.
+Compute modes (``LEVConfig.compute_mode``): the pure layer's own ``lev.layer.ComputeModes`` evaluates
+this rank's partial sum of heads (token / unique / table, the id check, the table step); this module adds
+only the sharding and the reductions around it. In ``table`` mode the first forward with grad of a step
+evaluates the table; the training loop calls ``finish_table_step`` after the last backward, which pushes
+the accumulated row gradients back through the heads and codebooks with one gradient delivery per
+parameter, as megatron DDP's overlapped grad reduce expects. Starting the table inside forward, not
+before the schedule, also means it is computed after megatron DDP's forward pre-hooks have finished any
+overlapped parameter all-gather.
+
+The fused separable-product kernels (``megatron_lev.kernels``) are registered when the layer is built
+(``register_default_kernels``), so ``--lev-basis auto`` finds them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
@@ -48,16 +49,9 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-import megatron_lev.kernels  # noqa: F401  (registers the fused CPU kernel)
+from megatron_lev.kernels import register_default_kernels
 from megatron_lev.lev.config import LEVConfig
-from megatron_lev.lev.layer import (
-    LEVHeads,
-    LEVSeed,
-    TableStep,
-    check_token_ids,
-    compute_table,
-    initialize_lev_parameters,
-)
+from megatron_lev.lev.layer import ComputeModes, LEVHeads, LEVSeed, compute_table, initialize_lev_parameters
 from megatron_lev.parallel.collectives import all_reduce_
 
 __all__ = ["LEVParallelEmbedding"]
@@ -88,6 +82,7 @@ class LEVParallelEmbedding(MegatronModule):
         initialize: bool = True,
     ):
         super().__init__(config=config)
+        register_default_kernels()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         lev_config.validate(vocab_size, config.hidden_size, tp_size)
@@ -113,7 +108,7 @@ class LEVParallelEmbedding(MegatronModule):
         # full-sequence output (scattered later by the caller) already gives every rank c's full grad.
         self.offset.sequence_parallel = bool(config.sequence_parallel and reduce_scatter_embeddings)
 
-        self._table_step = TableStep(self.vocab_size, lev_config.chunk_size)
+        self._modes = ComputeModes(self.vocab_size, lev_config)
         if initialize and config.perform_initialization:
             self.reset_parameters(init_statistics=init_statistics)
 
@@ -142,19 +137,8 @@ class LEVParallelEmbedding(MegatronModule):
         return self.heads(z)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        check_token_ids(input_ids, self.vocab_size)
         b, s = input_ids.shape
-        flat = input_ids.reshape(-1)
-        mode = self.lev_config.compute_mode
-        if mode == "table" and (torch.is_grad_enabled() or self._table_step.active):
-            if not self._table_step.active:
-                self.begin_table_step()  # first micro-batch of the step
-            partial = self._table_step.lookup(flat)
-        elif mode == "token":
-            partial = self._partial(flat)
-        else:  # "unique", and "table" outside training (no grad, no table)
-            uniq, inverse = torch.unique(flat, return_inverse=True)
-            partial = self._partial(uniq)[inverse]
+        partial = self._modes(input_ids, self._partial, self.offset.device)
         emb = partial.view(b, s, self.hidden_size).transpose(0, 1).contiguous()
         if self.reduce_scatter_embeddings:
             emb = reduce_scatter_to_sequence_parallel_region(emb)
@@ -168,15 +152,14 @@ class LEVParallelEmbedding(MegatronModule):
     def compute_mode(self) -> str:
         return self.lev_config.compute_mode
 
-    @torch.no_grad()
     def begin_table_step(self) -> None:
         """Evaluate this rank's partial G over all V ids once; micro-batches gather rows from it."""
-        self._table_step.begin(self._partial, self.offset.device)
+        self._modes.begin(self._partial, self.offset.device)
 
     def finish_table_step(self) -> None:
         """Push the rows' accumulated gradients back through G (chunked, only ids that occurred), with
         one gradient delivery per parameter. Every TP rank saw the same ids, so all run the same chunks."""
-        self._table_step.finish(self._partial, list(self.seed.parameters()) + list(self.heads.parameters()))
+        self._modes.finish(self._partial, list(self.seed.parameters()) + list(self.heads.parameters()))
 
     # ---------------------------------------------------------------- export
     @torch.no_grad()

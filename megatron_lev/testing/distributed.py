@@ -2,7 +2,7 @@
 
     results = run_distributed(check_fn, world_size=4, tp=2, pp=2, args=(...))
 
-A thin layer over ``megatron_lev.parallel.spawn.spawn_ranks`` for tests: megatron's RNG tracker is
+A thin layer over ``megatron_lev.distributed.spawn_ranks`` for tests: megatron's RNG tracker is
 seeded (``seed``, default 1234) and a failure on any rank raises ``DistributedFailure`` (an
 ``AssertionError``, so pytest reports it as a test failure) with every failed rank's traceback.
 Start-up of a rank costs several seconds of imports, so group several checks in one call.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from megatron_lev.parallel.spawn import RankFailure, spawn_ranks
+from megatron_lev.distributed import RankFailure, spawn_ranks
 
 
 class DistributedFailure(RankFailure, AssertionError):

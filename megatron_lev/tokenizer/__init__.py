@@ -1,5 +1,7 @@
 """Tokenizers with Megatron-LM's type names over tiktoken, HF tokenizers and SentencePiece."""
 
+from megatron_lev.tokenizer.spec import TokenizerSpec
+
 from megatron_lev.tokenizer.tokenizers import (
     TIKTOKEN_PATTERNS,
     TOKENIZER_TYPES,
@@ -23,6 +25,7 @@ __all__ = [
     "NullTokenizer",
     "SentencePieceTokenizer",
     "TikTokenizer",
+    "TokenizerSpec",
     "build_tokenizer",
     "padded_vocab_size",
     "write_tiktoken_file",

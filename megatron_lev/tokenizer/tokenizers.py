@@ -182,7 +182,7 @@ class TikTokenizer(LevTokenizer):
             raise ValueError(f"eod token {eod_token!r} is not a special token of this encoding")
         self._eod = self._special[eod_token]
         self._core = self._enc._core_bpe
-        self._has_buffer = hasattr(self._core, "encode_to_tiktoken_buffer")
+        self._has_buffer = hasattr(self._core, "encode_to_tiktoken_buffer")  # private; not in every tiktoken release
 
     def tokenize(self, text: str) -> List[int]:
         return self._enc.encode_ordinary(text)
@@ -436,7 +436,6 @@ def build_tokenizer(
     tiktoken_special_tokens: Optional[Dict[str, int]] = None,
     eod_token: Optional[str] = None,
     backend: str = "tiktoken",
-    **unused: Any,
 ) -> LevTokenizer:
     """Build a tokenizer by Megatron-LM type name.
 

@@ -16,10 +16,11 @@ Outputs:
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable, Iterator, List, Optional, Sequence
 
-from megatron_lev.data.jsonl import iter_json_docs
+from megatron_lev.jsonl import iter_json_docs
 
 MODEL_TYPES = ("sentencepiece_bpe", "sentencepiece_unigram", "hf_bytelevel_bpe")
 
@@ -111,8 +112,6 @@ def train_tokenizer(
     tok.save(path)
     written = [path] + list(tok.model.save(output_prefix))
     # GPT-2 layout: vocab.json holds the special token too (GPT2BPETokenizer reads the EOD from it).
-    import json
-
     vocab_path = os.path.join(output_prefix, "vocab.json")
     with open(vocab_path, encoding="utf-8") as f:
         vocab = json.load(f)

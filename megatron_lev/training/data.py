@@ -16,20 +16,14 @@ from typing import Dict, Iterator, Optional
 import numpy as np
 import torch
 
+from megatron_lev.tokenizer import TokenizerSpec, padded_vocab_size
+
 
 def build_tokenizer_from_args(args):
-    from megatron_lev.tokenizer import build_tokenizer
-
-    return build_tokenizer(
-        args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-        tiktoken_pattern=args.tiktoken_pattern,
-    )
+    return TokenizerSpec.from_args(args).build()
 
 
 def padded_vocab(args, tokenizer) -> int:
-    from megatron_lev.tokenizer import padded_vocab_size
-
     return padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                              args.tensor_model_parallel_size)
 

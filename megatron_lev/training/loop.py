@@ -26,20 +26,18 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import partial
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
+from megatron_lev import checkpoint
+from megatron_lev.checkpoint.arguments import format_config, parse_args, resolved_config
+from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed
+from megatron_lev.lev.config import ConfigError
 from megatron_lev.parallel.collectives import all_reduce_
 
-from megatron_lev import checkpoint
-from megatron_lev.lev.config import ConfigError
-
-
-from megatron_lev.checkpoint.arguments import format_config, parse_args, resolved_config
 from .logger import TrainingLogger
 
 EXIT_CONFIG_ERROR = 2
@@ -101,35 +99,6 @@ class SignalHandler:
 
 # ------------------------------------------------------------------------------------------------
 # start-up
-
-
-def _init_distributed(args) -> bool:
-    """Process group (unless one exists already) and megatron's parallel state; True if the default
-    process group was created here (and is destroyed at the end of the run)."""
-    from megatron.core import parallel_state as ps
-
-    # Inside a running job (several runs in one process group) only the parallel state is new.
-    own = not torch.distributed.is_initialized()
-    if own:
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        cuda = torch.cuda.is_available()
-        backend = args.distributed_backend or ("nccl" if cuda else "gloo")
-        if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        kw = dict(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                  timeout=timedelta(minutes=args.distributed_timeout_minutes))
-        if kw["world_size"] == 1 and "MASTER_PORT" not in os.environ:
-            # A single process started without a launcher needs no rendezvous (and no free port to race for).
-            kw["store"] = torch.distributed.HashStore()
-        torch.distributed.init_process_group(backend, **kw)
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-    )
-    return own
 
 
 def _set_seed(seed: int) -> None:
@@ -376,18 +345,16 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
     job) the run uses it and leaves it in place; megatron's parallel state is set up and torn down
     per run either way."""
     rank_env = int(os.environ.get("RANK", "0"))
-    if not torch.cuda.is_available():
-        from megatron_lev import compat
-
-        compat.apply()
     try:
         args, tokenizer, config, model_config = _setup_configs(argv)
-    except _StartupError as e:
+        setup = init_distributed(
+            tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+            vpp=args.virtual_pipeline_model_parallel_size, backend=args.distributed_backend,
+            timeout_minutes=args.distributed_timeout_minutes)
+    except (_StartupError, DistributedConfigError) as e:
         if rank_env == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
-    groups_before = _process_groups()
-    own_group = _init_distributed(args)
     try:
         return _run(args, tokenizer, config, model_config)
     except _StartupError as e:
@@ -395,28 +362,7 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
     finally:
-        try:
-            from megatron.core import parallel_state as ps
-
-            ps.destroy_model_parallel()
-            if own_group:
-                torch.distributed.destroy_process_group()
-            else:
-                # destroy_model_parallel (megatron-core 0.16.1) forgets its groups without destroying them;
-                # in a process that outlives the run each would keep its communication threads.
-                for group in _process_groups() - groups_before:
-                    torch.distributed.destroy_process_group(group)
-        except Exception:
-            pass
-
-
-def _process_groups() -> set:
-    """The process groups that exist now (none before the default group is initialised)."""
-    if not torch.distributed.is_initialized():
-        return set()
-    from torch.distributed import distributed_c10d
-
-    return set(distributed_c10d._world.pg_map)  # no public listing of live groups in torch 2.x
+        destroy_distributed(setup)
 
 
 class _StartupError(Exception):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_lev.data import PreprocessConfig, preprocess, read_index_info
-from megatron_lev.data.jsonl import iter_json_docs
+from megatron_lev.jsonl import iter_json_docs
 from megatron_lev.tokenizer import build_tokenizer
 from tests.data.conftest import cli_flags, run_tool
 

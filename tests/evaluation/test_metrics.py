@@ -270,3 +270,27 @@ def test_report_and_comparison(tmp_path):
     assert (tmp_path / "cmp" / "compare_valid.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="at least two"):
         write_comparison(paths[:1], str(tmp_path / "cmp2"))
+
+
+
+def _images(names):
+    return "".join(f"![{n}.png]({n}.png)\n" for n in names)
+
+
+def test_report_and_comparison_files_have_one_layout(tmp_path):
+    """Both writers: {name}.json holds the data, {name}.md its tables followed by every PNG they plot."""
+    from megatron_lev.evaluation.report import comparison_markdown, results_markdown
+
+    runs = [_result("tied", 100.0, [1000, 500, 200, 50, 10], 0.5), _result("lev", 90.0, [800, 450, 200, 55, 10], 0.6)]
+    outs = [write_report(r, str(tmp_path / r["meta"]["label"])) for r in runs]
+    out = outs[0]
+    assert sorted(out) == ["freq_ppl", "json", "markdown", "tasks"]
+    assert out["json"] == str(tmp_path / "tied" / "results.json") and json.loads(open(out["json"]).read()) == runs[0]
+    assert open(out["markdown"]).read() == results_markdown(runs[0]) + "\n" + _images(["freq_ppl", "tasks"])
+
+    cmp = write_comparison([o["json"] for o in outs], str(tmp_path / "cmp"))
+    assert sorted(cmp) == ["compare_valid", "json", "markdown"]
+    saved = json.loads(open(cmp["json"]).read())
+    assert cmp["json"] == str(tmp_path / "cmp" / "comparison.json") and saved["labels"] == ["tied", "lev"]
+    assert open(cmp["markdown"]).read() == comparison_markdown(saved) + "\n" + _images(["compare_valid"])
+    assert "| relative frequency | tokens | PPL tied | PPL lev | Δ lev |" in comparison_markdown(saved)

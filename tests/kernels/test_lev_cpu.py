@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import megatron_lev.kernels  # noqa: F401  (registers the kernel)
-from megatron_lev.kernels import lev_cpu
+from megatron_lev import kernels
+from megatron_lev.kernels import lev_cpu, register_default_kernels
 from megatron_lev.lev import LEVConfig, LEVEmbedding, separable_product, separable_product_reference
+from megatron_lev.lev import functional
 from megatron_lev.lev.functional import has_fused_product
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels():
+    register_default_kernels()
 
 
 def _case(n, h, ds, kappa, r, seed=0, scale=0.1):
@@ -105,3 +110,17 @@ def test_gradients_do_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+def test_registration_is_explicit_and_idempotent(monkeypatch):
+    registered = dict(functional._FUSED_PRODUCTS)
+    assert registered[("fused", "cpu")] is lev_cpu.fused_separable_product
+    # Starting from an empty registry, as after a fresh import of the package: the first call
+    # registers the same kernels, a second call changes nothing.
+    monkeypatch.setattr(functional, "_FUSED_PRODUCTS", {})
+    monkeypatch.setattr(kernels, "_registered", False)
+    assert not has_fused_product("cpu")
+    register_default_kernels()
+    assert functional._FUSED_PRODUCTS == registered
+    register_default_kernels()
+    assert functional._FUSED_PRODUCTS == registered

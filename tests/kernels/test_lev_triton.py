@@ -14,13 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron_lev.kernels  # noqa: F401  (registers the kernels)
-from megatron_lev.kernels import lev_triton
+from megatron_lev.kernels import lev_triton, register_default_kernels
 from megatron_lev.lev import LEVConfig, LEVEmbedding, separable_product
 from megatron_lev.lev import functional
 from megatron_lev.checkpoint.arguments import build_parser
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels():
+    register_default_kernels()
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -177,18 +181,14 @@ def test_kernel_benchmark_table_runs_and_says_when_no_gpu_figure_exists(capsys):
         assert "no GPU figure exists" in capsys.readouterr().out
     tcfg = lambda D: __import__("megatron.core.transformer", fromlist=["x"]).TransformerConfig(  # noqa: E731
         num_layers=1, hidden_size=D, num_attention_heads=1, use_cpu_initialization=True)
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron_lev.distributed import destroy_distributed
 
-    was = dist.is_initialized()
-    lev_layer._init_parallel(DEVICE)  # VocabParallelEmbedding needs megatron's groups
+    setup = lev_layer._init_parallel(DEVICE)  # VocabParallelEmbedding needs megatron's groups
     try:
         k = lev_layer.kernel_table(60, torch.float32, 1, tcfg, hidden=(8,), n_ids=(40,), device=DEVICE,
                                    lev_kw=dict(seed_dim=4, num_knots=4, rank=3, num_heads=2))
     finally:
-        if not was:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+        destroy_distributed(setup)
     (row,) = k["rows"]
     assert row["hidden"] == 8 and row["ids"] == 40
     for key in ("triton", "sparse", "table"):

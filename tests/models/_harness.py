@@ -200,6 +200,51 @@ def unchecked_parameters(chunks) -> List[str]:
     return [n for c in chunks for n, p in c.named_parameters() if p.requires_grad and id(p) not in seen]
 
 
+def construction(chunks) -> List[Dict[str, Any]]:
+    """Per chunk, what GPTModel's constructor derives from ``pre_process``: the order of the chunk's
+    children (it fixes the parameter order, hence DDP's buffer layout) and every ``pre_process`` flag."""
+    return [
+        {"children": list(c._modules),
+         "pre_process": {n: m.pre_process for n, m in c.named_modules() if hasattr(m, "pre_process")}}
+        for c in chunks
+    ]
+
+
+def _new_large_tensors(min_numel: int):
+    """A dispatch mode counting (``.count``) the tensors of at least ``min_numel`` elements that ops
+    create: outputs that share no input's storage (so in-place initialisation and views do not count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class NewLargeTensors(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if (isinstance(t, torch.Tensor) and t.numel() >= min_numel
+                        and t.untyped_storage().data_ptr() not in inputs):
+                    self.count += 1
+            return out
+
+    return NewLargeTensors()
+
+
+def input_side_allocations(arm: str) -> int:
+    """Tensors of V x D elements or more created while building a first stage without the output head
+    (LEV's vocabulary chunks kept below V ids, so that only a whole table can reach the size)."""
+    from megatron_lev.models import build_gpt_model
+
+    mc = model_config(arm)
+    mc = dataclasses.replace(mc, lev=dataclasses.replace(mc.lev, chunk_size=VOCAB // 8))
+    config = transformer_config(mc)
+    with _new_large_tensors(VOCAB * HIDDEN) as counter:
+        build_gpt_model(config=config, model_config=mc, pre_process=True, post_process=False)
+    return counter.count
+
+
 # ---------------------------------------------------------------------------------- launches
 
 
@@ -241,10 +286,13 @@ def reference_run(arms, root: str, variant: str = "llama") -> Dict[str, Any]:
         r["table_err"] = float((emb - table[tokens].transpose(0, 1)).abs().max())
         r["lev_modules"] = len(list(lev_modules(model)))
         r["unchecked"] = unchecked_parameters([model])
+        r["construction"] = construction([model])
         save_weights([model], os.path.join(root, variant, arm, "weights"))
         wrapped = wrap_ddp([model], config)
         r["loss"] = run_schedule(wrapped, config)
         r["grads"] = gather_grads([model], os.path.join(root, variant, arm, "grads_ref"))
+        if variant == "llama":
+            r["input_side_allocations"] = input_side_allocations(arm)
         results[arm] = r
     return results
 
@@ -263,7 +311,7 @@ def layout_run(arms, root: str, tag: str, sp: bool = False, vpp: Optional[int] =
         config = transformer_config(mc, sp=sp, vpp=vpp)
         chunks = build_chunks(mc, config, vpp)
         load_weights(chunks, os.path.join(root, variant, arm, "weights"))
-        r: Dict[str, Any] = {}
+        r: Dict[str, Any] = {"construction": construction(chunks)}
         if check_table and chunks[0].pre_process:
             r["table"] = materialize_input_embedding(chunks)
         last = chunks[-1]

@@ -111,6 +111,28 @@ def test_only_dense_arms_have_vxd_input_parameters(ref, arm):
 
 
 @pytest.mark.parametrize("arm", ARMS)
+def test_no_vxd_tensor_is_created_while_building_the_input_side(ref, arm):
+    """Not even transiently: counted over every op of the construction of a first stage without head."""
+    count = ref[arm]["input_side_allocations"]
+    if arm in ("tied", "untied"):
+        assert count >= 1  # megatron's V x D word-embedding table: the count sees it
+    else:
+        assert count == 0, count
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_input_module_set_like_megatrons_first_stage(ref, ref_gpt2, pp2, arm):
+    """An arm's chunks have megatron's own children order and pre_process flags (decoder included),
+    as megatron builds them for the untied model, in every layout that has a first stage."""
+    for results in (ref, ref_gpt2):
+        assert results[arm]["construction"] == results["untied"]["construction"]
+    for layout in ("pp2", "pp2vpp2"):
+        got = [row["construction"] for row in pp2[layout][arm]["rows"]]
+        assert got == [row["construction"] for row in pp2[layout]["untied"]["rows"]], layout
+    assert ref[arm]["construction"][0]["pre_process"]["decoder"] is True
+
+
+@pytest.mark.parametrize("arm", ARMS)
 def test_parameter_breakdown_matches_model(ref, arm):
     assert ref[arm]["breakdown"]["total"] == ref[arm]["numel"]
 

@@ -1,9 +1,11 @@
 """Tensor-parallel LEV embedding on gloo ranks: TP = 1, 2, 4, with and without sequence parallelism.
 
 One launch per TP size, in float64 so that "equal" can be tested tightly (the fp32 product of d_s
-factors and the LayerNorm backward leave ~1e-5 of rounding noise); each rank checks, against the pure-torch layer holding the gathered weights:
-forward values, every parameter's gradient (gathered), the three compute modes, materialize(), and
-the sharded-state-dict layout. The launches' initial functions are compared with each other.
+factors and the LayerNorm backward leave ~1e-5 of rounding noise); each rank checks, against the
+pure-torch layer holding the gathered weights: forward values, every parameter's gradient (gathered),
+the three compute modes (run by the pure layer's ``ComputeModes`` in both layers), materialize(), the
+sharded-state-dict layout, and that the fused kernels are registered by building the layer, not by
+importing it. The launches' initial functions are compared with each other.
 """
 
 from __future__ import annotations
@@ -128,14 +130,38 @@ def _run_case(mode: str, sequence_parallel: bool):
 def _tp_checks():
     from megatron.core import parallel_state
 
+    from megatron_lev.kernels import lev_cpu
+    from megatron_lev.lev import functional
+    from megatron_lev.lev.layer import ComputeModes
+    from megatron_lev.parallel import lev_embedding  # noqa: F401  (imported, not yet built)
+
     torch.set_default_dtype(torch.float64)
 
+    # A fresh rank: importing the layer registers no kernel; building it does (explicitly).
+    assert functional._FUSED_PRODUCTS == {}, functional._FUSED_PRODUCTS
+    _build("unique", False)
+    assert functional.has_fused_product("cpu") == lev_cpu.available()
+
+    # The compute modes are the pure layer's ComputeModes, evaluating this rank's partial sums.
+    modes_seen = []
+    call = ComputeModes.__call__
+
+    def recording_call(self, ids, fn, device):
+        modes_seen.append(self.config.compute_mode)
+        return call(self, ids, fn, device)
+
+    ComputeModes.__call__ = recording_call
     tp = parallel_state.get_tensor_model_parallel_world_size()
     results = {}
-    for mode in ("token", "unique", "table"):
-        for sp in ((False, True) if tp > 1 else (False,)):
-            module, out, grads = _run_case(mode, sp)
-            results[(mode, sp)] = (out, grads)
+    try:
+        for mode in ("token", "unique", "table"):
+            for sp in ((False, True) if tp > 1 else (False,)):
+                module, out, grads = _run_case(mode, sp)
+                results[(mode, sp)] = (out, grads)
+    finally:
+        ComputeModes.__call__ = call
+    # Each case: one call from the parallel layer, then one from the pure reference layer ("token").
+    assert modes_seen == [m for mode, _ in results for m in (mode, "token")], modes_seen
     # Compute modes agree with each other (values and gradients).
     base_out, base_grads = results[("token", False)]
     for key, (out, grads) in results.items():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 import pytest
 
-from megatron_lev.data.jsonl import iter_json_docs
-from megatron_lev.tokenizer import build_tokenizer, padded_vocab_size, write_tiktoken_file
+from megatron_lev.jsonl import iter_json_docs
+from megatron_lev.tokenizer import TokenizerSpec, build_tokenizer, padded_vocab_size, write_tiktoken_file
 from tests.conftest import BPE_VOCAB, SENTENCEPIECE_VOCAB
 
 
@@ -150,3 +151,48 @@ def test_train_tokenizer(model_type, sample_corpus, tmp_path):
     assert tok.vocab_size == 1000
     ids = tok.tokenize(text)
     assert max(ids) < 1000 and tok.detokenize(ids) == text
+
+
+def test_tokenizer_spec_takes_each_setting_from_the_first_source_that_gives_it():
+    flags = argparse.Namespace(tokenizer_type=None, tokenizer_model="flag.tiktoken", vocab_file="", json_key="text")
+    saved = {"tokenizer_type": "TikTokenizer", "tokenizer_model": "saved.tiktoken", "tiktoken_pattern": "gpt2",
+             "vocab_file": "saved.json", "num_layers": 2}
+    spec = TokenizerSpec.from_args(flags, saved)
+    assert spec == TokenizerSpec(tokenizer_type="TikTokenizer", tokenizer_model="flag.tiktoken",
+                                 vocab_file="saved.json", tiktoken_pattern="gpt2")
+    assert spec.kwargs() == dict(vocab_file="saved.json", merge_file=None, tokenizer_model="flag.tiktoken",
+                                 vocab_size=None, tiktoken_pattern="gpt2")
+    # a setting no source gives keeps its default; no tokenizer type at all is no spec
+    assert TokenizerSpec.from_args({"tokenizer_type": "NullTokenizer", "tiktoken_pattern": None}).tiktoken_pattern == "o200k"
+    assert TokenizerSpec.from_args(flags, {}) is None
+
+
+def test_training_preprocessing_evaluation_and_export_build_the_same_tokenizer(tok_args):
+    """The four places that name a tokenizer read its settings through TokenizerSpec: training flags,
+    PreprocessConfig, evaluation flags over a checkpoint's saved arguments, the export's saved arguments."""
+    from megatron_lev.conversion.hf import tokenizer_info
+    from megatron_lev.data import PreprocessConfig
+    from megatron_lev.evaluation.cli import _tokenizer_for_checkpoint
+    from megatron_lev.evaluation.cli import build_parser as eval_parser
+    from megatron_lev.checkpoint.arguments import build_parser as train_parser
+    from megatron_lev.training.data import build_tokenizer_from_args
+    from tests.conftest import tokenizer_flags
+
+    kw = tok_args["tiktoken"]  # a pattern other than the default: every path has to carry it
+    ref = build_tokenizer(**kw)
+    saved = dict(kw, num_layers=2, hidden_size=64)  # a checkpoint's config.yaml
+    built = {
+        "training": build_tokenizer_from_args(train_parser().parse_args(tokenizer_flags(kw))),
+        "preprocessing": TokenizerSpec.from_args(PreprocessConfig(inputs=["x"], output_prefix="y", **kw)).build(),
+        "evaluation": _tokenizer_for_checkpoint(eval_parser().parse_args(["--load", "ckpt"]), saved),
+    }
+    for name, tok in built.items():
+        assert type(tok) is type(ref) and tok.tokenize(TRICKY) == ref.tokenize(TRICKY), name
+        assert (tok.vocab_size, tok.eod) == (ref.vocab_size, ref.eod), name
+    info = tokenizer_info(saved)
+    assert (info["type"], info["vocab_size"], info["eod"]) == ("TikTokenizer", ref.vocab_size, ref.eod)
+    # evaluation flags override the saved files
+    other = dict(tok_args["sentencepiece"])
+    flags = eval_parser().parse_args(["--load", "ckpt", "--tokenizer-type", other["tokenizer_type"],
+                                      "--tokenizer-model", other["tokenizer_model"]])
+    assert _tokenizer_for_checkpoint(flags, saved).tokenize(TRICKY) == build_tokenizer(**other).tokenize(TRICKY)

@@ -6,10 +6,11 @@ which both need "build a model at some TP/PP layout on this machine and do somet
     results = spawn_ranks(fn, world_size=4, tp=2, pp=2, args=(...))
 
 Each rank is a fresh process (multiprocessing "spawn"), so ``fn`` must be a module-level function.
-The rank installs the CPU backend (``megatron_lev.compat``), joins a gloo group through a file store
-(no TCP port to pick and lose to a concurrent job), initialises ``parallel_state`` and, if asked,
-seeds megatron's RNG tracker. Return values travel back as ``torch.save`` bytes (tensors sent through
-a multiprocessing queue are shared-memory handles that die with the rank). A failure on any rank
+Each rank starts through :func:`megatron_lev.distributed.init_distributed`: the CPU backend without
+CUDA, a gloo group joined through a file store (no TCP port to pick and lose to a concurrent job),
+``parallel_state`` and, if asked, megatron's RNG tracker seeded. Return values travel back as
+``torch.save`` bytes (tensors sent through a multiprocessing queue are shared-memory handles that die
+with the rank). A failure on any rank
 raises ``failure_cls`` carrying every failed rank's traceback; exceptions of a ``passthrough`` type
 come back as that type with their one-line message. The process groups are always torn down, and
 ranks stuck behind a failed peer are stopped after a short grace period.
@@ -24,8 +25,9 @@ import queue as queue_mod
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Type
+
+from .bootstrap import check_layout, destroy_distributed, init_distributed
 
 __all__ = ["RankFailure", "spawn_ranks"]
 
@@ -58,43 +60,22 @@ def _rank_main(rank, world, store_file, layout, seed, fn, args, kwargs, out_q, c
     if hide_cuda:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     tp, pp, vpp = layout
-    result, error, one_line = None, None, False
+    result, error, one_line, setup = None, None, False, None
     try:
         import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
-        from megatron_lev import compat
-
-        compat.apply()
-        from megatron.core import parallel_state
-
         # A short collective timeout turns a rank stuck behind a failed peer into an error.
-        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=collective_timeout))
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp)
-        if seed is not None:
-            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-            torch.manual_seed(seed)
-            model_parallel_cuda_manual_seed(seed)
+        setup = init_distributed(tp=tp, pp=pp, vpp=vpp, backend="gloo", timeout_minutes=collective_timeout / 60,
+                                 init_method=f"file://{store_file}", seed=seed)
         result = fn(*args, **kwargs)
     except passthrough as e:
         error, one_line = f"{type(e).__name__}: {e}", True
     except BaseException:  # report everything, including assertion failures
         error = traceback.format_exc()
     finally:
-        try:
-            import torch.distributed as dist
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:
-            pass
+        if setup is not None:
+            destroy_distributed(setup)
     try:
         payload = _dumps(result)
     except Exception:
@@ -129,8 +110,7 @@ def spawn_ranks(
     quiet: bool = False,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world_size {world_size} is not divisible by tp*pp = {tp * pp}")
+    check_layout(world_size, tp, pp)  # here, before any rank is started
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     fd, store_file = tempfile.mkstemp(prefix="megatron_lev_ranks_", suffix=".store")

@@ -1,4 +1,10 @@
-"""Streaming readers for .jsonl, .jsonl.gz and .jsonl.zst (bounded memory, line numbers kept)."""
+"""Streaming readers for .jsonl, .jsonl.gz and .jsonl.zst (bounded memory, line numbers kept).
+
+This module sits at the package root, below every package that reads text corpora: ``tokenizer/``
+(tokenizer training), ``data/`` (preprocessing) and ``evaluation/`` (raw-text perplexity, task
+files) all import it, and it imports only the standard library (plus ``zstandard`` for ``.zst``).
+Under ``data/`` it would make ``tokenizer/`` import the package above it.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,17 @@
+"""Process start-up and launch: the one distributed bootstrap (process group, megatron's parallel
+state, the CPU backend without CUDA) and the launcher that runs a function on local CPU ranks."""
+
+from .bootstrap import (BACKENDS, DistributedConfigError, DistributedSetup, check_layout, destroy_distributed,
+                        init_distributed)
+from .spawn import RankFailure, spawn_ranks
+
+__all__ = [
+    "BACKENDS",
+    "DistributedConfigError",
+    "DistributedSetup",
+    "RankFailure",
+    "check_layout",
+    "destroy_distributed",
+    "init_distributed",
+    "spawn_ranks",
+]

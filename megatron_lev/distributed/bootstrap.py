@@ -1,0 +1,218 @@
+"""The one distributed start-up of megatron-lev: CPU backend, process group, megatron's parallel state.
+
+Every entry point (pretraining, evaluation, the local-rank launcher of the tests and the converter,
+the benchmarks) starts and stops distributed work here and nowhere else:
+
+    setup = init_distributed(tp=2, pp=1, timeout_minutes=10)
+    try:
+        ...
+    finally:
+        destroy_distributed(setup)
+
+Design:
+
+- Without CUDA, ``init_distributed`` installs the CPU backend (``megatron_lev.compat``) before it
+  creates anything. This is the only place in the package that does; ``compat.apply`` is idempotent,
+  so the backend is installed once per process however often start-up runs.
+- The default process group comes from torchrun's environment (``env://``), from an explicit
+  ``init_method`` (the local-rank launcher's file store), or, for a single process started without a
+  launcher (no ``MASTER_PORT``), from an in-memory ``HashStore``: no rendezvous, no port to race for.
+  Backend: NCCL with CUDA, gloo without, unless one is asked for. With CUDA each process selects the
+  GPU of its ``LOCAL_RANK``.
+- What exists is reused: a default process group (several runs in one job) and megatron's parallel
+  state when it has the requested layout (another layout is an error).
+- ``destroy_distributed`` tears down only what its own ``init_distributed`` created: megatron's groups
+  (megatron-core 0.16.1's ``destroy_model_parallel`` forgets them without destroying them, so they are
+  destroyed here) and the default group if it was created here. A call that reused everything leaves
+  everything in place. If start-up fails half-way, what it had created is torn down before the error.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import FrozenSet, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BACKENDS", "DistributedConfigError", "DistributedSetup", "check_layout", "destroy_distributed",
+           "init_distributed"]
+
+BACKENDS = ("nccl", "gloo")
+
+
+class DistributedConfigError(ValueError):
+    """The requested backend or layout cannot be set up here; one-line message."""
+
+
+@dataclass
+class DistributedSetup:
+    """What one :func:`init_distributed` call found and created (what :func:`destroy_distributed` undoes)."""
+
+    rank: int
+    world_size: int
+    created_process_group: bool
+    """The default process group was created by this call (destroying it also destroys every subgroup)."""
+    created_parallel_state: bool
+    """megatron's model-parallel state was initialised by this call."""
+    groups_before: FrozenSet = field(default_factory=frozenset, repr=False)
+    """The process groups that existed before this call; they are never destroyed here."""
+    destroyed: bool = False
+
+    def __enter__(self) -> "DistributedSetup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        destroy_distributed(self)
+
+
+def check_layout(world_size: int, tp: int, pp: int) -> None:
+    """One-line error unless ``tp x pp`` model-parallel ranks tile ``world_size`` processes."""
+    if tp < 1 or pp < 1:
+        raise DistributedConfigError(f"tensor parallel size {tp} and pipeline parallel size {pp} must be >= 1")
+    if world_size % (tp * pp):
+        raise DistributedConfigError(
+            f"tensor parallel {tp} x pipeline parallel {pp} = {tp * pp} does not divide the world size "
+            f"{world_size}; start a multiple of {tp * pp} processes or change the parallel sizes")
+
+
+def _resolve_backend(backend: Optional[str], cuda: bool) -> str:
+    if backend is None:
+        return "nccl" if cuda else "gloo"
+    if backend not in BACKENDS:
+        raise DistributedConfigError(
+            f"distributed backend {backend!r} is not supported; use one of {', '.join(BACKENDS)}")
+    if backend == "nccl" and not cuda:
+        raise DistributedConfigError(
+            "distributed backend 'nccl' needs CUDA, which this process does not have; use gloo")
+    return backend
+
+
+def _apply_cpu_backend() -> None:
+    if not torch.cuda.is_available():
+        from megatron_lev import compat
+
+        compat.apply()
+
+
+def _live_groups() -> FrozenSet:
+    """The process groups that exist now (none before the default group is initialised)."""
+    if not dist.is_initialized():
+        return frozenset()
+    from torch.distributed import distributed_c10d
+
+    return frozenset(distributed_c10d._world.pg_map)  # torch 2.x has no public listing of live groups
+
+
+def _init_process_group(backend: Optional[str], timeout: timedelta, init_method: Optional[str]) -> None:
+    cuda = torch.cuda.is_available()
+    backend = _resolve_backend(backend, cuda)  # checked before anything is created
+    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, default)
+    rank, world, local_rank = (int(os.environ[n]) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    kw = dict(rank=rank, world_size=world, timeout=timeout)
+    if init_method is not None:
+        kw["init_method"] = init_method
+    elif "MASTER_PORT" not in os.environ:
+        if world != 1:
+            raise DistributedConfigError(
+                f"WORLD_SIZE={world} but MASTER_PORT is not set; start the processes with torchrun")
+        # A single process started without a launcher needs no rendezvous (and no free port to race for).
+        kw["store"] = dist.HashStore()
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if cuda:
+        n_gpus = torch.cuda.device_count()
+        if local_rank < n_gpus:
+            torch.cuda.set_device(local_rank)
+        elif backend == "nccl":
+            raise DistributedConfigError(
+                f"LOCAL_RANK {local_rank} has no GPU (this node has {n_gpus}); start at most {n_gpus} "
+                "processes per node")
+    dist.init_process_group(backend, **kw)
+
+
+def _init_parallel_state(tp: int, pp: int, vpp: Optional[int], timeout_minutes: float) -> bool:
+    """megatron's model-parallel groups, unless they exist with this layout; True if created here."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size())
+        if have != (tp, pp, vpp):
+            raise DistributedConfigError(
+                f"model parallelism is already initialised with TP={have[0]} PP={have[1]} VPP={have[2]}, "
+                f"not TP={tp} PP={pp} VPP={vpp}")
+        return False
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, distributed_timeout_minutes=timeout_minutes)
+    return True
+
+
+def init_distributed(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    backend: Optional[str] = None,
+    timeout_minutes: float = 30.0,
+    init_method: Optional[str] = None,
+    seed: Optional[int] = None,
+) -> DistributedSetup:
+    """Start distributed work in this process (see the module docstring); pass the result to
+    :func:`destroy_distributed`.
+
+    ``tp``/``pp``/``vpp``: megatron's tensor, pipeline and virtual-pipeline sizes. ``backend``: nccl or
+    gloo (default: nccl with CUDA, else gloo). ``timeout_minutes``: collective timeout of every group
+    created here. ``init_method``: rendezvous URL instead of the environment (rank and world size still
+    come from ``RANK``/``WORLD_SIZE``). ``seed``: also seed torch and megatron's model-parallel RNG
+    tracker (every tensor-parallel rank its own stream). Bad input raises :class:`DistributedConfigError`.
+    """
+    _apply_cpu_backend()
+    timeout = timedelta(minutes=timeout_minutes)
+    groups_before = _live_groups()
+    created_pg = not dist.is_initialized()
+    if created_pg:
+        _init_process_group(backend, timeout, init_method)
+    setup = DistributedSetup(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                             created_process_group=created_pg, created_parallel_state=False,
+                             groups_before=groups_before)
+    try:
+        check_layout(setup.world_size, tp, pp)
+        setup.created_parallel_state = _init_parallel_state(tp, pp, vpp, timeout_minutes)
+        if seed is not None:
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            torch.manual_seed(seed)
+            model_parallel_cuda_manual_seed(seed)
+    except BaseException:
+        destroy_distributed(setup)  # leave nothing half-built behind
+        raise
+    return setup
+
+
+def destroy_distributed(setup: DistributedSetup) -> None:
+    """Tear down what ``setup``'s :func:`init_distributed` created, and nothing else; a second call does
+    nothing. A failure here is reported as a warning (it must not hide the run's own outcome)."""
+    if setup.destroyed:
+        return
+    setup.destroyed = True
+    try:
+        if setup.created_parallel_state:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+        if not dist.is_initialized():
+            return
+        if setup.created_process_group:
+            dist.destroy_process_group()  # the default group, and every subgroup with it
+        elif setup.created_parallel_state:
+            # In a process that outlives this run each forgotten group would keep its communication threads.
+            for group in _live_groups() - setup.groups_before:
+                dist.destroy_process_group(group)
+    except Exception as e:  # pragma: no cover - depends on the backend's state at exit
+        warnings.warn(f"distributed teardown failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
