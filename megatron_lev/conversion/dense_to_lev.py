@@ -42,9 +42,10 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from megatron_lev.distributed import set_seed
 from megatron_lev.lev import ConfigError, LEVConfig, LEVEmbedding, lev_param_count
 
-from .source import ConversionError, open_checkpoint
+from .source import ConversionError, open_checkpoint, refuse_existing_checkpoint
 
 
 @dataclass
@@ -286,7 +287,7 @@ def _write_lev_rank(src_path: str, src_a: Dict[str, Any], dst: str, iteration: i
 
     from megatron_lev.models import lev_modules
 
-    from .model_io import build_model, load_model_weights, save_model_checkpoint, set_seed
+    from .model_io import build_model, load_model_weights, save_model_checkpoint
 
     set_seed(int(a.get("seed", 1234)))
     src_chunks, _c, _m = build_model(src_a)
@@ -339,8 +340,6 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     the report as JSON. Returns the :class:`FitReport`."""
     import json
 
-    from megatron_lev.checkpoint import TRACKER
-
     from .launch import run_ranks
     from .model_io import layout_args
     from .reshard import reshard_checkpoint
@@ -358,8 +357,7 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
         raise ConversionError(f"--save {dst}: the target is the source checkpoint's directory; choose another")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ConversionError(f"--save {dst}: exists and is not a directory")
-    if os.path.isfile(os.path.join(dst, TRACKER)):
-        raise ConversionError(f"--save {dst}: already holds a checkpoint ({TRACKER}); choose an empty directory")
+    refuse_existing_checkpoint(dst)
     counts = load_counts(token_counts)
     V, D = int(a["padded_vocab_size"]), int(a["hidden_size"])
     lev_cfg = lev_config_for(a, lev or {})

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .hf import OUTPUT, head_layout, mapped_names, megatron_tensors
-from .source import ConversionError
+from .source import ConversionError, refuse_existing_checkpoint
 
 # Tensors some Llama checkpoints carry that are derived from config.json (not parameters).
 IGNORED = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),)
@@ -281,7 +281,9 @@ def _import_rank(files: Dict[str, str], dst: str, a: Dict[str, Any], tied: bool,
     import torch
     from safetensors import safe_open
 
-    from .model_io import build_model, save_model_checkpoint, set_seed
+    from megatron_lev.distributed import set_seed
+
+    from .model_io import build_model, save_model_checkpoint
 
     set_seed(int(a.get("seed", 1234)))
     chunks, _config, _mc = build_model(a)
@@ -316,8 +318,6 @@ def import_hf(hf_model: str, save: str, *, tp: int = 1, pp: int = 1, seq_length:
               progress: bool = True) -> str:
     """Convert the ``LlamaForCausalLM`` directory ``hf_model`` into a megatron-lev checkpoint root ``save``
     at TP=``tp`` x PP=``pp``; return the ``iter_0000000`` directory."""
-    from megatron_lev.checkpoint import TRACKER
-
     from .launch import run_ranks
     from .model_io import layout_args
     from .reshard import reshard_checkpoint
@@ -327,8 +327,7 @@ def import_hf(hf_model: str, save: str, *, tp: int = 1, pp: int = 1, seq_length:
     save = os.path.abspath(os.path.expanduser(str(save)))
     if os.path.exists(save) and not os.path.isdir(save):
         raise ConversionError(f"--save {save}: exists and is not a directory")
-    if os.path.isfile(os.path.join(save, TRACKER)):
-        raise ConversionError(f"--save {save}: already holds a checkpoint ({TRACKER}); choose an empty directory")
+    refuse_existing_checkpoint(save)
     if int(model.config["num_hidden_layers"]) % pp:
         raise ConversionError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
                               f"{model.config['num_hidden_layers']} layers")

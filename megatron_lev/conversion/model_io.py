@@ -55,21 +55,6 @@ def load_model_weights(chunks, checkpoint_path: str, log=None) -> None:
             f"({type(e).__name__}: {msg})") from None
 
 
-def set_seed(seed: int) -> None:
-    """Seed as a fresh training run does (per pipeline stage; megatron's tracker per TP rank)."""
-    import random
-
-    import numpy as np
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    seed = int(seed) + 100 * ps.get_pipeline_model_parallel_rank()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-
-
 class _SchedulerState:
     """Carries a source's LR-scheduler state into a new checkpoint unchanged."""
 

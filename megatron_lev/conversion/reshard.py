@@ -22,16 +22,17 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional
 
+from megatron_lev.distributed import set_seed
+
 from .launch import run_ranks
-from .source import ConversionError, open_checkpoint
-from megatron_lev.checkpoint import TRACKER
+from .source import ConversionError, open_checkpoint, refuse_existing_checkpoint
 
 
 def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],
                   progress: bool) -> Dict[str, Any]:
     import torch
 
-    from .model_io import build_model, load_model_weights, save_model_checkpoint, set_seed
+    from .model_io import build_model, load_model_weights, save_model_checkpoint
 
     rank = torch.distributed.get_rank()
 
@@ -60,8 +61,7 @@ def reshard_checkpoint(src: str, dst: str, *, tp: int, pp: int = 1, vpp: Optiona
         raise ConversionError(f"{dst}: the target is the source checkpoint's directory; choose another --save")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ConversionError(f"{dst}: exists and is not a directory")
-    if os.path.isfile(os.path.join(dst, TRACKER)):
-        raise ConversionError(f"{dst}: already holds a checkpoint ({TRACKER}); choose an empty --save directory")
+    refuse_existing_checkpoint(dst)
     a = layout_args(source.args, tp, pp, vpp)
     num_layers = int(a["num_layers"])
     stages = pp * (a["virtual_pipeline_model_parallel_size"] or 1)

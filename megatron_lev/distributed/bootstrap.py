@@ -38,14 +38,16 @@ from typing import FrozenSet, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_lev.lev.config import ConfigError
+
 __all__ = ["BACKENDS", "DistributedConfigError", "DistributedSetup", "check_layout", "destroy_distributed",
-           "init_distributed"]
+           "init_distributed", "set_seed"]
 
 BACKENDS = ("nccl", "gloo")
 
 
-class DistributedConfigError(ValueError):
-    """The requested backend or layout cannot be set up here; one-line message."""
+class DistributedConfigError(ConfigError):
+    """The requested backend or layout cannot be set up here; one-line message (a ConfigError)."""
 
 
 @dataclass
@@ -185,14 +187,28 @@ def init_distributed(
         check_layout(setup.world_size, tp, pp)
         setup.created_parallel_state = _init_parallel_state(tp, pp, vpp, timeout_minutes)
         if seed is not None:
-            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-            torch.manual_seed(seed)
-            model_parallel_cuda_manual_seed(seed)
+            set_seed(seed, per_pipeline_stage=False)
     except BaseException:
         destroy_distributed(setup)  # leave nothing half-built behind
         raise
     return setup
+
+
+def set_seed(seed: int, *, per_pipeline_stage: bool = True) -> None:
+    """Megatron-LM's seeding: python, numpy, torch and megatron's model-parallel RNG tracker (which gives
+    every tensor-parallel rank its own stream). With ``per_pipeline_stage`` each pipeline stage uses
+    ``seed + 100 * stage``, as a training run does. Needs megatron's parallel state."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    seed = int(seed) + (100 * ps.get_pipeline_model_parallel_rank() if per_pipeline_stage else 0)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_distributed(setup: DistributedSetup) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -29,12 +28,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
 
 from megatron_lev import checkpoint
 from megatron_lev.checkpoint.arguments import format_config, parse_args, resolved_config
-from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed
+from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, set_seed
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.parallel.collectives import all_reduce_
 
@@ -99,18 +97,6 @@ class SignalHandler:
 
 # ------------------------------------------------------------------------------------------------
 # start-up
-
-
-def _set_seed(seed: int) -> None:
-    """Megatron-LM's seeding: a different seed per pipeline stage; the TP tracker seeds per TP rank."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
 
 
 def _wrap_model(args, config, chunks):
@@ -443,7 +429,7 @@ def _start(args, config, model_config) -> _Run:
         logger.log(format_config(cfg))
     logger.set_config(cfg)
 
-    _set_seed(args.seed)
+    set_seed(args.seed)
     # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
     model_config.weights_from_checkpoint = _will_load_checkpoint(args)
     chunks = checkpoint.build_model_chunks(config, model_config)
