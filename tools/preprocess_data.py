@@ -13,10 +13,10 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lev.data.preprocessing import BadInputError, PreprocessConfig, PreprocessError, preprocess  # noqa: E402
-from megatron_lev.tokenizer import TIKTOKEN_PATTERNS, TOKENIZER_TYPES, TokenizerSpec  # noqa: E402
+from megatron_lev.tokenizer import TokenizerSpec  # noqa: E402
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", required=True, help=".jsonl/.jsonl.gz/.jsonl.zst files or globs")
@@ -27,12 +27,7 @@ def parse_args(argv=None):
                    help="keep the complete lines of a truncated or corrupt input file (reported) instead "
                         "of stopping with exit 1")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
-    g.add_argument("--tiktoken-pattern", default="o200k", choices=sorted(TIKTOKEN_PATTERNS))
+    TokenizerSpec.add_flags(g, required=True)
     g.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
@@ -47,6 +42,11 @@ def parse_args(argv=None):
     g.add_argument("--batch-docs", type=int, default=128, help="documents per batch sent to a worker")
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--keep-sequential-samples", action="store_true", help=argparse.SUPPRESS)  # Megatron flag, no-op
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     a = p.parse_args(argv)
     if a.partitions > 1 and a.partition_index is None:
         p.error("--partitions N needs --partition-index I (run one part per node, then tools/merge_datasets.py)")

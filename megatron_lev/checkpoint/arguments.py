@@ -24,19 +24,17 @@ start-up and written as ``config.yaml`` beside each checkpoint. Feeding that fil
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
 import math
 import os
 import sys
-import textwrap
-import typing
-from dataclasses import MISSING, fields
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from dataclasses import fields
+from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_lev.config_flags import add_config_flags
 from megatron_lev.lev.config import ConfigError, LEVConfig, lev_flag
 from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, \
     check_parallel_settings
+from megatron_lev.tokenizer.spec import TokenizerSpec
 
 # Arguments that describe the run rather than the model/optimisation: not compared on resume.
 _DERIVED = ("data_parallel_size", "world_size", "num_microbatches", "padded_vocab_size", "params_dtype_name")
@@ -62,41 +60,6 @@ def _str2bool(v: Any) -> bool:
     if s in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
-
-
-def field_docs(cls) -> Dict[str, str]:
-    """The field docstrings of dataclass ``cls`` (the string after each field), read from its source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs: Dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def add_config_flags(group, cls, flag_of: Callable[[str], str], names: Optional[Iterable[str]] = None,
-                     defaults: Optional[Dict[str, Any]] = None) -> None:
-    """One flag per field of dataclass ``cls`` (or of ``names``): type, default, ``choices`` metadata and
-    help (the field docstring) come from the field, as megatron-core's ``core_transformer_config_from_args``
-    reads a TransformerConfig from the flags of its fields. ``defaults`` replaces a field's default on the
-    command line (where the flag's default is resolved later). A field of a type without a flag form is an
-    error, so a new field cannot go without its flag."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    wanted = None if names is None else set(names)
-    for f in fields(cls):
-        if wanted is not None and f.name not in wanted:
-            continue
-        typ = hints[f.name]
-        if typing.get_origin(typ) is typing.Union:  # Optional[X]: unset is None
-            (typ,) = [t for t in typing.get_args(typ) if t is not type(None)]
-        if typ not in (int, float, str) or f.default is MISSING:
-            raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for a {typ!r} field without a default")
-        default = (defaults or {}).get(f.name, f.default)
-        group.add_argument(flag_of(f.name), type=typ, default=default, choices=f.metadata.get("choices"),
-                           help=docs.get(f.name, "").replace("%", "%%"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,14 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--tokenizer-type", default=None,
-                   choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-                            "GPTSentencePieceTokenizer", "TikTokenizer", "NullTokenizer"])
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--tiktoken-pattern", default="o200k", choices=["gpt2", "r50k", "cl100k", "o200k"])
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer / --mock-data vocabulary")
+    TokenizerSpec.add_flags(g)  # --vocab-size also sizes --mock-data
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)

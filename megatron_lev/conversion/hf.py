@@ -443,18 +443,13 @@ def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str,
     vocab_rows = opts.get("vocab_rows")
     total = 2 + 9 * int(a["num_layers"]) + (0 if arm == "tied" else 1)
     writer = ShardedSafetensorsWriter(out_dir, opts["max_shard_size"], dtype=dtype)
-    try:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc="writing safetensors", unit="tensor", disable=not progress)
-    except ImportError:  # pragma: no cover
-        bar = None
+    bar = tqdm(total=total, desc="writing safetensors", unit="tensor", disable=not progress)
     for name, tensor in hf_tensors(state, a, input_table=table, vocab_rows=vocab_rows, tied=arm == "tied"):
         writer.add(name, tensor)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     files = writer.close()
     result: Dict[str, Any] = {"files": [os.path.basename(f) for f in files], "total_size": writer.total_size}
     if arm == "lev" and opts.get("lev", True):

@@ -84,10 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="HF model device (default cuda if available)")
 
     g = p.add_argument_group("tokenizer (default: the checkpoint's)")
-    g.add_argument("--tokenizer-type", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--tokenizer-model", default=None)
+    # Unset flags fall back to the checkpoint's saved settings (TokenizerSpec.from_args(flags, saved)).
+    TokenizerSpec.add_flags(g, names=("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"))
 
     g = p.add_argument_group("perplexity")
     g.add_argument("--valid-data", nargs="*", default=[], metavar="[NAME=]PATH",

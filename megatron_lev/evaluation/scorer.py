@@ -124,8 +124,6 @@ def progress_bar(iterable, desc: Optional[str], enabled: bool = True, total: Opt
     """tqdm on the main process when ``desc`` is given, the bare iterable otherwise."""
     if not desc or not enabled:
         return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return iterable
+    from tqdm.auto import tqdm
+
     return tqdm(iterable, desc=desc, total=total, unit=unit, dynamic_ncols=True, leave=False)

@@ -9,17 +9,18 @@ here reaches every one of them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Optional, Sequence
 
-from megatron_lev.tokenizer.tokenizers import LevTokenizer, build_tokenizer
+from megatron_lev.config_flags import add_config_flags
+from megatron_lev.tokenizer.tokenizers import TIKTOKEN_PATTERNS, TOKENIZER_TYPES, LevTokenizer, build_tokenizer
 
 
 @dataclass(kw_only=True)
 class TokenizerSpec:
     """A tokenizer by Megatron-LM type name and its files (configs that name a tokenizer extend it)."""
 
-    tokenizer_type: str
+    tokenizer_type: str = field(metadata={"choices": TOKENIZER_TYPES})
     """GPT2BPETokenizer, HuggingFaceTokenizer, (GPT)SentencePieceTokenizer, TikTokenizer or NullTokenizer."""
 
     vocab_file: Optional[str] = None
@@ -34,8 +35,18 @@ class TokenizerSpec:
     vocab_size: Optional[int] = None
     """Ids of the NullTokenizer (its EOD is one more)."""
 
-    tiktoken_pattern: str = "o200k"
-    """Pre-tokenisation pattern of a TikTokenizer: gpt2, r50k, cl100k or o200k."""
+    tiktoken_pattern: str = field(default="o200k", metadata={"choices": tuple(sorted(TIKTOKEN_PATTERNS))})
+    """Pre-tokenisation pattern of a TikTokenizer."""
+
+    @staticmethod
+    def add_flags(group, *, names: Optional[Sequence[str]] = None, required: bool = False,
+                  defaults: Optional[Dict[str, Any]] = None) -> None:
+        """``--tokenizer-type``, ``--vocab-file``, ... on an argparse group, generated from the fields
+        (type, default, choices, help). ``names``: only these fields. ``required``: the type must be
+        given. ``defaults``: other command-line defaults (e.g. None where a saved setting applies)."""
+        actions = add_config_flags(group, TokenizerSpec, lambda n: "--" + n.replace("_", "-"), names,
+                                   defaults={"tokenizer_type": None, **(defaults or {})})
+        actions["tokenizer_type"].required = required
 
     @staticmethod
     def from_args(*sources: Any) -> Optional["TokenizerSpec"]:

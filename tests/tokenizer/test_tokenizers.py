@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import sys
 
 import pytest
 
 from megatron_lev.jsonl import iter_json_docs
-from megatron_lev.tokenizer import TokenizerSpec, build_tokenizer, padded_vocab_size, write_tiktoken_file
-from tests.conftest import BPE_VOCAB, SENTENCEPIECE_VOCAB
+from megatron_lev.tokenizer import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer, padded_vocab_size, \
+    write_tiktoken_file
+from tests.conftest import BPE_VOCAB, REPO_ROOT, SENTENCEPIECE_VOCAB
 
 
 TRICKY = "a <|endoftext|> in the text is plain text 'll 've \u00e9\u00e8 \U0001F600  \n\n  x"
@@ -196,3 +199,34 @@ def test_training_preprocessing_evaluation_and_export_build_the_same_tokenizer(t
     flags = eval_parser().parse_args(["--load", "ckpt", "--tokenizer-type", other["tokenizer_type"],
                                       "--tokenizer-model", other["tokenizer_model"]])
     assert _tokenizer_for_checkpoint(flags, saved).tokenize(TRICKY) == build_tokenizer(**other).tokenize(TRICKY)
+
+
+def _tokenizer_actions(parser: argparse.ArgumentParser):
+    return {a.dest: a for a in parser._actions if a.dest in {f.name for f in dataclasses.fields(TokenizerSpec)}}
+
+
+def test_every_tool_takes_its_tokenizer_flags_from_tokenizer_spec():
+    from megatron_lev.checkpoint.arguments import build_parser
+    from megatron_lev.evaluation.cli import build_parser as eval_parser
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    try:
+        import preprocess_data
+    finally:
+        sys.path.remove(str(REPO_ROOT / "tools"))
+    spec_fields = {f.name: f for f in dataclasses.fields(TokenizerSpec)}
+    for parser in (build_parser(), preprocess_data.build_parser()):
+        actions = _tokenizer_actions(parser)
+        assert set(actions) == set(spec_fields)
+        for name, action in actions.items():
+            f = spec_fields[name]
+            assert tuple(action.choices or ()) == tuple(f.metadata.get("choices", ())), name
+            assert action.default == (None if name == "tokenizer_type" else f.default), name
+    # Preprocessing cannot fall back on anything: there the type is required.
+    assert _tokenizer_actions(preprocess_data.build_parser())["tokenizer_type"].required
+    assert not _tokenizer_actions(build_parser())["tokenizer_type"].required
+    ev = _tokenizer_actions(eval_parser())
+    # evaluate.py: unset means "the checkpoint's", so no flag there may carry a default of its own.
+    assert set(ev) == {"tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"}
+    assert all(a.default is None for a in ev.values())
+    assert tuple(ev["tokenizer_type"].choices) == TOKENIZER_TYPES

@@ -152,7 +152,7 @@ def test_a_field_without_a_command_line_form_is_refused():
     import argparse
     from dataclasses import dataclass, field
 
-    from megatron_lev.checkpoint.arguments import add_config_flags
+    from megatron_lev.config_flags import add_config_flags
 
     @dataclass
     class WithList:
