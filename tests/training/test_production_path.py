@@ -47,11 +47,9 @@ def runs(tmp_path_factory):
     for cfg in CONFIGS:
         for overlap in ("on", "off"):
             name = f"{cfg.stem}-{overlap}"
-            argv = ["--config", str(cfg), *SCALE, "--input-embedding", "lev", "--metrics-file",
-                    str(tmp / f"{name}.jsonl")]
-            if overlap == "on":  # its checkpoint's config.yaml is checked; the "off" twin's would not be read
-                argv += ["--save", str(tmp / name)]
-            else:
+            argv = ["--config", str(cfg), *SCALE, "--input-embedding", "lev", "--save", str(tmp / name),
+                    "--metrics-file", str(tmp / f"{name}.jsonl")]
+            if overlap == "off":
                 argv.append("--no-overlap-grad-reduce")
             plan.append({"name": name, "argv": argv})
     for mode in ("unique", "table"):
