@@ -192,7 +192,8 @@ def test_pp2_interleaved_loss_falls_resumes_exactly_and_reloads_at_pp1(corpus, t
     single = model_args(corpus, 5, ["--input-embedding", "tied", "--no-load-optim", "--no-load-rng",
                                     "--hidden-dropout", "0.0",
                                     "--load", str(root / "pp2_ck4"), "--eval-iters", "0"])
-    launch(1, single + ["--metrics-file", str(tmp_path / "c.jsonl")])
+    r = run_single(single + ["--metrics-file", str(tmp_path / "c.jsonl")])
+    assert r.returncode == 0, r.stderr[-4000:]
     c = metrics(tmp_path / "c.jsonl")
     assert abs(c[5]["lm loss"] - a[5]["lm loss"]) < 1e-4, (c[5]["lm loss"], a[5]["lm loss"])
 
