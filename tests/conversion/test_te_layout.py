@@ -13,7 +13,6 @@ Hugging Face and LEV, and resumed by pretrain_lev.py, side by side. Logits must 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,14 +34,11 @@ MODEL_ARGS = [
 
 
 def _pretrain(args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """pretrain_lev.py as one plain process (a single rank needs no launcher)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                        str(port), PRETRAIN] + MODEL_ARGS + args, capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, PRETRAIN] + MODEL_ARGS + args, capture_output=True, text=True, env=env,
                        cwd=str(REPO), timeout=600)
     if r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-3000:]}\nSTDERR:\n{r.stderr[-5000:]}")
