@@ -4,7 +4,8 @@ leaves the previous checkpoint as the latest; a checkpoint written at PP=2 loads
 check fires on an injected NaN (stop after saving, or skip); SIGTERM saves and exits cleanly.
 
 The corpus is the sample corpus's valid.jsonl.zst tokenised with the test BPE in GPT-2 format.
-Each launch costs ~10 s of imports, so every run is reused by several checks.
+Each launch costs ~10 s of imports, so the two-rank runs share one torchrun job
+(tests/training/_multi_run.py) and every run is reused by several checks.
 """
 
 from __future__ import annotations
