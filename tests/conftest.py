@@ -10,6 +10,8 @@ Everything the core tests read is made here, once per test run, from PyPI alone:
 * ``tokenizer_files``: tokenizers trained on that corpus in every supported format: a byte-level BPE
   written as GPT-2 ``vocab.json`` + ``merges.txt``, as HF ``tokenizer.json`` and as a ``.tiktoken``
   file, and a SentencePiece BPE ``.model``. ``tok_args`` gives them as tokenizer keyword arguments.
+* ``valid_corpus``: the corpus's valid split as megatron's indexed dataset in that BPE (GPT-2 format),
+  with token counts, for the tests that train or evaluate on real text.
 * ``task_files``: small downstream task files (HellaSwag, PIQA, WinoGrande, ARC, LAMBADA) in the
   original field layouts, built from the corpus text, and malformed variants.
 
@@ -152,6 +154,27 @@ def real_tok_args(shared_data) -> Dict[str, dict]:
         "neox": dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(t / "neox" / "tokenizer.json")),
         "mistral": dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(t / "mistral" / "tokenizer.model")),
     }
+
+
+@dataclass(frozen=True)
+class IndexedCorpus:
+    prefix: str  # .bin/.idx prefix of the sample corpus's valid.jsonl.zst in the test BPE (GPT-2 format), EOD appended
+    counts: str  # its token counts (.npy, one entry per id)
+
+
+@pytest.fixture(scope="session")
+def valid_corpus(sample_corpus, tokenizer_files, tmp_path_factory) -> IndexedCorpus:
+    """The sample corpus's valid split preprocessed once for every test that trains or evaluates on
+    real text (~150k tokens). Read only: tests give megatron their own ``--data-cache-path``."""
+    from megatron_lev.data.preprocessing import PreprocessConfig, preprocess
+
+    out = tmp_path_factory.mktemp("valid_corpus")
+    tok = tokenizer_files
+    preprocess(PreprocessConfig(
+        inputs=[sample_corpus.valid], output_prefix=str(out / "valid"),
+        tokenizer_type="GPT2BPETokenizer", vocab_file=tok.vocab_file, merge_file=tok.merge_file,
+        append_eod=True, workers=1, progress=False, output_token_counts=True))
+    return IndexedCorpus(str(out / "valid_text_document"), str(out / "valid_text_token_counts.npy"))
 
 
 def tokenizer_flags(kw: dict) -> List[str]:

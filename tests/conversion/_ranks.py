@@ -77,3 +77,16 @@ def logits_at_layouts(plan, ids, by_layout=False):
             out.update({((tp, pp, k) if by_layout else k): v for k, v in res.items()})
     return out
 
+
+
+def convert_sources(root: str, arms) -> None:
+    """Each arm's source checkpoint resharded to TP=1 (``<arm>_tp1``), and the tied one back to
+    TP=2 x PP=2 (``tied_back``)."""
+    from pathlib import Path
+
+    from megatron_lev.conversion import reshard_checkpoint
+
+    root = Path(root)
+    for arm in arms:
+        reshard_checkpoint(root / f"{arm}_src", root / f"{arm}_tp1", tp=1, pp=1, progress=False)
+    reshard_checkpoint(root / "tied_tp1", root / "tied_back", tp=2, pp=2, progress=False)

@@ -297,6 +297,29 @@ def layouts(src: str, te_root: str, old_root: str, ids, sequences):
     return out
 
 
+def train_and_layouts(train_argv, src: str, te_root: str, old_root: str, ids, sequences):
+    """``layouts`` after pretrain_lev.py's training run, both in this launch (one launch's imports):
+    ``pretrain`` uses the launch's process group and sets up and tears down its own parallel state;
+    the groups and the RNG tracker are then set up again as the launch had them."""
+    import io
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_lev.training import pretrain
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ps.destroy_model_parallel()
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        code = pretrain(list(train_argv) + ["--save", src])
+    assert code == 0, f"training run: exit {code}\n{log.getvalue()[-3000:]}"
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    return layouts(src, te_root, old_root, ids, sequences)
+
+
 def _iter_dir(root: str) -> str:
     from megatron_lev.conversion.source import open_checkpoint
 

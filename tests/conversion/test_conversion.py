@@ -1,14 +1,14 @@
 """Checkpoint conversion end to end on CPU ranks.
 
 Tiny Llama-style models (2 layers, hidden 64, GQA with 2 query groups, the test BPE in GPT-2 format
-with 4,000 tokens padded to 4,096, mock data)
-of the tied (TP=2 x PP=2), untied (TP=2) and lev (TP=2) arms are trained for two iterations with
-pretrain_lev.py, resharded to TP=1 (and the tied one back to TP=2 x PP=2), exported to Hugging Face
-and reloaded with transformers. Checks: the TP=1 model's logits equal the source's (1e-5, fp32); the
-round trip is exact; HF logits on real text equal megatron's (1e-4), ``generate()`` runs; the LEV
-parameters reload into the pure-torch LEVEmbedding; pretrain_lev.py resumes from a converted
-checkpoint; bad inputs give one-line errors. Each launch costs several seconds of imports, so the
-launches are shared (session fixtures) and independent ones run side by side.
+with 4,000 tokens padded to 4,096, mock data) of the tied (TP=2 x PP=2), untied (TP=2 x DP=2) and lev
+(TP=2 x DP=2) arms are trained for two iterations with pretrain_lev.py, resharded to TP=1 (and the
+tied one back to TP=2 x PP=2), exported to Hugging Face and reloaded with transformers. Checks: the
+TP=1 model's logits equal the source's (1e-5, fp32); the round trip is exact; HF logits on real text
+equal megatron's (1e-4), ``generate()`` runs; the LEV parameters reload into the pure-torch
+LEVEmbedding; pretrain_lev.py resumes from a converted checkpoint; bad inputs give one-line errors.
+Each launch costs several seconds of imports, so training, resharding and the source logits share
+one 4-rank job (a session fixture) and the exports run side by side.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,14 @@ import pytest
 import torch
 
 from tests.conftest import BPE_VOCAB
+from tests.training._multi_run import launch_plan
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_lev.py")
 CONVERT = str(REPO / "tools" / "convert_checkpoint.py")
 ARMS = ("tied", "untied", "lev")
 LAYOUT = {"tied": (2, 2), "untied": (2, 1), "lev": (2, 1)}  # (TP, PP) of the training run
+WORLD = 4  # ranks of the training job (the TP=2 arms train at DP=2)
 VOCAB = BPE_VOCAB  # the tokenizer's
 PADDED = 4096  # the model's (divisible by 128 x TP)
 
@@ -42,12 +43,6 @@ def _env():
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_args(tok_dir: Path):
@@ -61,50 +56,6 @@ def _model_args(tok_dir: Path):
         "--eval-iters", "0", "--quiet-config", "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2",
         "--lev-knots", "8", "--lev-init-sample-size", "4096",
     ]
-
-
-def _launch(nproc, args, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), PRETRAIN] + args
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                            cwd=str(REPO))
-
-
-def _wait(proc, timeout=600):
-    out, err = proc.communicate(timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-5000:]}")
-    return out
-
-
-@pytest.fixture(scope="session")
-def runs(tokenizer_files, tmp_path_factory):
-    """Source checkpoints (2 iterations) of every arm, trained side by side; then TP=1 conversions."""
-    from megatron_lev.conversion import reshard_checkpoint
-
-    root = tmp_path_factory.mktemp("conversion")
-    tok = Path(tokenizer_files.bpe_dir)
-    procs = {}
-    for arm in ARMS:
-        tp, pp = LAYOUT[arm]
-        procs[arm] = _launch(tp * pp, _model_args(tok) + [
-            "--input-embedding", arm, "--train-iters", "2", "--tensor-model-parallel-size", str(tp),
-            "--pipeline-model-parallel-size", str(pp), "--save", str(root / f"{arm}_src")])
-    t0 = time.time()
-    for arm in ARMS:
-        _wait(procs[arm])
-    print(f"[conversion tests] training: {time.time() - t0:.0f} s", file=sys.stderr)
-
-    def convert(arm):
-        reshard_checkpoint(root / f"{arm}_src", root / f"{arm}_tp1", tp=1, pp=1, progress=False)
-        if arm == "tied":  # and back to the training layout
-            reshard_checkpoint(root / "tied_tp1", root / "tied_back", tp=2, pp=2, progress=False)
-
-    t0 = time.time()
-    with ThreadPoolExecutor(len(ARMS)) as ex:
-        list(ex.map(convert, ARMS))
-    print(f"[conversion tests] resharding: {time.time() - t0:.0f} s", file=sys.stderr)
-    return {"root": root, "tok": tok}
 
 
 @pytest.fixture(scope="session")
@@ -124,33 +75,51 @@ def text_ids(sample_corpus, tok_args):
 
 
 @pytest.fixture(scope="session")
+def runs(tokenizer_files, text_ids, tmp_path_factory):
+    """One 4-rank job (one launch's imports): the source checkpoints (2 iterations) of every arm, one
+    after the other (the TP=2 arms at TP=2 x DP=2); their TP=1 conversions and the tied one's way back
+    to TP=2 x PP=2 (rank 0); then the logits of the sources at their layouts and of the round trip."""
+    root = tmp_path_factory.mktemp("conversion")
+    tok = Path(tokenizer_files.bpe_dir)
+    plan = []
+    for arm in ARMS:
+        tp, pp = LAYOUT[arm]
+        plan.append({"name": arm, "argv": _model_args(tok) + [
+            "--input-embedding", arm, "--train-iters", "2", "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--save", str(root / f"{arm}_src")]})
+    plan.append({"name": "convert", "rank0": "tests.conversion._ranks:convert_sources", "args": [str(root), ARMS]})
+    layouts = [(2, 2, [str(root / "tied_src"), str(root / "tied_back")]),
+               (2, 1, [str(root / "untied_src"), str(root / "lev_src")])]
+    plan.append({"name": "source logits", "call": "tests.conversion._ranks:logits_at_layouts", "tp": 2, "pp": 2,
+                 "args": [layouts, text_ids.tolist()]})
+    t0 = time.time()
+    res = launch_plan(WORLD, plan, root / "job")
+    for arm in ARMS:
+        r = res[arm]
+        assert r.code == 0, f"{arm}: exit {r.code}\nSTDOUT:\n{r.stdout[-3000:]}\nSTDERR:\n{r.job_stderr[-5000:]}"
+    print(f"[conversion tests] training, resharding, source logits: {time.time() - t0:.0f} s", file=sys.stderr)
+    source = {k: v for rank in res["source logits"].results for k, v in rank.items()}
+    return {"root": root, "tok": tok, "source": source}
+
+
+@pytest.fixture(scope="session")
 def evaluated(runs, text_ids):
     """Logits of the sources at their layouts (and the round trip), and HF exports of the TP=1 models
     (the exporter also returns the TP=1 megatron model's logits on the same ids)."""
     from megatron_lev.conversion import export_hf
-    from megatron_lev.testing import run_distributed
-
-    from . import _ranks
 
     root = runs["root"]
     ids = text_ids.tolist()
-
-    def sources():  # one launch: TP=2 x PP=2 first, then TP=2 (x DP=2)
-        plan = [(2, 2, [str(root / "tied_src"), str(root / "tied_back")]),
-                (2, 1, [str(root / "untied_src"), str(root / "lev_src")])]
-        res = run_distributed(_ranks.logits_at_layouts, 4, tp=2, pp=2, args=(plan, ids))
-        return {k: v for r in res for k, v in r.items()}
 
     def export(arm):
         kw = {"trim_vocab": True, "max_shard_size": "1MB"} if arm == "untied" else {}
         return export_hf(root / f"{arm}_tp1", root / f"{arm}_hf", reference_ids=ids, progress=False, **kw)
 
     t0 = time.time()
-    with ThreadPoolExecutor(4) as ex:
-        futs = [ex.submit(sources)] + [ex.submit(export, arm) for arm in ARMS]
-        results = [f.result() for f in futs]
-    print(f"[conversion tests] source logits + HF exports: {time.time() - t0:.0f} s", file=sys.stderr)
-    return {"source": results[0], "hf": dict(zip(ARMS, results[1:]))}
+    with ThreadPoolExecutor(len(ARMS)) as ex:
+        results = list(ex.map(export, ARMS))
+    print(f"[conversion tests] HF exports: {time.time() - t0:.0f} s", file=sys.stderr)
+    return {"source": runs["source"], "hf": dict(zip(ARMS, results))}
 
 
 # ---------------------------------------------------------------------------------------------- resharding

@@ -1,9 +1,9 @@
 """Checkpoints move between the Transformer Engine layer spec and the local (CPU) spec.
 
 A tiny Llama-style lev model (2 layers, hidden 32, mock data, 200-token vocabulary) is trained for two
-iterations with pretrain_lev.py on the local spec. One single-rank launch then (a) compares the keys
-the local spec saves with the keys of megatron-core's TE spec, derived from its spec tree with the TE
-modules replaced by placeholders; (b) rewrites the checkpoint as Transformer Engine writes it (an
+iterations with pretrain_lev.py's ``pretrain`` on the local spec; the same single-rank launch then
+(a) compares the keys the local spec saves with the keys of megatron-core's TE spec, derived from its
+spec tree with the TE modules replaced by placeholders; (b) rewrites the checkpoint as Transformer Engine writes it (an
 ``_extra_state`` object with FP8 metadata for every TE module, settings saying transformer_engine and
 FP8) and as the local spec wrote it before it used TE's names; (c) loads all three through the
 conversion and the evaluation loaders. The TE-layout checkpoint is then resharded to TP=2, exported to
@@ -13,7 +13,6 @@ Hugging Face and LEV, and resumed by pretrain_lev.py, side by side. Logits must 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,14 +34,11 @@ MODEL_ARGS = [
 
 
 def _pretrain(args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """pretrain_lev.py as one plain process (a single rank needs no launcher)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                        str(port), PRETRAIN] + MODEL_ARGS + args, capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, PRETRAIN] + MODEL_ARGS + args, capture_output=True, text=True, env=env,
                        cwd=str(REPO), timeout=600)
     if r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-3000:]}\nSTDERR:\n{r.stderr[-5000:]}")
@@ -58,11 +54,11 @@ def run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("te_layout")
     src, te, old = (str(root / n) for n in ("src", "te", "old"))
-    _pretrain(["--train-iters", "2", "--save", src])
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 200, (2, 12), generator=g)
     sequences = [torch.randint(0, 200, (17,), generator=g).tolist(), list(range(3, 12))]
-    res = run_distributed(_te_layout_ranks.layouts, 1, args=(src, te, old, ids, sequences))[0]
+    res = run_distributed(_te_layout_ranks.train_and_layouts, 1,
+                          args=(MODEL_ARGS + ["--train-iters", "2"], src, te, old, ids, sequences))[0]
     with ThreadPoolExecutor(4) as ex:
         resumed = ex.submit(_pretrain, ["--train-iters", "3", "--load", te, "--transformer-impl", "auto"])
         jobs = [ex.submit(reshard_checkpoint, te, root / "te_tp2", tp=2, pp=1, progress=False),

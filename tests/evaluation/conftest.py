@@ -2,8 +2,9 @@
 2 layers, hidden 64, Llama-style so that it can also be exported to HF), a byte-level toy tokenizer,
 a tiny random HF model.
 
-The checkpoint is built once per session: the sample corpus's valid.jsonl.zst is preprocessed
-with token counts, then pretrain_lev.py runs a few iterations under torchrun (one CPU rank).
+The checkpoint is built once per session: on the sample corpus's valid.jsonl.zst preprocessed with
+token counts (the session's ``valid_corpus``), pretrain_lev.py runs a few iterations (one CPU
+process).
 """
 
 from __future__ import annotations
@@ -32,13 +33,21 @@ def clean_env():
     return env
 
 
-def torchrun(nproc, script, args, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), str(script)] + [str(a) for a in args]
+def _checked(cmd, timeout):
     r = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=timeout, cwd=str(REPO))
     if r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}")
     return r
+
+
+def torchrun(nproc, script, args, timeout=300):
+    return _checked([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                     "--master-port", str(free_port()), str(script)] + [str(a) for a in args], timeout)
+
+
+def run_script(script, args, timeout=300):
+    """``script`` as one plain process (a single rank needs no launcher)."""
+    return _checked([sys.executable, str(script)] + [str(a) for a in args], timeout)
 
 
 class ByteTokenizer:
@@ -67,18 +76,12 @@ def gpt2_files(tokenizer_files):
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(sample_corpus, gpt2_files, tmp_path_factory):
+def tiny_ckpt(sample_corpus, valid_corpus, gpt2_files, tmp_path_factory):
     """{'dir': checkpoint root, 'prefix': indexed valid data, 'counts': token counts .npy, ...}."""
-    from megatron_lev.data.preprocessing import PreprocessConfig, preprocess
-
     out = tmp_path_factory.mktemp("eval_ckpt")
-    preprocess(PreprocessConfig(
-        inputs=[sample_corpus.valid], output_prefix=str(out / "valid"),
-        tokenizer_type="GPT2BPETokenizer", vocab_file=gpt2_files["vocab"], merge_file=gpt2_files["merges"],
-        append_eod=True, workers=1, progress=False, output_token_counts=True))
-    prefix = str(out / "valid_text_document")
+    prefix = valid_corpus.prefix
     ckpt = out / "ckpt"
-    torchrun(1, REPO / "pretrain_lev.py", [
+    run_script(REPO / "pretrain_lev.py", [
         "--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 64,
         "--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", 6, "--lr", "3e-3",
         "--lr-warmup-iters", 1, "--input-embedding", "lev", "--lev-heads", 2, "--lev-seed-dim", 16,
@@ -87,7 +90,7 @@ def tiny_ckpt(sample_corpus, gpt2_files, tmp_path_factory):
         "--data-cache-path", out / "cache", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt2_files["vocab"],
         "--merge-file", gpt2_files["merges"], "--log-interval", 100, "--eval-iters", 0, "--quiet-config",
         "--save", ckpt, "--no-save-optim", "--no-save-rng"])
-    return {"dir": str(ckpt), "prefix": prefix, "counts": str(out / "valid_text_token_counts.npy"), "root": out,
+    return {"dir": str(ckpt), "prefix": prefix, "counts": valid_corpus.counts, "root": out,
             "zeroshot": sample_corpus.train, "eod": gpt2_files["eod"]}
 
 

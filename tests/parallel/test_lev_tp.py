@@ -1,11 +1,11 @@
 """Tensor-parallel LEV embedding on gloo ranks: TP = 1, 2, 4, with and without sequence parallelism.
 
-One launch per TP size, in float64 so that "equal" can be tested tightly (the fp32 product of d_s
-factors and the LayerNorm backward leave ~1e-5 of rounding noise); each rank checks, against the
-pure-torch layer holding the gathered weights: forward values, every parameter's gradient (gathered),
-the three compute modes (run by the pure layer's ``ComputeModes`` in both layers), materialize(), the
-sharded-state-dict layout, and that the fused kernels are registered by building the layer, not by
-importing it. The launches' initial functions are compared with each other.
+One 4-rank launch runs every TP size in turn, in float64 so that "equal" can be tested tightly (the
+fp32 product of d_s factors and the LayerNorm backward leave ~1e-5 of rounding noise); each rank
+checks, against the pure-torch layer holding the gathered weights: forward values, every parameter's
+gradient (gathered), the three compute modes (run by the pure layer's ``ComputeModes`` in both
+layers), materialize(), the sharded-state-dict layout, and that the fused kernels are registered by
+building the layer, not by importing it. The TP sizes' initial functions are compared with each other.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from megatron_lev.testing import run_distributed
 
 V, D, B, S = 997, 32, 2, 12
 LEV_KW = dict(num_digits=3, seed_dim=8, num_knots=5, rank=4, num_heads=4, chunk_size=256)
+SEED = 1234  # megatron's RNG tracker, as run_distributed seeds it
 
 
 def _ids():
@@ -133,12 +134,10 @@ def _tp_checks():
     from megatron_lev.kernels import lev_cpu
     from megatron_lev.lev import functional
     from megatron_lev.lev.layer import ComputeModes
-    from megatron_lev.parallel import lev_embedding  # noqa: F401  (imported, not yet built)
 
     torch.set_default_dtype(torch.float64)
 
-    # A fresh rank: importing the layer registers no kernel; building it does (explicitly).
-    assert functional._FUSED_PRODUCTS == {}, functional._FUSED_PRODUCTS
+    # Building the layer registers the fused kernels (explicitly; see the fresh-rank check below).
     _build("unique", False)
     assert functional.has_fused_product("cpu") == lev_cpu.available()
 
@@ -190,9 +189,32 @@ def _tp_checks():
     return {"table": table, "init_params": _full_params(_build("unique", False))}
 
 
+def _tp_checks_at_every_size():
+    """``_tp_checks`` at TP = 4, 2 and 1 in one launch (a launch costs seconds of imports; re-creating
+    megatron's groups does not), each seeded as a launch of its own would be. At TP = 2 and 1 the other
+    data-parallel replicas run the same checks side by side."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_lev.lev import functional
+    from megatron_lev.parallel import lev_embedding  # noqa: F401  (imported, not yet built)
+
+    # A fresh rank: importing the layer registers no kernel; building it does (checked in _tp_checks).
+    assert functional._FUSED_PRODUCTS == {}, functional._FUSED_PRODUCTS
+    out = {}
+    for tp in (4, 2, 1):
+        if tp != parallel_state.get_tensor_model_parallel_world_size():
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        torch.manual_seed(SEED)
+        model_parallel_cuda_manual_seed(SEED)
+        out[tp] = _tp_checks()
+    return out
+
+
 @pytest.fixture(scope="module")
 def tp_results():
-    return {tp: run_distributed(_tp_checks, world_size=tp, tp=tp)[0] for tp in (1, 2, 4)}
+    return run_distributed(_tp_checks_at_every_size, world_size=4, tp=4, seed=SEED)[0]
 
 
 def test_tp_matches_pure_layer_and_modes_agree(tp_results):

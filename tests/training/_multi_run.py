@@ -2,33 +2,152 @@
 
     torchrun --nproc-per-node N tests/training/_multi_run.py PLAN.json RESULT.json
 
-PLAN.json is a list of {"name": ..., "argv": [...]}; the runs share the job's process group, one after
-the other; RESULT.json (rank 0) maps each name to its exit code.
+PLAN.json is a list of steps, run one after the other in the job's process group:
+
+* {"name": ..., "argv": [...]}: a ``pretrain`` run, optionally with "copy_checkpoint": [src, iteration,
+  dst]: before it, rank 0 copies iteration ``iteration`` of the checkpoint directory src into dst as
+  dst's latest (a run stopped there, without stopping the run);
+* {"name": ..., "rank0": "module:function", "args": [...]}: a function that rank 0 runs while the
+  others wait (e.g. converting the checkpoints just written);
+* {"name": ..., "call": "module:function", "args": [...], "tp": 1, "pp": 1}: a function every rank runs
+  with megatron's parallel groups of that layout set up and its RNG tracker seeded (1234) as
+  ``run_distributed`` does; each rank's return value is saved for the test.
+
+Rank 0 prints ``MARKER name`` before each step, so that each step's output can be told apart;
+RESULT.json (rank 0) maps each name to its exit code (0 for functions).
+
+From a test: ``launch_plan(nproc, plan, workdir)`` -> {name: PlanRun(code, stdout, job_stderr, results)}.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
 
-from megatron_lev.training import pretrain
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the checkout's megatron_lev, and tests/ for the functions steps name
+
+from megatron_lev.training import pretrain  # noqa: E402
+MARKER = "=== multi-run:"
+
+
+def _copy_checkpoint(src: str, iteration: int, dst: str) -> None:
+    name = f"iter_{iteration:07d}"
+    os.makedirs(dst, exist_ok=True)
+    shutil.copytree(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(f"{iteration}\n")
+
+
+def _function(spec: str):
+    import importlib
+
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _call(step: dict, rank: int, workdir: str) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=step.get("tp", 1),
+                                 pipeline_model_parallel_size=step.get("pp", 1))
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    try:
+        result = _function(step["call"])(*step.get("args", ()))
+    finally:
+        ps.destroy_model_parallel()
+    torch.save(result, os.path.join(workdir, f"{step['name']}.rank{rank}.pt"))
 
 
 def main(plan_path: str, result_path: str) -> int:
     plan = json.loads(open(plan_path).read())
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    workdir = os.path.dirname(os.path.abspath(result_path))
+    dist.init_process_group("gloo", timeout=timedelta(minutes=30))
+    rank = dist.get_rank()
     codes = {}
-    for run in plan:
-        codes[run["name"]] = pretrain(run["argv"])
+    for step in plan:
+        if rank == 0:
+            if step.get("copy_checkpoint"):
+                _copy_checkpoint(*step["copy_checkpoint"])
+            print(f"{MARKER} {step['name']}", flush=True)
+            if step.get("rank0"):
+                _function(step["rank0"])(*step.get("args", ()))
         dist.barrier()
-    if dist.get_rank() == 0:
+        if step.get("argv") is not None:
+            codes[step["name"]] = pretrain(step["argv"])
+        elif step.get("call"):
+            _call(step, rank, workdir)
+            codes[step["name"]] = 0
+        else:
+            codes[step["name"]] = 0
+        sys.stdout.flush()
+        dist.barrier()
+    if rank == 0:
         with open(result_path, "w") as f:
             json.dump(codes, f)
     dist.destroy_process_group()
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- test side
+
+
+class PlanRun(NamedTuple):
+    code: int  # pretrain()'s exit code
+    stdout: str  # what the job printed during this run (rank 0 logs)
+    job_stderr: str  # the whole job's stderr (for failure messages)
+    results: Optional[List[Any]] = None  # a "call" step's return value on each rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_plan(nproc: int, plan: List[dict], workdir: Path, timeout: float = 900) -> Dict[str, PlanRun]:
+    """Run ``plan`` in one ``nproc``-rank torchrun job; the job itself must succeed (each run's exit
+    code is returned for its test to check)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_file, result_file = workdir / "plan.json", workdir / "codes.json"
+    plan_file.write_text(json.dumps(plan))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(_free_port()), str(Path(__file__).resolve()), str(plan_file), str(result_file)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(REPO))
+    assert r.returncode == 0, f"STDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}"
+    codes = json.loads(result_file.read_text())
+    outs: Dict[str, List[str]] = {}
+    current = None
+    for line in r.stdout.splitlines(keepends=True):
+        if line.startswith(MARKER):
+            current = line[len(MARKER):].strip()
+            outs[current] = []
+        elif current is not None:
+            outs[current].append(line)
+    runs = {}
+    for step in plan:
+        name = step["name"]
+        results = None
+        if step.get("call"):
+            results = [torch.load(workdir / f"{name}.rank{i}.pt", weights_only=False) for i in range(nproc)]
+        runs[name] = PlanRun(codes[name], "".join(outs.get(name, [])), r.stderr, results)
+    return runs
 
 
 if __name__ == "__main__":

@@ -4,14 +4,14 @@ leaves the previous checkpoint as the latest; a checkpoint written at PP=2 loads
 check fires on an injected NaN (stop after saving, or skip); SIGTERM saves and exits cleanly.
 
 The corpus is the sample corpus's valid.jsonl.zst tokenised with the test BPE in GPT-2 format.
-Each launch costs ~10 s of imports, so every run is reused by several checks.
+Each launch costs ~10 s of imports, so the two-rank runs share one torchrun job
+(tests/training/_multi_run.py) and every run is reused by several checks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.training._multi_run import launch_plan
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_lev.py")
@@ -60,18 +62,10 @@ def metrics(path, kind="train"):
 
 
 @pytest.fixture(scope="module")
-def corpus(sample_corpus, tokenizer_files, tmp_path_factory):
-    """valid.jsonl.zst -> .bin/.idx with the test BPE (~150k tokens)."""
-    from megatron_lev.data.preprocessing import PreprocessConfig, preprocess
-
-    out = tmp_path_factory.mktemp("corpus")
-    tok = tokenizer_files
-    preprocess(PreprocessConfig(
-        inputs=[sample_corpus.valid], output_prefix=str(out / "valid"),
-        tokenizer_type="GPT2BPETokenizer", vocab_file=tok.vocab_file, merge_file=tok.merge_file,
-        append_eod=True, workers=1, progress=False))
-    return {"prefix": str(out / "valid_text_document"), "vocab": tok.vocab_file,
-            "merges": tok.merge_file, "cache": str(out / "cache")}
+def corpus(valid_corpus, tokenizer_files, tmp_path_factory):
+    """valid.jsonl.zst -> .bin/.idx with the test BPE (~150k tokens; the session's ``valid_corpus``)."""
+    return {"prefix": valid_corpus.prefix, "vocab": tokenizer_files.vocab_file,
+            "merges": tokenizer_files.merge_file, "cache": str(tmp_path_factory.mktemp("corpus_cache"))}
 
 
 def model_args(corpus, iters, extra=()):
@@ -87,13 +81,70 @@ def model_args(corpus, iters, extra=()):
     ] + list(extra)
 
 
-def test_tp2_loss_falls_resume_is_bit_exact_and_kill_during_save(corpus, tmp_path):
-    common = model_args(corpus, 10, ["--tensor-model-parallel-size", "2", "--input-embedding", "untied",
-                                     "--use-distributed-optimizer"])
+def _tp2_args(corpus):
+    return model_args(corpus, 10, ["--tensor-model-parallel-size", "2", "--input-embedding", "untied",
+                                   "--use-distributed-optimizer"])
+
+
+def _pp2_args(corpus):
+    return model_args(corpus, 8, ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.0",
+                                  "--num-layers-per-virtual-pipeline-stage", "1", "--input-embedding", "tied"])
+
+
+LEV_MODES = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
+             "--mock-data", "--vocab-size", "1000", "--log-interval", "1", "--eval-interval", "3", "--eval-iters",
+             "1", "--quiet-config", "--hidden-dropout", "0", "--attention-dropout", "0", "--input-embedding", "lev",
+             "--tensor-model-parallel-size", "2", "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2",
+             "--lev-knots", "8"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(corpus, tmp_path_factory):
+    """Every two-rank run of this module's checks. The run whose rank is killed in the middle of a save
+    has a launch of its own (the kill ends the job); the others share one torchrun job (one launch's
+    imports instead of six), each in its own folder under ``root``:
+    tp2-ref (TP=2, uninterrupted), tp2-resumed (from the killed run's checkpoint), pp2-a (PP=2
+    interleaved, saves at 4 and 8), pp2-b (resumed from a copy of pp2-a's iteration 4), lev-unique and
+    lev-table."""
+    root = tmp_path_factory.mktemp("two_rank")
+    tp2, pp2 = _tp2_args(corpus), _pp2_args(corpus)
+    ck = root / "tp2_ck"
+    killed = launch(2, tp2 + ["--save", str(ck), "--save-interval", "3", "--debug-kill-during-save", "1:6",
+                              "--metrics-file", str(root / "killed.jsonl")], check=False)
+    # What the killed run left, before the resumed run saves over it.
+    after_kill = {"tracker": (ck / "latest_checkpointed_iteration.txt").read_text().strip()
+                  if (ck / "latest_checkpointed_iteration.txt").exists() else None,
+                  "iter3": [(ck / "iter_0000003" / n).is_file() for n in ("metadata.json", "config.yaml")],
+                  "iter6_config": (ck / "iter_0000006" / "config.yaml").exists()}
+    plan = [
+        {"name": "tp2-ref", "argv": tp2 + ["--metrics-file", str(root / "ref.jsonl"),
+                                           "--tensorboard-dir", str(root / "tb")]},
+        {"name": "tp2-resumed", "argv": tp2 + ["--save", str(ck), "--load", str(ck), "--save-interval", "3",
+                                               "--metrics-file", str(root / "resumed.jsonl")]},
+        {"name": "pp2-a", "argv": pp2 + ["--save", str(root / "pp2_ck"), "--save-interval", "4",
+                                         "--metrics-file", str(root / "a.jsonl")]},
+        # Resume from the checkpoint at iteration 4 (as if the run had stopped there).
+        {"name": "pp2-b", "copy_checkpoint": [str(root / "pp2_ck"), 4, str(root / "pp2_ck4")],
+         "argv": pp2 + ["--load", str(root / "pp2_ck4"), "--metrics-file", str(root / "b.jsonl")]},
+    ] + [{"name": f"lev-{mode}", "argv": LEV_MODES + ["--lev-compute-mode", mode, "--metrics-file",
+                                                      str(root / f"lev-{mode}.jsonl")]}
+         for mode in ("unique", "table")]
+    return {"root": root, "killed": killed, "after_kill": after_kill, "runs": launch_plan(2, plan, root / "job")}
+
+
+def _ok(runs, *names):
+    for name in names:
+        r = runs[name]
+        assert r.code == 0, f"{name}: exit {r.code}\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.job_stderr[-6000:]}"
+    return [runs[n] for n in names]
+
+
+def test_tp2_loss_falls_resume_is_bit_exact_and_kill_during_save(two_rank_runs):
+    root, runs = two_rank_runs["root"], two_rank_runs["runs"]
     # Uninterrupted reference.
-    ref = launch(2, common + ["--metrics-file", str(tmp_path / "ref.jsonl"),
-                              "--tensorboard-dir", str(tmp_path / "tb")])
-    a = metrics(tmp_path / "ref.jsonl")
+    ref, res = _ok(runs, "tp2-ref", "tp2-resumed")
+    a = metrics(root / "ref.jsonl")
     assert sorted(a) == list(range(1, 11))
     first, last = a[1]["lm loss"], sum(a[i]["lm loss"] for i in (8, 9, 10)) / 3
     assert last < first - 0.5, (first, last)
@@ -106,53 +157,44 @@ def test_tp2_loss_falls_resume_is_bit_exact_and_kill_during_save(corpus, tmp_pat
         assert field in " ".join(lines[0].split()).replace("| ", "| "), field
     assert ref.stdout.count("validation loss at iteration 4 |") == 1
     assert "lm loss PPL:" in ref.stdout
-    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    assert any(p.name.startswith("events.out.tfevents") for p in (root / "tb").iterdir())
 
     # A run that saves every 3 iterations and loses rank 1 (kill -9) in the middle of the save at 6.
-    ck = tmp_path / "ck"
-    r = launch(2, common + ["--save", str(ck), "--save-interval", "3", "--debug-kill-during-save", "1:6",
-                            "--metrics-file", str(tmp_path / "killed.jsonl")], check=False)
-    assert r.returncode != 0
-    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    assert (ck / "iter_0000003" / "metadata.json").is_file() and (ck / "iter_0000003" / "config.yaml").is_file()
-    assert not (ck / "iter_0000006" / "config.yaml").exists()  # the interrupted save is not complete
+    ck = root / "tp2_ck"
+    assert two_rank_runs["killed"].returncode != 0
+    left = two_rank_runs["after_kill"]
+    assert left["tracker"] == "3"
+    assert left["iter3"] == [True, True]  # metadata.json and config.yaml
+    assert not left["iter6_config"]  # the interrupted save is not complete
     # Resume picks iteration 3 and reproduces the reference bit for bit (loss and grad norm).
-    res = launch(2, common + ["--save", str(ck), "--load", str(ck), "--save-interval", "3",
-                              "--metrics-file", str(tmp_path / "resumed.jsonl")])
     assert "successfully loaded checkpoint from" in res.stdout and "at iteration 3" in res.stdout
-    b = metrics(tmp_path / "resumed.jsonl")
+    b = metrics(root / "resumed.jsonl")
     assert sorted(b) == list(range(4, 11))
     for i in range(4, 11):
         assert b[i]["lm loss hex"] == a[i]["lm loss hex"], (i, a[i]["lm loss"], b[i]["lm loss"])
         assert b[i]["grad norm"] == a[i]["grad norm"], i
-    assert metrics(tmp_path / "resumed.jsonl", "valid")[8]["lm loss hex"] == \
-        metrics(tmp_path / "ref.jsonl", "valid")[8]["lm loss hex"]
+    assert metrics(root / "resumed.jsonl", "valid")[8]["lm loss hex"] == \
+        metrics(root / "ref.jsonl", "valid")[8]["lm loss hex"]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "9" or \
         (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
 
 
-def test_pp2_interleaved_loss_falls_resumes_exactly_and_reloads_at_pp1(corpus, tmp_path):
-    common = model_args(corpus, 8, ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.0",
-                                    "--num-layers-per-virtual-pipeline-stage", "1", "--input-embedding", "tied"])
-    ck = tmp_path / "ck"
-    launch(2, common + ["--save", str(ck), "--save-interval", "4", "--metrics-file", str(tmp_path / "a.jsonl")])
-    a = metrics(tmp_path / "a.jsonl")
+def test_pp2_interleaved_loss_falls_resumes_exactly_and_reloads_at_pp1(corpus, two_rank_runs, tmp_path):
+    root, runs = two_rank_runs["root"], two_rank_runs["runs"]
+    _ok(runs, "pp2-a", "pp2-b")
+    a = metrics(root / "a.jsonl")
     assert a[8]["lm loss"] < a[1]["lm loss"] - 0.4, (a[1]["lm loss"], a[8]["lm loss"])
-    # Resume from the checkpoint at iteration 4 (as if the run had stopped there).
-    ck4 = tmp_path / "ck4"
-    ck4.mkdir()
-    shutil.copytree(ck / "iter_0000004", ck4 / "iter_0000004")
-    (ck4 / "latest_checkpointed_iteration.txt").write_text("4\n")
-    launch(2, common + ["--load", str(ck4), "--metrics-file", str(tmp_path / "b.jsonl")])
-    b = metrics(tmp_path / "b.jsonl")
+    # Resumed from the checkpoint at iteration 4 (as if the run had stopped there).
+    b = metrics(root / "b.jsonl")
     for i in range(5, 9):
         assert b[i]["lm loss hex"] == a[i]["lm loss hex"], i
     # The PP=2 (interleaved) checkpoint loads into a single process (dist_checkpointing reshards):
     # the loss of iteration 5 needs only the weights and the data, so it must match.
     single = model_args(corpus, 5, ["--input-embedding", "tied", "--no-load-optim", "--no-load-rng",
                                     "--hidden-dropout", "0.0",
-                                    "--load", str(ck4), "--eval-iters", "0"])
-    launch(1, single + ["--metrics-file", str(tmp_path / "c.jsonl")])
+                                    "--load", str(root / "pp2_ck4"), "--eval-iters", "0"])
+    r = run_single(single + ["--metrics-file", str(tmp_path / "c.jsonl")])
+    assert r.returncode == 0, r.stderr[-4000:]
     c = metrics(tmp_path / "c.jsonl")
     assert abs(c[5]["lm loss"] - a[5]["lm loss"]) < 1e-4, (c[5]["lm loss"], a[5]["lm loss"])
 
@@ -205,19 +247,12 @@ def test_sigterm_saves_and_exits_cleanly(corpus, tmp_path):
     assert it >= 3 and (ck / f"iter_{it:07d}" / "metadata.json").is_file()
 
 
-def test_lev_table_mode_matches_unique_mode(tmp_path):
+def test_lev_table_mode_matches_unique_mode(two_rank_runs):
     """LEV's table compute mode hooked into the step (begin before the micro-batches, finish before the
     gradient reduction) trains exactly like the per-id mode at TP=2."""
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
-            "--mock-data", "--vocab-size", "1000", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
-            "--quiet-config", "--hidden-dropout", "0", "--attention-dropout", "0", "--input-embedding", "lev",
-            "--tensor-model-parallel-size", "2", "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2",
-            "--lev-knots", "8"]
-    out = {}
-    for mode in ("unique", "table"):
-        launch(2, base + ["--lev-compute-mode", mode, "--metrics-file", str(tmp_path / f"{mode}.jsonl")])
-        out[mode] = metrics(tmp_path / f"{mode}.jsonl")
+    root = two_rank_runs["root"]
+    _ok(two_rank_runs["runs"], "lev-unique", "lev-table")
+    out = {mode: metrics(root / f"lev-{mode}.jsonl") for mode in ("unique", "table")}
     for i in (1, 2, 3):
         assert out["table"][i]["lm loss"] == pytest.approx(out["unique"][i]["lm loss"], rel=1e-5, abs=1e-6)
         assert out["table"][i]["grad norm"] == pytest.approx(out["unique"][i]["grad norm"], rel=1e-4)

@@ -11,12 +11,11 @@ One 4-rank torchrun job (TP=2 x DP=2, gloo) runs, in one process group:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.training._multi_run import launch_plan
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "pile" / "configs").glob("*.yaml"))
@@ -34,14 +33,6 @@ LEV_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--input-embedding", "lev", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
             "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2", "--lev-knots", "8",
             "--lev-chunk-size", "64"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metrics(path: Path) -> dict:
@@ -70,22 +61,14 @@ def runs(tmp_path_factory):
             "--save", ck, "--exit-interval", "2", "--metrics-file", str(tmp / f"{mode}-first.jsonl")]})
         plan.append({"name": f"{mode}-resumed", "argv": LEV_TINY + extra + [
             "--load", ck, "--save", ck, "--metrics-file", str(tmp / f"{mode}-resumed.jsonl")]})
-    (tmp / "plan.json").write_text(json.dumps(plan))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(_free_port()),
-           str(REPO / "tests" / "training" / "_multi_run.py"), str(tmp / "plan.json"), str(tmp / "codes.json")]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=str(REPO))
-    assert r.returncode == 0, f"STDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}"
-    codes = json.loads((tmp / "codes.json").read_text())
-    assert all(c == 0 for c in codes.values()), codes
-    return tmp, r.stdout
+    res = launch_plan(4, plan, tmp)
+    assert all(r.code == 0 for r in res.values()), {n: r.code for n, r in res.items()}
+    return tmp
 
 
 @pytest.mark.parametrize("config", [c.stem for c in CONFIGS])
 def test_shipped_pile_config_trains_with_overlap_like_without(runs, config):
-    tmp, stdout = runs
+    tmp = runs
     on, off = _metrics(tmp / f"{config}-on.jsonl"), _metrics(tmp / f"{config}-off.jsonl")
     assert sorted(on) == sorted(off) == [1, 2, 3]
     for i in on:
@@ -101,7 +84,7 @@ def test_shipped_pile_config_trains_with_overlap_like_without(runs, config):
 
 @pytest.mark.parametrize("mode", ["unique", "table"])
 def test_lev_resume_is_bit_exact_at_tp2_with_distributed_optimizer(runs, mode):
-    tmp, _ = runs
+    tmp = runs
     full = _metrics(tmp / f"{mode}-full.jsonl")
     first = _metrics(tmp / f"{mode}-first.jsonl")
     resumed = _metrics(tmp / f"{mode}-resumed.jsonl")
