@@ -20,11 +20,17 @@ Exit status: 0 done; 2 usage or checkpoint error (one line on stderr); 1 unexpec
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The LEV flags come from LEVConfig's fields (light: torch only); the conversion code itself, which
+# pulls in megatron-core, is imported only when a command runs.
+from megatron_lev.config_flags import add_config_flags  # noqa: E402
+from megatron_lev.lev.config import LEVConfig, lev_arg, lev_flag  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,10 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--token-counts", default=None, help=".npy of counts per token id: frequency-weighted fit and "
                                                         "per-bucket errors")
     t.add_argument("--count-power", type=float, default=1.0, help="weights (count+1)**power (0: uniform)")
-    for flag, typ in (("digits", int), ("base", int), ("seed-dim", int), ("knots", int), ("rank", int),
-                      ("heads", int), ("init-sample-size", int), ("chunk-size", int)):
-        t.add_argument(f"--lev-{flag}", type=typ, default=None, help="default: the checkpoint's saved value")
-    t.add_argument("--lev-compute-mode", default=None, choices=["token", "unique", "table"])
+    lv = t.add_argument_group("LEV layer (unset: the checkpoint's saved value, else LEVConfig's default)")
+    add_config_flags(lv, LEVConfig, lev_flag, defaults={f.name: None for f in dataclasses.fields(LEVConfig)})
     t.add_argument("--fit-lr", type=float, default=3e-3)
     t.add_argument("--fit-batch-size", type=int, default=4096, help="ids per step")
     t.add_argument("--fit-max-steps", type=int, default=2000)
@@ -113,9 +117,7 @@ def main(argv=None) -> int:
                       seq_length=a.seq_length, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
                       dtype=a.dtype, tokenizer=not a.no_tokenizer, progress=progress)
         else:
-            lev = dict(num_digits=a.lev_digits, base=a.lev_base, seed_dim=a.lev_seed_dim, num_knots=a.lev_knots,
-                       rank=a.lev_rank, num_heads=a.lev_heads, init_sample_size=a.lev_init_sample_size,
-                       chunk_size=a.lev_chunk_size, compute_mode=a.lev_compute_mode)
+            lev = {f.name: getattr(a, lev_arg(f.name)) for f in dataclasses.fields(LEVConfig)}
             fit = FitConfig(lr=a.fit_lr, batch_size=a.fit_batch_size, max_steps=a.fit_max_steps,
                             eval_interval=a.fit_eval_interval, patience=a.fit_patience,
                             target_error=a.fit_target_error, count_power=a.count_power, seed=a.fit_seed,

@@ -306,3 +306,22 @@ def test_fit_weights_follow_counts():
     w = fit_weights(np.array([3, 0, 1]), 4, 1.0)
     assert w.tolist() == [4.0, 1.0, 2.0, 1.0]  # padded ids count as unseen
     assert fit_weights(np.array([3, 0, 1]), 4, 0.0).tolist() == [1.0] * 4
+
+
+def test_to_lev_cli_has_a_flag_for_every_lev_setting():
+    # The --lev-* flags of to-lev are generated from LEVConfig: a new field gets its flag, and every flag
+    # defaults to "keep the checkpoint's value" (None), so the conversion changes only what is given.
+    import dataclasses
+
+    from megatron_lev.lev.config import LEVConfig, lev_arg
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import convert_checkpoint
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    a = convert_checkpoint.build_parser().parse_args(["to-lev", "--load", "src", "--save", "dst",
+                                                      "--lev-basis", "sparse", "--lev-heads", "4"])
+    names = [f.name for f in dataclasses.fields(LEVConfig)]
+    got = {n: getattr(a, lev_arg(n)) for n in names}
+    assert got == {n: {"basis": "sparse", "num_heads": 4}.get(n) for n in names}
