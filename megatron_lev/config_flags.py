@@ -10,15 +10,23 @@ Used by the training arguments (``LEVConfig``, ``LevModelConfig``) and the token
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
+import threading
 import typing
 from dataclasses import MISSING, fields
 from typing import Any, Callable, Dict, Iterable, Optional
 
-def field_docs(cls) -> Dict[str, str]:
-    """The field docstrings of dataclass ``cls`` (the string after each field), read from its source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+# CPython 3.11's AST construction is not safe from several threads at once (parsers built in a thread
+# pool fail with "AST constructor recursion depth mismatch"): read each class's source once, under a lock.
+_SOURCE_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _field_docs(cls) -> Dict[str, str]:
+    with _SOURCE_LOCK:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs: Dict[str, str] = {}
     for stmt, nxt in zip(body, body[1:]):
@@ -26,6 +34,11 @@ def field_docs(cls) -> Dict[str, str]:
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             docs[stmt.target.id] = " ".join(nxt.value.value.replace("``", "").split())  # plain text for --help
     return docs
+
+
+def field_docs(cls) -> Dict[str, str]:
+    """The field docstrings of dataclass ``cls`` (the string after each field), read from its source."""
+    return dict(_field_docs(cls))
 
 
 def add_config_flags(group, cls, flag_of: Callable[[str], str], names: Optional[Iterable[str]] = None,

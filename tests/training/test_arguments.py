@@ -161,3 +161,36 @@ def test_a_field_without_a_command_line_form_is_refused():
 
     with pytest.raises(TypeError, match="WithList.widths"):
         add_config_flags(argparse.ArgumentParser(), WithList, lambda n: f"--{n}")
+
+
+def test_parsers_can_be_built_from_several_threads_at_once(monkeypatch):
+    # Conversions build the training parser in worker threads. The field docstrings behind the generated
+    # flags are read from source with ast, which CPython 3.11 cannot run from several threads at once
+    # ("AST constructor recursion depth mismatch"): at most one thread may be reading at any time.
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_lev import config_flags
+    from megatron_lev.checkpoint.arguments import build_parser
+
+    inside, most, lock = [0], [0], threading.Lock()
+    getsource = config_flags.inspect.getsource
+
+    def slow_getsource(obj):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.02)  # give the other threads every chance to overlap
+        try:
+            return getsource(obj)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(config_flags.inspect, "getsource", slow_getsource)
+    config_flags._field_docs.cache_clear()
+    with ThreadPoolExecutor(8) as pool:
+        helps = list(pool.map(lambda _: build_parser().format_help(), range(16)))
+    assert most[0] == 1
+    assert len(set(helps)) == 1 and "--lev-heads" in helps[0]
