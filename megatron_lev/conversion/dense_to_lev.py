@@ -45,7 +45,7 @@ import torch
 from megatron_lev.distributed import set_seed
 from megatron_lev.lev import ConfigError, LEVConfig, LEVEmbedding, lev_param_count
 
-from .source import ConversionError, open_checkpoint, refuse_existing_checkpoint
+from .source import ConversionError, open_checkpoint, save_target
 
 
 @dataclass
@@ -352,12 +352,7 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     if a.get("input_embedding") not in ("tied", "untied"):
         raise ConversionError(f"{source.path}: --input-embedding is {a.get('input_embedding')}; to-lev needs a "
                               "dense input table (tied or untied)")
-    dst = os.path.abspath(os.path.expanduser(str(dst)))
-    if os.path.realpath(dst) == os.path.realpath(source.root):
-        raise ConversionError(f"--save {dst}: the target is the source checkpoint's directory; choose another")
-    if os.path.exists(dst) and not os.path.isdir(dst):
-        raise ConversionError(f"--save {dst}: exists and is not a directory")
-    refuse_existing_checkpoint(dst)
+    dst = save_target(dst, source.root)
     counts = load_counts(token_counts)
     V, D = int(a["padded_vocab_size"]), int(a["hidden_size"])
     lev_cfg = lev_config_for(a, lev or {})

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .hf import OUTPUT, head_layout, mapped_names, megatron_tensors
-from .source import ConversionError, refuse_existing_checkpoint
+from .source import ConversionError, save_target
 
 # Tensors some Llama checkpoints carry that are derived from config.json (not parameters).
 IGNORED = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),)
@@ -324,10 +324,7 @@ def import_hf(hf_model: str, save: str, *, tp: int = 1, pp: int = 1, seq_length:
 
     log = print if progress else (lambda m: None)
     model = read_hf_model(hf_model)
-    save = os.path.abspath(os.path.expanduser(str(save)))
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise ConversionError(f"--save {save}: exists and is not a directory")
-    refuse_existing_checkpoint(save)
+    save = save_target(save)
     if int(model.config["num_hidden_layers"]) % pp:
         raise ConversionError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
                               f"{model.config['num_hidden_layers']} layers")

@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional
 from megatron_lev.distributed import set_seed
 
 from .launch import run_ranks
-from .source import ConversionError, open_checkpoint, refuse_existing_checkpoint
+from .source import ConversionError, open_checkpoint, save_target
 
 
 def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],
@@ -56,12 +56,7 @@ def reshard_checkpoint(src: str, dst: str, *, tp: int, pp: int = 1, vpp: Optiona
     from .model_io import layout_args
 
     source = open_checkpoint(src, iteration)
-    dst = os.path.abspath(os.path.expanduser(str(dst)))
-    if os.path.realpath(dst) == os.path.realpath(source.root):
-        raise ConversionError(f"{dst}: the target is the source checkpoint's directory; choose another --save")
-    if os.path.exists(dst) and not os.path.isdir(dst):
-        raise ConversionError(f"{dst}: exists and is not a directory")
-    refuse_existing_checkpoint(dst)
+    dst = save_target(dst, source.root)
     a = layout_args(source.args, tp, pp, vpp)
     num_layers = int(a["num_layers"])
     stages = pp * (a["virtual_pipeline_model_parallel_size"] or 1)

@@ -24,7 +24,14 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
         raise ConversionError(str(e)) from None
 
 
-def refuse_existing_checkpoint(save: str) -> None:
-    """A conversion never writes over a checkpoint: one line naming ``--save`` and the fix."""
+def save_target(save: str, source_root: Optional[str] = None) -> str:
+    """The absolute ``--save`` directory of a conversion, refused in one line when it is the source's
+    directory, a file, or already holds a checkpoint (a conversion never writes over one)."""
+    save = os.path.abspath(os.path.expanduser(str(save)))
+    if source_root is not None and os.path.realpath(save) == os.path.realpath(source_root):
+        raise ConversionError(f"--save {save}: the target is the source checkpoint's directory; choose another")
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise ConversionError(f"--save {save}: exists and is not a directory")
     if os.path.isfile(os.path.join(save, TRACKER)):
         raise ConversionError(f"--save {save}: already holds a checkpoint ({TRACKER}); choose an empty directory")
+    return save

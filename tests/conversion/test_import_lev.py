@@ -325,3 +325,21 @@ def test_to_lev_cli_has_a_flag_for_every_lev_setting():
     names = [f.name for f in dataclasses.fields(LEVConfig)]
     got = {n: getattr(a, lev_arg(n)) for n in names}
     assert got == {n: {"basis": "sparse", "num_heads": 4}.get(n) for n in names}
+
+
+def test_save_target_refusals_name_save_and_the_fix(tmp_path):
+    # One place decides where a conversion may write (reshard, import-hf and to-lev all call it).
+    from megatron_lev.checkpoint import TRACKER
+    from megatron_lev.conversion.source import ConversionError, save_target
+
+    src = tmp_path / "src"
+    src.mkdir()
+    assert save_target(str(tmp_path / "new"), str(src)) == str(tmp_path / "new")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / TRACKER).write_text("3")
+    for target, words in ((src, "source checkpoint's directory"), (tmp_path / "file", "not a directory"),
+                          (tmp_path / "full", "already holds a checkpoint")):
+        with pytest.raises(ConversionError, match=words) as e:
+            save_target(str(target), str(src))
+        assert str(e.value).startswith("--save ") and "\n" not in str(e.value)
