@@ -64,7 +64,7 @@ def write_tracker(root: str, iteration: int) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except OSError:
+    except OSError:  # some filesystems cannot fsync a directory; the tracker itself is already on disk
         pass
 
 
