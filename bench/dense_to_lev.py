@@ -156,6 +156,15 @@ def _ppl(res: Dict[str, Any]) -> Dict[str, Any]:
     return {"ppl": v.get("ppl"), "buckets": v.get("buckets") or v.get("frequency_buckets") or []}
 
 
+def _load_at_start(log: Path) -> str:
+    """The machine load a step's log recorded when it started (its ``# <time> load [...]`` line)."""
+    if log.is_file():
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("# ") and " load [" in line:
+                return "load average " + line.split(" load ", 1)[1] + " at its start"
+    return "machine load not recorded"
+
+
 def _f(x, d=2) -> str:
     return "-" if x is None else f"{x:.{d}f}"
 
@@ -190,7 +199,7 @@ def build_report(a, command: str) -> str:
         f"{fit['initial_relative_error']:.4f}), {_f(fit.get('weighted_relative_error'), 4)} frequency-weighted; "
         f"LEV {fit['lev_params']:,} parameters vs the table's {fit['table_params']:,} "
         f"({fit['lev_params'] / fit['table_params']:.2%}); {fit['steps']} steps in {fit['seconds']:.0f} s "
-        f"(stopped: {fit['stopped_because']}).", "",
+        f"(one run, {_load_at_start(a.work_dir / 'logs' / 'to_lev.log')}; stopped: {fit['stopped_because']}).", "",
         "| training-frequency bucket | ids | relative error |", "|---|---:|---:|",
     ]
     lines += [f"| {b['bucket']} | {b['vocab_ids']:,} | {_f(b['relative_error'], 4)} |" for b in fit["buckets"]]
