@@ -71,7 +71,15 @@ class PretrainingSampler:
             start += step
 
 
-def _collate(samples) -> Dict[str, torch.Tensor]:
+def batch_device() -> torch.device:
+    """Where a micro-batch goes: the current CUDA device, where megatron-core's layers hold the model,
+    else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _collate(samples, pin: bool = False) -> Dict[str, torch.Tensor]:
     out = {}
     for key in samples[0]:
         vals = [s[key] for s in samples]
@@ -79,6 +87,8 @@ def _collate(samples) -> Dict[str, torch.Tensor]:
             out[key] = torch.stack(vals)
         else:
             out[key] = torch.from_numpy(np.stack([np.asarray(v) for v in vals]))
+        if pin:
+            out[key] = out[key].pin_memory()
     return out
 
 
@@ -90,14 +100,16 @@ def make_iterator(dataset, consumed_samples: int, args, cyclic: bool = False) ->
 
     sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
                                  ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), cyclic=cyclic)
+    # Pinned host memory makes get_batch's copies to the GPU asynchronous (as Megatron-LM's loader).
+    pin = batch_device().type == "cuda"
     if args.num_workers > 0:
         from megatron_lev._procutil import ignore_stop_signals
 
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
                                              collate_fn=_collate, persistent_workers=False,
-                                             worker_init_fn=ignore_stop_signals)
+                                             worker_init_fn=ignore_stop_signals, pin_memory=pin)
         return iter(loader)
-    return (_collate([dataset[i] for i in idx]) for idx in sampler)
+    return (_collate([dataset[i] for i in idx], pin=pin) for idx in sampler)
 
 
 def train_iterators(dataset, consumed_samples: int, args):
@@ -117,8 +129,16 @@ def valid_iterators(dataset, args):
     return [make_iterator(dataset, 0, args, cyclic=True) for _ in range(vpp)]
 
 
-def get_batch(data_iterator):
-    """tokens, labels, loss_mask, attention_mask (None: causal), position_ids of the next micro-batch."""
+def get_batch(data_iterator, device: Optional[torch.device] = None):
+    """tokens, labels, loss_mask, attention_mask (None: causal), position_ids of the next micro-batch,
+    on ``device`` (default ``batch_device()``: the model's device)."""
     batch = next(data_iterator)
-    return (batch["tokens"].long(), batch["labels"].long(), batch["loss_mask"].float(),
-            batch.get("attention_mask"), batch["position_ids"].long())
+    device = batch_device() if device is None else device
+
+    def move(t, dtype=None):
+        # non_blocking: from pinned memory the copy is queued behind the step's work, no host sync.
+        return None if t is None else t.to(device=device, dtype=dtype, non_blocking=True)
+
+    return (move(batch["tokens"], torch.long), move(batch["labels"], torch.long),
+            move(batch["loss_mask"], torch.float), move(batch.get("attention_mask")),
+            move(batch["position_ids"], torch.long))
