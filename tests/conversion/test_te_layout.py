@@ -169,6 +169,7 @@ def test_pretrain_resumes_from_te_layout_checkpoint(run):
 
 
 @pytest.mark.gpu
+@pytest.mark.te
 def test_te_spec_checkpoint_and_local_spec_checkpoint_swap_on_gpu(tmp_path):
     from megatron_lev.models.config import te_available
     from megatron_lev.testing import run_distributed
