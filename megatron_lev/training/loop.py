@@ -162,13 +162,32 @@ def _build_optimizer(args, config, model):
     return optimizer, scheduler
 
 
+def _grad_sync_with_tables(chunk, tables):
+    """The chunk's grad sync, after its LEV tables (table mode) have delivered their gradients.
+
+    The interleaved schedule starts a chunk's grad sync right after the chunk's last backward, before
+    finalize: the table's row gradients are complete then, but not yet pushed through G. Pushing them
+    here, inside ``no_sync`` (so DDP's hooks accumulate the main grads without counting them as ready),
+    puts LEV's gradients in the bucket before it is dispatched; finalize then finds the table gone."""
+    if not tables:
+        return chunk.start_grad_sync
+
+    def sync(*a):
+        with chunk.no_sync():
+            for m in tables:
+                m.finish_table_step()
+        return chunk.start_grad_sync(*a)
+
+    return sync
+
+
 def _configure_hooks(args, config, model, optimizer, table_modules) -> None:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     config.grad_scale_func = optimizer.scale_loss
     if args.overlap_grad_reduce:
         no_sync = [m.no_sync for m in model]
-        grad_sync = [m.start_grad_sync for m in model]
+        grad_sync = [_grad_sync_with_tables(m, [t for t in table_modules if _holds(m, t)]) for m in model]
         config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
         config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
     if args.overlap_param_gather:
@@ -176,11 +195,17 @@ def _configure_hooks(args, config, model, optimizer, table_modules) -> None:
         config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
 
     def finalize(*a, **kw):
-        for m in table_modules:  # LEV table mode: push the table's gradient back through G first
+        # LEV table mode: push the table's gradient back through G first (a no-op for a table that the
+        # chunk's grad sync has already finished).
+        for m in table_modules:
             m.finish_table_step()
         return finalize_model_grads(*a, **kw)
 
     config.finalize_model_grads_func = finalize
+
+
+def _holds(chunk, module) -> bool:
+    return any(m is module for m in chunk.modules())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ One 4-rank torchrun job (TP=2 x DP=2, gloo) runs, in one process group:
   optimizer, overlapped grad reduce), with only the sizes scaled down (layers, widths, vocabulary,
   batch, iterations), and the same run with ``--no-overlap-grad-reduce``: losses and grad norms equal;
 - LEV at TP=2 with the distributed optimizer in unique and table mode: an uninterrupted run and a run
-  stopped after iteration 2 and resumed give bit-identical losses and grad norms.
+  stopped after iteration 2 and resumed give bit-identical losses and grad norms;
+- LEV in table mode at PP=2 with two virtual stages per rank (the interleaved schedule, which starts
+  each chunk's grad sync before finalize) x DP=2, distributed optimizer: overlapped grad reduce on and
+  off give identical losses and grad norms, in fp32 and in bf16.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ LEV_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--lev-chunk-size", "64"]
 
 
+VPP_TABLE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+             "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--vocab-size", "256", "--log-interval", "1",
+             "--eval-iters", "0", "--quiet-config", "--input-embedding", "lev", "--pipeline-model-parallel-size",
+             "2", "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
+             "--lev-compute-mode", "table", "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2",
+             "--lev-knots", "8", "--lev-chunk-size", "64"]
+
+
 def _metrics(path: Path) -> dict:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return {r["iteration"]: r for r in rows if r["kind"] == "train"}
@@ -61,6 +73,12 @@ def runs(tmp_path_factory):
             "--save", ck, "--exit-interval", "2", "--metrics-file", str(tmp / f"{mode}-first.jsonl")]})
         plan.append({"name": f"{mode}-resumed", "argv": LEV_TINY + extra + [
             "--load", ck, "--save", ck, "--metrics-file", str(tmp / f"{mode}-resumed.jsonl")]})
+    for dtype in ("fp32", "bf16"):
+        for overlap in ("on", "off"):
+            name = f"vpp-table-{dtype}-{overlap}"
+            argv = VPP_TABLE + (["--bf16"] if dtype == "bf16" else []) + (
+                ["--overlap-grad-reduce"] if overlap == "on" else []) + ["--metrics-file", str(tmp / f"{name}.jsonl")]
+            plan.append({"name": name, "argv": argv})
     res = launch_plan(4, plan, tmp)
     assert all(r.code == 0 for r in res.values()), {n: r.code for n, r in res.items()}
     return tmp
@@ -94,3 +112,14 @@ def test_lev_resume_is_bit_exact_at_tp2_with_distributed_optimizer(runs, mode):
     for i in (3, 4):
         assert resumed[i]["lm loss hex"] == full[i]["lm loss hex"], (mode, i)
         assert resumed[i]["grad norm"] == full[i]["grad norm"], (mode, i)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_table_mode_with_virtual_stages_overlaps_grad_reduce_like_without(runs, dtype):
+    on = _metrics(runs / f"vpp-table-{dtype}-on.jsonl")
+    off = _metrics(runs / f"vpp-table-{dtype}-off.jsonl")
+    assert sorted(on) == sorted(off) == [1, 2, 3]
+    for i in on:
+        assert on[i]["lm loss hex"] == off[i]["lm loss hex"], (dtype, i)
+        assert on[i]["grad norm"] == off[i]["grad norm"], (dtype, i)
+        assert on[i]["grad norm"] > 0 and not on[i]["skipped"]
