@@ -445,8 +445,9 @@ class ComputeModes:
     - "unique": F once per distinct id, gathered with the inverse index;
     - "table": rows of a table of F over all V ids, evaluated once per optimizer step. The first call with
       grad enabled starts the step (``begin``). ``begin`` evaluates F over all ids (no autograd) into a
-      leaf table held in at least fp32, so the micro-batches' row gradients accumulate in fp32 in its
-      ``.grad`` as megatron accumulates main grads; rows are returned in F's own dtype. ``finish`` pushes
+      table held in at least fp32; the micro-batches' row gradients are added (``index_add_``, rows seen
+      only) into one fp32 buffer ``table_grad`` as megatron accumulates main grads, so no V x D gradient
+      is built per micro-batch; rows are returned in F's own dtype. ``finish`` pushes
       the rows' gradients back through F once (``table_backward``: one gradient delivery per parameter,
       as megatron DDP's overlapped grad reduce expects) and frees the table. The rows pushed back are the
       ids seen, so tensor-parallel ranks that saw the same batch run the same chunks (and collectives).
@@ -458,7 +459,10 @@ class ComputeModes:
         self.vocab_size = int(vocab_size)
         self.config = config
         self.table: Optional[torch.Tensor] = None
+        self.table_grad: Optional[torch.Tensor] = None
+        """The step's accumulated gradient of the table rows (fp32, V x D) while a table is active."""
         self._seen: Optional[torch.Tensor] = None
+        self._anchor: Optional[torch.Tensor] = None
         self._dtype: Optional[torch.dtype] = None
 
     @property
@@ -482,25 +486,64 @@ class ComputeModes:
 
     @torch.no_grad()
     def begin(self, fn: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor:
-        """Evaluate F over all V ids into a fresh leaf table (at least fp32) and return it."""
+        """Evaluate F over all V ids into a fresh table (at least fp32) and its zeroed gradient; return it."""
         table = compute_table(fn, self.vocab_size, self.config.chunk_size, device)
         self._dtype = table.dtype
-        self.table = table.to(torch.promote_types(table.dtype, torch.float32)).requires_grad_(True)
+        self.table = table.to(torch.promote_types(table.dtype, torch.float32))
+        self.table_grad = torch.zeros_like(self.table)
         self._seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=table.device)
+        # An input that requires grad, so that autograd runs _TableRows.backward.
+        self._anchor = torch.zeros((), device=table.device, requires_grad=True)
         return self.table
 
     def lookup(self, flat_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the table at ``flat_ids`` (F's dtype); their gradient is added into ``table_grad``.
+
+        The ids are numbered by group of equal ids (a sort; no host sync): the rows of the N groups are
+        gathered and expanded with F.embedding, whose backward sums the gradient of each group into an
+        N x D tensor (deterministic), and those N rows are added into ``table_grad`` with distinct
+        indices. The extra memory is N x D per micro-batch, never V x D.
+        """
         self._seen[flat_ids] = True
-        return F.embedding(flat_ids, self.table).to(self._dtype)
+        sorted_ids, order = torch.sort(flat_ids)
+        starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+        starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        group_sorted = torch.cumsum(starts, 0) - 1
+        group = torch.empty_like(group_sorted).scatter_(0, order, group_sorted)
+        # Groups past the last one keep id 0 and receive a zero gradient (adding 0 changes no value).
+        group_ids = torch.zeros_like(sorted_ids).scatter_(0, group_sorted, sorted_ids)
+        rows = _TableRows.apply(self._anchor, self.table, self.table_grad, group_ids)
+        return F.embedding(group, rows).to(self._dtype)
 
     def finish(self, fn: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.Tensor]) -> None:
         """Push the table's accumulated gradient back through F into ``params``, then free the table."""
-        table, seen = self.table, self._seen
-        self.table = self._seen = None
-        if table is None:
+        table_grad, seen = self.table_grad, self._seen
+        active = self.table is not None
+        self.table = self.table_grad = self._seen = self._anchor = None
+        if not active:
             return
         rows = torch.nonzero(seen, as_tuple=False).squeeze(1)
-        table_backward(fn, table.grad, self.config.chunk_size, params, rows=rows)
+        table_backward(fn, table_grad, self.config.chunk_size, params, rows=rows)
+
+
+class _TableRows(torch.autograd.Function):
+    """table[ids] forward; backward adds the rows' gradient into the step's ``table_grad`` buffer.
+
+    ``ids`` are distinct except for groups whose gradient is zero, so ``index_add_`` sums no two
+    non-zero rows into one (its result does not depend on the order of atomic adds)."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, table_grad, ids):
+        ctx.table_grad = table_grad
+        ctx.save_for_backward(ids)
+        return table.index_select(0, ids)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_rows):
+        (ids,) = ctx.saved_tensors
+        ctx.table_grad.index_add_(0, ids, grad_rows.to(ctx.table_grad.dtype))
+        return None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------
