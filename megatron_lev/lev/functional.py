@@ -29,9 +29,8 @@ __all__ = [
 def token_digits(ids: torch.Tensor, base: int, num_digits: int) -> torch.Tensor:
     """Digits of token ids, most significant first: i_m = floor(i / b^(k-m)) mod b, shape [..., k]."""
     ids = ids.long()
-    powers = torch.tensor(
-        [base ** (num_digits - 1 - m) for m in range(num_digits)], dtype=torch.long, device=ids.device
-    )
+    # Built on the ids' device (a kernel, not a copy of host data: no host sync on an accelerator).
+    powers = torch.pow(base, torch.arange(num_digits - 1, -1, -1, dtype=torch.long, device=ids.device))
     return torch.div(ids.unsqueeze(-1), powers, rounding_mode="floor") % base
 
 
@@ -92,7 +91,7 @@ def _sparse_weights(x: torch.Tensor, num_knots: int) -> Tuple[torch.Tensor, torc
     hi = torch.where(centre < kappa - 1, hi, torch.zeros((), dtype=x.dtype, device=x.device))
     weight = torch.stack((lo, mid, hi), dim=-1)
     weight = weight / weight.sum(dim=-1, keepdim=True)
-    offsets = torch.tensor([-1, 0, 1], dtype=torch.long, device=x.device)
+    offsets = torch.arange(-1, 2, dtype=torch.long, device=x.device)  # -1, 0, 1 (no host-to-device copy)
     index = (centre.long().unsqueeze(-1) + offsets).clamp_(0, kappa - 1)
     return index, weight
 

@@ -237,9 +237,10 @@ def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Optional[fl
     from megatron.core import parallel_state as ps
 
     buf = torch.zeros(2, dtype=torch.float64)
-    if ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0:
-        for d in losses_reduced:
-            buf += d["lm loss"].double().cpu()
+    if (losses_reduced and ps.is_pipeline_last_stage(ignore_virtual=True)
+            and ps.get_tensor_model_parallel_rank() == 0):
+        # Summed on the device, copied to the host once per step (the logged loss needs it there).
+        buf += torch.stack([d["lm loss"] for d in losses_reduced]).double().sum(dim=0).cpu()
     all_reduce_(buf)
     if buf[1] <= 0:
         return None
@@ -247,19 +248,27 @@ def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Optional[fl
 
 
 def _grads_finite(model) -> bool:
+    """True when this rank's gradients are all finite.
+
+    As megatron DDP's own NaN check: the norm of each gradient buffer (NaN/Inf anywhere makes it
+    non-finite), so no buffer-sized boolean tensor is allocated; the norms are summed on the device and
+    read once (one host sync per step: the skip-or-stop decision needs the answer on the host)."""
+    norms = []
     for chunk in model:
-        buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+        # megatron DDP's grad buffers (a plain module's ``buffers`` is its method, not a list)
+        buffers = [b for name in ("buffers", "expert_parallel_buffers")
+                   if isinstance(getattr(chunk, name, None), list) for b in getattr(chunk, name)]
         if buffers:
-            for b in buffers:
-                if not bool(torch.isfinite(b.grad_data).all()):
-                    return False
+            norms += [b.grad_data.norm(p=2) for b in buffers]
         else:
             for p in chunk.parameters():
                 g = getattr(p, "main_grad", None)
                 g = p.grad if g is None else g
-                if g is not None and not bool(torch.isfinite(g).all()):
-                    return False
-    return True
+                if g is not None:
+                    norms.append(g.norm(p=2))
+    if not norms:
+        return True
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms]).sum()))
 
 
 def _params_finite(model) -> bool:
