@@ -13,6 +13,13 @@ Design choices (the first four are the spec's, the rest are ours where the paper
   ``product_chunk`` and recomputes each chunk's factors in the backward pass: the N x h x d_s x r tensor
   of factors is never held. ids are processed in chunks of ``chunk_size`` for the initialisation
   statistics, materialize() and the table mode.
+- Precision on a GPU, chosen from ``bench/lev_precision.py`` (paper defaults, V = 50,304, D = 2048, at
+  init; errors in units of rounding G itself to bf16 once): the coordinate GEMM A_l z stays true fp32
+  (TF32 inputs would add 0.89 units, for a GEMM of 1/8 of the projection's size), the projection
+  sum_l W_l M_l stays true fp32 (TF32 would add 0.26 units, bf16 inputs 2.1; its FLOPs are about 0.1%
+  of a 1.2B model's), and the tensor-parallel reduction of the partial sums is fp32 (bf16 partials would
+  add 1.5 units at TP=2; it is one activation-sized all-reduce per micro-batch beside the transformer's
+  four per layer). torch's default (no TF32 for fp32 matmuls) is left as it is.
 - Each head's LayerNorm normalises over the d_s seed dimensions with eps = 1e-5 (torch's default),
   with its own affine gamma (ones) and beta (zeros).
 - W_l is initialised N(0, 0.02^2) and then rescaled per output coordinate: row j of every W_l is
