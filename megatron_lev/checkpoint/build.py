@@ -18,7 +18,7 @@ import torch
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models import LevModelConfig, build_gpt_model, build_transformer_config, lev_modules
-from megatron_lev.models.config import settings_for_loading
+from megatron_lev.models.config import check_cuda_device_max_connections, check_fp8_tokens, settings_for_loading
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -92,8 +92,9 @@ def transformer_config_kwargs(a: Mapping[str, Any]) -> Dict[str, Any]:
 def build_configs(a: Mapping[str, Any], *, for_loading: bool = False, **overrides: Any) -> Tuple[Any, LevModelConfig]:
     """(TransformerConfig, LevModelConfig) for the arguments ``a``; ConfigError (one line) on an impossible
     combination. ``for_loading``: the weights come from a checkpoint, built on this machine (a model
-    trained with Transformer Engine is rebuilt with the local spec where TE or CUDA is missing; no layer
-    initialises its parameters). ``overrides``: TransformerConfig fields to set."""
+    trained with Transformer Engine is rebuilt with the local spec where TE or CUDA is missing; never with
+    FP8; no layer initialises its parameters). Otherwise the model is trained, wrapped in megatron's DDP
+    (gradient-accumulation fusion where available). ``overrides``: TransformerConfig fields to set."""
     if for_loading:
         a = dict(a, **settings_for_loading(a))
     model_config = model_config_from_args(a)
@@ -102,8 +103,14 @@ def build_configs(a: Mapping[str, Any], *, for_loading: bool = False, **override
         kw["perform_initialization"] = False
         model_config.weights_from_checkpoint = True
     kw.update(overrides)
-    config = build_transformer_config(model_config, **kw)
+    config = build_transformer_config(model_config, megatron_ddp=not for_loading, **kw)
     model_config.validate(config)
+    if a.get("micro_batch_size") and a.get("seq_length"):
+        check_fp8_tokens(config.fp8, config.fp8_recipe, micro_batch_size=a["micro_batch_size"],
+                         seq_length=a["seq_length"], tp=config.tensor_model_parallel_size,
+                         sequence_parallel=config.sequence_parallel)
+    if not for_loading:
+        check_cuda_device_max_connections(config.tensor_model_parallel_size)
     return config, model_config
 
 

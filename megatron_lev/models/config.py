@@ -3,15 +3,19 @@ that turn impossible parallel/precision settings into one-line errors naming the
 
 ``LevModelConfig`` holds what megatron-core's ``TransformerConfig`` does not: the vocabulary,
 the input representation (``input_embedding``), the LEV knobs and the baseline widths.
-``build_transformer_config`` fills a ``TransformerConfig`` with defaults that run on CPU and
-match a ``LevModelConfig`` (norm, activation, biases).
+``build_transformer_config`` fills a ``TransformerConfig`` with defaults that match a
+``LevModelConfig`` (norm, activation, biases) and this machine: CPU-capable settings without CUDA,
+Megatron-LM's fusion defaults where CUDA and each fusion's kernel are present (``fusion_defaults``).
+
+What is available is read from megatron-core's own flags (its ``HAVE_TE``, its fused RoPE function, its
+gradient-accumulation-fusion flag), so this module and megatron agree on what will run.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -25,11 +29,62 @@ POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+FP8_FORMATS = ("e4m3", "hybrid")
+
+# Transformer Engine versions megatron-core 0.16.1's get_fp8_recipe needs per recipe (it raises otherwise).
+FP8_RECIPE_MIN_TE = {"delayed": "1.0", "mxfp8": "2.1.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0"}
+
+
+# ---------------------------------------------------------------------- what this machine has
 
 
 def te_available() -> bool:
-    """True when Transformer Engine can be imported (without importing it)."""
-    return importlib.util.find_spec("transformer_engine") is not None
+    """True when megatron-core can use Transformer Engine: its own ``HAVE_TE`` flags (the TE extension
+    and the GPT layer specs), which need TE's imports to succeed. An installed TE that fails to import
+    (a torch ABI mismatch, missing CUDA libraries) is not available, so "auto" picks the local spec."""
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+        from megatron.core.models.gpt import gpt_layer_specs
+    except Exception:  # megatron catches only ImportError; a TE missing a shared library raises OSError
+        return False
+    return bool(te_ext.HAVE_TE and gpt_layer_specs.HAVE_TE)
+
+
+def te_version():
+    """Transformer Engine's version (``packaging.version.Version``, as megatron-core reads it), or None."""
+    if not te_available():
+        return None
+    from megatron.core.utils import get_te_version
+
+    return get_te_version()
+
+
+def triton_available() -> bool:
+    """Whether torch.compile has its GPU backend (Triton imports); megatron's ``jit_fuser`` (torch.compile)
+    builds the bias-dropout-add and bias-activation fusions with it. Asks no device: configs are built
+    before each rank selects its GPU."""
+    try:
+        from torch.utils._triton import has_triton_package
+    except ImportError:
+        return False
+    return bool(has_triton_package())
+
+
+def apex_softmax_available() -> bool:
+    """Whether apex's fused masked-softmax kernels import (megatron's ``FusedScaleMaskSoftmax`` calls them
+    when ``masked_softmax_fusion`` is on; it has no flag of its own for them)."""
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+        import scaled_upper_triang_masked_softmax_cuda  # noqa: F401
+    except Exception:  # a broken extension raises OSError as well as ImportError
+        return False
+    return True
+
+
+def cuda_capability() -> Optional[Tuple[int, int]]:
+    """Compute capability of the current CUDA device, None without CUDA (asked only where a setting needs
+    it: FP8, or TP without CUDA_DEVICE_MAX_CONNECTIONS=1)."""
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
 def use_transformer_engine(transformer_impl: str = "auto") -> bool:
@@ -49,12 +104,55 @@ def settings_for_loading(saved: Dict[str, Any]) -> Dict[str, Any]:
     """The layer-spec and FP8 settings to rebuild a saved model with on this machine.
 
     Checkpoints load into either layer spec (``models.checkpoint_keys``), so a model trained with
-    Transformer Engine is rebuilt with the local spec, without FP8, where TE or CUDA is missing.
+    Transformer Engine is rebuilt with the local spec where TE or CUDA is missing. FP8 is never kept:
+    megatron-core enters the FP8 context in evaluation too, and TE's FP8 GEMMs need tokens divisible
+    by 8 (32 for mxfp8) while an evaluation batch has whatever length its longest sequence has (the
+    note of megatron-core's ``prepare_model_for_fp8_inference``). The weights FP8 training saves are
+    the bf16/fp32 ones, so the model evaluates in its ``--bf16``/``--fp16`` precision.
     """
     impl = saved.get("transformer_impl") or "auto"
     if te_available() and torch.cuda.is_available():
-        return {"transformer_impl": impl, "fp8_format": saved.get("fp8_format")}
+        return {"transformer_impl": impl, "fp8_format": None}
     return {"transformer_impl": "auto" if impl == "transformer_engine" else impl, "fp8_format": None}
+
+
+def check_cuda_device_max_connections(tp: int) -> None:
+    """Tensor parallelism on a GPU before Blackwell needs ``CUDA_DEVICE_MAX_CONNECTIONS=1``: megatron-core
+    issues each TP collective before the GEMM it overlaps with and relies on one hardware queue to run
+    them in that order (Megatron-LM refuses to start without it)."""
+    if tp <= 1 or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return
+    cc = cuda_capability()
+    if cc is not None and cc[0] < 10:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} on this GPU (compute capability {cc[0]}.{cc[1]}) needs "
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment (megatron overlaps TP communication in that "
+            "order); export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch (examples/pile/train.sh does)"
+        )
+
+
+# ---------------------------------------------------------------------- LEV compute mode
+
+
+def tokens_per_data_parallel_rank(*, global_batch_size: int, seq_length: int, data_parallel_size: int) -> int:
+    """Tokens one data-parallel rank (one TP x PP model replica) trains on per optimizer step."""
+    if global_batch_size % data_parallel_size:
+        raise ConfigError(
+            f"--global-batch-size {global_batch_size} is not divisible by the data-parallel size "
+            f"{data_parallel_size}; choose a multiple of {data_parallel_size}"
+        )
+    return global_batch_size // data_parallel_size * seq_length
+
+
+def lev_compute_mode_for(*, vocab_size: int, tokens_per_rank_per_step: int) -> str:
+    """The LEV compute mode that evaluates fewer ids per data-parallel rank and step.
+
+    ``table`` evaluates G on all V ids on every data-parallel rank once per step, whatever the batch;
+    ``unique`` evaluates the distinct ids of each micro-batch, at most the rank's tokens of the step.
+    So ``table`` only when V <= tokens per rank per step (small vocabularies, large local batches),
+    else ``unique``. ``token`` never evaluates fewer ids than ``unique``.
+    """
+    return "table" if vocab_size <= tokens_per_rank_per_step else "unique"
 
 
 @dataclass
@@ -201,7 +299,8 @@ class LevModelConfig:
                 f"pad the vocabulary (--make-vocab-size-divisible-by a multiple of {tp})"
             )
         if config.fp8:
-            check_fp8(config.fp8, self.transformer_impl)
+            check_fp8(config.fp8, self.transformer_impl, config.fp8_recipe)
+            check_fp8_widths(config)
         elif self.transformer_impl == "transformer_engine":
             use_transformer_engine("transformer_engine")  # raises when TE/CUDA are missing
 
@@ -283,12 +382,14 @@ def check_parallel_settings(
         )
 
 
-def check_fp8(fp8: Optional[str], transformer_impl: str = "auto") -> None:
-    """FP8 runs only through Transformer Engine on a CUDA GPU."""
+def check_fp8(fp8: Optional[str], transformer_impl: str = "auto", recipe: Optional[str] = "delayed") -> None:
+    """FP8 runs only through Transformer Engine on a CUDA GPU that has FP8 GEMMs, with a recipe that this
+    TE version and this GPU provide (what megatron-core's ``get_fp8_recipe`` and TE would refuse at the
+    first forward, refused here at start-up)."""
     if not fp8:
         return
-    if fp8 not in ("e4m3", "hybrid"):
-        raise ConfigError(f"--fp8-format must be e4m3 or hybrid (got {fp8!r})")
+    if fp8 not in FP8_FORMATS:
+        raise ConfigError(f"--fp8-format must be {' or '.join(FP8_FORMATS)} (got {fp8!r})")
     if transformer_impl == "local":
         raise ConfigError("--fp8-format needs --transformer-impl transformer_engine (or auto); local has no FP8")
     if not (te_available() and torch.cuda.is_available()):
@@ -296,19 +397,129 @@ def check_fp8(fp8: Optional[str], transformer_impl: str = "auto") -> None:
             f"--fp8-format {fp8} needs Transformer Engine and a CUDA GPU (not found on this machine); "
             "drop --fp8-format to train in fp32/bf16"
         )
+    cc = cuda_capability()
+    if cc < (8, 9):
+        raise ConfigError(
+            f"--fp8-format {fp8}: this GPU (compute capability {cc[0]}.{cc[1]}) has no FP8 GEMMs, which need "
+            "compute capability >= 8.9 (Ada, Hopper or newer); drop --fp8-format"
+        )
+    recipe = recipe or "delayed"
+    if recipe not in FP8_RECIPE_MIN_TE:
+        raise ConfigError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPE_MIN_TE)} (got {recipe!r})")
+    from packaging.version import Version
+
+    have = te_version()
+    need = FP8_RECIPE_MIN_TE[recipe]
+    if have is not None and Version(str(have)) < Version(need):
+        raise ConfigError(
+            f"--fp8-recipe {recipe} needs Transformer Engine >= {Version(need).base_version} (found {have}); "
+            "upgrade Transformer Engine or use --fp8-recipe delayed"
+        )
+    if recipe == "mxfp8" and cc[0] < 10:
+        raise ConfigError(
+            f"--fp8-recipe mxfp8 runs on Blackwell GPUs only (compute capability >= 10.0; this GPU is "
+            f"{cc[0]}.{cc[1]}); use --fp8-recipe delayed, tensorwise or blockwise"
+        )
+
+
+def fp8_multiple(recipe: Optional[str]) -> Tuple[int, int]:
+    """(tokens, width) multiples TE's FP8 GEMMs need: 8 x 16 (``assert_dim_for_fp8_exec``); mxfp8 scales
+    blocks of 32 along both dimensions, so 32 x 32."""
+    return (32, 32) if recipe == "mxfp8" else (8, 16)
+
+
+def check_fp8_widths(config: Any) -> None:
+    """The widths of the FP8 GEMMs on one tensor-parallel rank divide TE's multiple: the hidden size, the
+    MLP width / TP, and the query and QKV widths / TP (``config``: a megatron-core TransformerConfig)."""
+    if not config.fp8:
+        return
+    m = fp8_multiple(config.fp8_recipe)[1]
+    why = f"FP8 GEMMs{' with --fp8-recipe mxfp8' if m == 32 else ''} need widths divisible by {m}"
+    tp = config.tensor_model_parallel_size
+    D, F = config.hidden_size, config.ffn_hidden_size
+    a, g = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
+    dh = config.kv_channels
+    if D % m:
+        raise ConfigError(f"--hidden-size {D}: {why}; choose a multiple of {m}")
+    if F % (tp * m):
+        raise ConfigError(
+            f"--ffn-hidden-size {F} / --tensor-model-parallel-size {tp} = {F / tp:g} per rank: {why}; "
+            f"choose --ffn-hidden-size as a multiple of {tp * m}"
+        )
+    for what, width in (("query", a * dh), ("QKV", (a + 2 * g) * dh)):
+        if width % (tp * m):
+            raise ConfigError(
+                f"the {what} projection is {width} wide ({a} --num-attention-heads, {g} --num-query-groups, "
+                f"--kv-channels {dh}), {width / tp:g} per rank at --tensor-model-parallel-size {tp}: {why}; "
+                f"choose --kv-channels (or the head counts) so that its width is a multiple of {tp * m}"
+            )
+
+
+def check_fp8_tokens(fp8: Optional[str], recipe: Optional[str], *, micro_batch_size: int, seq_length: int,
+                     tp: int = 1, sequence_parallel: bool = False) -> None:
+    """The tokens of one micro-batch (one TP rank's share under sequence parallelism, where each rank casts
+    its slice to FP8) divide TE's multiple: 8, 32 for mxfp8."""
+    if not fp8:
+        return
+    m = fp8_multiple(recipe)[0]
+    tokens = micro_batch_size * seq_length
+    per_rank = tokens / tp if sequence_parallel else tokens
+    if per_rank % m:
+        where = f", {per_rank:g} per tensor-parallel rank under --sequence-parallel" if sequence_parallel else ""
+        mult = m * tp if sequence_parallel else m
+        raise ConfigError(
+            f"--micro-batch-size {micro_batch_size} x --seq-length {seq_length} = {tokens} tokens per "
+            f"micro-batch{where}: FP8 GEMMs{' with --fp8-recipe mxfp8' if m == 32 else ''} need a multiple of "
+            f"{m}; choose them so that micro-batch-size x seq-length is a multiple of {mult}"
+        )
 
 
 # ---------------------------------------------------------------------- TransformerConfig
 
 
-def build_transformer_config(model_config: Optional[LevModelConfig] = None, **kwargs: Any):
+def fusion_defaults(*, activation: str = "swiglu", add_bias_linear: bool = False,
+                    position_embedding_type: str = "rope", megatron_ddp: bool = False) -> Dict[str, bool]:
+    """megatron-core's fusion flags as Megatron-LM defaults them, on where CUDA and the kernel are present.
+
+    - ``bias_dropout_fusion``, ``bias_activation_fusion``: megatron's torch.compile'd functions (CUDA with
+      Triton); bias-activation for SwiGLU, and for GeLU only with biases (megatron refuses bias-GeLU without
+      a bias; Megatron-LM turns it off there);
+    - ``apply_rope_fusion``: Transformer Engine's fused RoPE (megatron's ``fused_apply_rotary_pos_emb``);
+    - ``gradient_accumulation_fusion``: the weight-gradient GEMM accumulates into megatron DDP's fp32
+      ``main_grad`` instead of writing a ``param.grad`` that DDP then adds. TE's layers do it themselves,
+      but megatron's local linear layers (the output head in every spec) call apex's
+      ``fused_weight_gradient_mlp_cuda``, so it needs apex (megatron's own flag), and ``megatron_ddp``:
+      only megatron's DistributedDataParallel gives the parameters ``main_grad``;
+    - ``masked_softmax_fusion``: apex's fused softmax (read only by megatron's DotProductAttention).
+
+    ``cross_entropy_loss_fusion`` keeps megatron's default, off: Megatron-LM leaves it opt-in too.
+    """
+    cuda = torch.cuda.is_available()
+    compiled = cuda and triton_available()
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+
+    return {
+        "bias_dropout_fusion": compiled,
+        "bias_activation_fusion": compiled and (activation == "swiglu" or bool(add_bias_linear)),
+        "apply_rope_fusion": cuda and position_embedding_type == "rope"
+        and rope_utils.fused_apply_rotary_pos_emb is not None,
+        "gradient_accumulation_fusion": cuda and megatron_ddp and bool(layers._grad_accum_fusion_available),
+        "masked_softmax_fusion": cuda and apex_softmax_available(),
+    }
+
+
+def build_transformer_config(model_config: Optional[LevModelConfig] = None, *, megatron_ddp: bool = False,
+                             **kwargs: Any):
     """A megatron-core ``TransformerConfig`` with defaults that fit ``model_config`` and this machine.
 
     Fills (unless given in ``kwargs``): ``normalization``; ``gated_linear_unit`` and
     ``activation_func`` for swiglu (SiLU) / gelu; ``add_bias_linear``; ``use_cpu_initialization``
     and ``batch_p2p_sync=False`` when CUDA is absent; ``pipeline_dtype = params_dtype`` (fp32 by
-    default, bf16 when ``bf16=True``); fusions that need CUDA kernels off on CPU. The parallel and
-    FP8 settings are checked first so errors are one line naming the flag.
+    default, bf16 when ``bf16=True``); the fusions of ``fusion_defaults`` (all off on CPU).
+    ``megatron_ddp``: the model will be wrapped in megatron-core's DistributedDataParallel (training),
+    which gradient-accumulation fusion needs. The parallel and FP8 settings are checked first so errors
+    are one line naming the flag.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -327,17 +538,15 @@ def build_transformer_config(model_config: Optional[LevModelConfig] = None, **kw
         kw.setdefault("gated_linear_unit", False)
         kw.setdefault("activation_func", torch.nn.functional.gelu)
     kw.setdefault("add_bias_linear", mc.add_bias_linear if mc else False)
-    kw.setdefault("bias_activation_fusion", False)
+    fusions = fusion_defaults(activation=activation, add_bias_linear=kw["add_bias_linear"],
+                              position_embedding_type=mc.position_embedding_type if mc else "rope",
+                              megatron_ddp=megatron_ddp)
+    for name, on in fusions.items():
+        kw.setdefault(name, on)
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
+    if not torch.cuda.is_available():
         kw.setdefault("use_cpu_initialization", True)
         kw.setdefault("batch_p2p_sync", False)
-        kw.setdefault("masked_softmax_fusion", False)
-        kw.setdefault("bias_dropout_fusion", False)
-        kw.setdefault("apply_rope_fusion", False)
-        kw.setdefault("gradient_accumulation_fusion", False)
-        kw.setdefault("persist_layer_norm", False)
     if kw.get("bf16"):
         kw.setdefault("params_dtype", torch.bfloat16)
     elif kw.get("fp16"):
@@ -362,8 +571,10 @@ def build_transformer_config(model_config: Optional[LevModelConfig] = None, **kw
         or kw.get("num_layers_in_last_pipeline_stage") is not None,
     )
     if kw.get("fp8"):
-        check_fp8(kw["fp8"], mc.transformer_impl if mc else "auto")
+        check_fp8(kw["fp8"], mc.transformer_impl if mc else "auto", kw.get("fp8_recipe", "delayed"))
     try:
-        return TransformerConfig(**kw)
+        config = TransformerConfig(**kw)
     except (ValueError, AssertionError) as e:
         raise ConfigError(f"TransformerConfig: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    check_fp8_widths(config)  # on megatron's resolved widths (ffn_hidden_size, kv_channels, query groups)
+    return config

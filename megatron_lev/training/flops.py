@@ -20,7 +20,9 @@ differ from D with --kv-channels), g query groups, F the MLP width, V the padded
                             every basis; the eager dense basis also multiplies kappa - 3 zeros per
                             dimension, which is work of that implementation, not of the model. Ids evaluated per iteration: every token in
                             ``token`` mode, at most every token in ``unique`` mode (counted as every
-                            token: an upper bound), V once per iteration in ``table`` mode.
+                            token: an upper bound), V per data-parallel rank per iteration in
+                            ``table`` mode (every rank builds its own table; its TP ranks split the
+                            heads, so one model replica evaluates each of the V ids once).
 
     FLOPs per iteration = 3 * (tokens * per-token forward + LEV ids * LEV per-id forward)
 
@@ -33,8 +35,15 @@ from typing import Any, Optional
 
 from megatron_lev.lev.config import LEVConfig
 
-# Dense bf16 peak TFLOP/s of common accelerators (for MFU when --peak-tflops-per-device is not given).
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
+# Dense (no sparsity) bf16 tensor-core peak TFLOP/s, NVIDIA's datasheet figures (half the "with sparsity"
+# ones), for MFU when --peak-tflops-per-device is not given. Matched against torch.cuda.get_device_name()
+# in this order, so that the more specific names come first: "NVIDIA H100 PCIe", "NVIDIA H100 NVL", and
+# the SXM part as "NVIDIA H100 80GB HBM3"; "NVIDIA H200" (SXM), "NVIDIA H200 NVL"; "NVIDIA GH200 480GB".
+_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0),
+    ("H100", 989.0), ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("A10", 125.0),
+    ("V100", 125.0),
+)
 
 
 def lev_forward_flops_per_id(lev: LEVConfig, hidden_size: int) -> float:
@@ -74,27 +83,43 @@ def transformer_forward_flops_per_token(config: Any, vocab_size: int, seq_length
     return proj + scores + mlp + head
 
 
-def flops_per_iteration(config: Any, model_config, *, global_batch_size: int, seq_length: int) -> float:
-    """Model FLOPs of one optimizer step (all ranks together) for a TransformerConfig and a LevModelConfig."""
+def flops_per_iteration(config: Any, model_config, *, global_batch_size: int, seq_length: int,
+                        data_parallel_size: Optional[int] = None) -> float:
+    """Model FLOPs of one optimizer step (all ranks together) for a TransformerConfig and a LevModelConfig.
+
+    ``data_parallel_size``: how many data-parallel ranks build a table in ``table`` mode; None = megatron's
+    data-parallel size where its parallel state is initialised, else 1 (one process)."""
     D, V = config.hidden_size, model_config.vocab_size
     tokens = global_batch_size * seq_length
     per_token = transformer_forward_flops_per_token(config, V, seq_length) + _input_side_per_token(model_config, D)
     total = 3.0 * tokens * per_token
     if model_config.input_embedding == "lev":
-        ids = V if model_config.lev.compute_mode == "table" else tokens
+        if model_config.lev.compute_mode == "table":
+            ids = V * (data_parallel_size if data_parallel_size is not None else _data_parallel_size())
+        else:
+            ids = tokens
         total += 3.0 * ids * lev_forward_flops_per_id(model_config.lev, D)
     return total
 
 
-def peak_tflops_per_device(given: Optional[float] = None) -> Optional[float]:
-    """``given`` (--peak-tflops-per-device), else the known peak of this CUDA device, else None."""
+def _data_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def peak_tflops_per_device(given: Optional[float] = None, device_name: Optional[str] = None) -> Optional[float]:
+    """``given`` (--peak-tflops-per-device), else the datasheet peak of this CUDA device (``device_name``:
+    its ``torch.cuda.get_device_name()``, asked when not given), else None."""
     if given:
         return float(given)
-    import torch
+    if device_name is None:
+        import torch
 
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, val in _PEAK_TFLOPS.items():
-            if key in name:
-                return val
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    for key, val in _PEAK_TFLOPS:
+        if key in device_name:
+            return val
     return None

@@ -1,13 +1,16 @@
-"""Model FLOPs of LEV: the spec's per-id count (3 active knots), the same whatever basis computes it."""
+"""Model FLOPs of LEV: the spec's per-id count (3 active knots), the same whatever basis computes it; table
+mode's ids per data-parallel rank; the peak of each device name."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_lev.lev import functional
 from megatron_lev.lev.config import BASIS_KINDS, LEVConfig
 from megatron_lev.models import LevModelConfig
-from megatron_lev.training.flops import flops_per_iteration, lev_forward_flops_per_id
+from megatron_lev.training.flops import flops_per_iteration, lev_forward_flops_per_id, peak_tflops_per_device
 
 # spec "Cost": h d_s 3 r + h d_s r + h r D + h d_s^2 = 1,441,792 multiply-adds at the defaults, D = 2048
 SPEC_PER_ID = 2.0 * (8 * 128 * 3 * 64 + 8 * 128 * 64 + 8 * 64 * 2048 + 8 * 128 * 128)
@@ -37,9 +40,42 @@ def test_lev_flops_on_the_basis_auto_resolves_to_on_cuda(monkeypatch):
         assert lev_forward_flops_per_id(LEVConfig(basis=resolved), 2048) == SPEC_PER_ID
 
 
-def test_table_mode_counts_the_vocabulary_once_per_iteration():
+def test_table_mode_counts_the_vocabulary_once_per_data_parallel_rank():
     config, unique_mc = _configs()
     _, table_mc = _configs("table")
-    unique = flops_per_iteration(config, unique_mc, global_batch_size=2, seq_length=4)
-    table = flops_per_iteration(config, table_mc, global_batch_size=2, seq_length=4)
+    unique = flops_per_iteration(config, unique_mc, global_batch_size=2, seq_length=4, data_parallel_size=1)
+    table = flops_per_iteration(config, table_mc, global_batch_size=2, seq_length=4, data_parallel_size=1)
     assert table - unique == 3.0 * SPEC_PER_ID * (1000 - 2 * 4)
+    # Every data-parallel rank builds its own table: 32 ranks evaluate the 1000 ids 32 times.
+    unique = flops_per_iteration(config, unique_mc, global_batch_size=64, seq_length=4, data_parallel_size=32)
+    table = flops_per_iteration(config, table_mc, global_batch_size=64, seq_length=4, data_parallel_size=32)
+    assert table - unique == 3.0 * SPEC_PER_ID * (32 * 1000 - 64 * 4)
+    # Without the size given: megatron's data-parallel size, 1 where its parallel state is not set up.
+    assert flops_per_iteration(config, table_mc, global_batch_size=2, seq_length=4) == \
+        flops_per_iteration(config, table_mc, global_batch_size=2, seq_length=4, data_parallel_size=1)
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0),  # SXM5
+    ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0),
+    ("NVIDIA H200 NVL", 835.0),
+    ("NVIDIA GH200 480GB", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA B200", 2250.0),
+    ("NVIDIA GeForce RTX 4090", None),
+])
+def test_peak_of_each_device_name(name, peak):
+    assert peak_tflops_per_device(device_name=name) == peak
+    assert peak_tflops_per_device(123.0, device_name=name) == 123.0  # --peak-tflops-per-device wins
+
+
+def test_peak_asks_the_current_device(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert peak_tflops_per_device() == 756.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert peak_tflops_per_device() is None
