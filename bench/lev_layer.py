@@ -7,6 +7,7 @@ GPT model's full training step (forward+backward of one micro-batch) of the same
     python bench/lev_layer.py --quick              # a smaller shape, for a smoke run
     python bench/lev_layer.py --batch 16 --seq 2048 --hidden 2048 --device cuda   # any shape on GPU
     python bench/lev_layer.py --device cuda --kernel-only   # only the fused-kernel table (below)
+    python bench/lev_layer.py --compile-report     # registers/spills of the kernels for sm_90, sm_80 (no GPU)
 
 Fused kernel (``--device cuda``): forward and backward time per 1,000 distinct ids of the whole layer
 G (seed, coordinates, product, projection) at the paper's defaults (d_s=128, h=8, kappa=16, r=64) for
@@ -14,6 +15,11 @@ D in {1024, 2048} and N in {4k, 16k, 64k} ids, with the Triton kernel and with t
 basis), beside a ``VocabParallelEmbedding`` of the same V x D on the same ids, and against the
 published anchor of a fused LEV kernel (about 1.1 ms forward and 3.0 ms backward for 4,096 ids at
 D=2048 on an RTX 5070 Ti). On a machine without CUDA the report says that no GPU figure exists.
+
+Compile report (``--compile-report``, any machine with triton): the forward and backward kernels
+compiled ahead of time for sm_90 and sm_80 at the paper's defaults (bf16 and fp32 Delta) and r = 128,
+with the layer's launch options, one line each with ptxas's registers, spill (bytes per thread) and
+the shared memory per program (``megatron_lev.kernels.lev_triton.compile_report``).
 
 Ids: real text (the shared corpus tokenised with GPT-2) when available, so the number of distinct
 ids per micro-batch is realistic; otherwise a fixed-seed Zipf sample. Peak memory on CPU is the
@@ -215,7 +221,11 @@ def main(argv=None) -> dict:
     p.add_argument("--kernel-only", action="store_true", help="only the fused-kernel table (--device cuda)")
     p.add_argument("--kernel-hidden", default=",".join(map(str, KERNEL_HIDDEN)), help="D values of the kernel table")
     p.add_argument("--kernel-ids", default=",".join(map(str, KERNEL_IDS)), help="N values of the kernel table")
+    p.add_argument("--compile-report", action="store_true",
+                   help="compile the Triton kernels for sm_90 and sm_80 and print registers/spills (no GPU needed)")
     args = p.parse_args(argv)
+    if args.compile_report:
+        return compile_report(args.json)
     if args.quick:
         args.vocab, args.hidden, args.batch, args.seq, args.layers = 8192, 256, 4, 256, 2
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -353,6 +363,30 @@ def main(argv=None) -> dict:
     _report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+def compile_report(json_path: Optional[str] = None) -> dict:
+    """Print ``lev_triton.compile_report()``'s lines (and write them to ``json_path``)."""
+    import dataclasses
+
+    # Compilation needs the kernels built for the compiler, not for Triton's CPU interpreter.
+    os.environ.pop("TRITON_INTERPRET", None)
+    from megatron_lev.kernels import lev_triton
+
+    try:
+        records = lev_triton.compile_report()
+    except RuntimeError as e:
+        raise SystemExit(f"bench/lev_layer.py --compile-report: {e}")
+    import triton
+
+    print(f"LEV Triton kernels compiled ahead of time (Triton {triton.__version__}; spill and stack in bytes "
+          f"per thread, shared memory per program):")
+    for rec in records:
+        print("  " + rec.line())
+    results = {"triton": triton.__version__, "compile_report": [dataclasses.asdict(r) for r in records]}
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2))
     return results
 
 

@@ -1,12 +1,26 @@
-"""Fused Triton kernel for LEV's separable product (GPU; Triton's interpreter on CPU for tests).
+"""Fused Triton kernels for LEV's separable product (GPU; Triton's interpreter on CPU for tests).
 
 The eager form (``megatron_lev.lev.functional``) writes the N x h x d_s x r factors phi through
-memory chunk by chunk, several times per step. Here one program takes a block of ids and one head and
-walks the d_s seed dimensions: for each it evaluates the 3 non-zero normalised B-spline weights of
-x[n, l, d], gathers the 3 matching rows of S = 1 + Delta (a few MB, cache-resident), forms
-phi[n, :] in registers and adds log|phi| into an fp32 accumulator, so neither the basis nor the
-factors ever reach memory. The coordinates x (N x h x d_s, 1/r of the factors) come from eager torch,
-so the seed and head projections run as cuBLAS GEMMs; the projection of M to D is a GEMM after it.
+memory chunk by chunk, several times per step. Here neither the basis nor the factors ever reach
+memory. The coordinates x (N x h x d_s, 1/r of the factors) come from eager torch, so the seed and
+head projections run as cuBLAS GEMMs; the projection of M to D is a GEMM after it.
+
+Forward: one program per (tile of ids, head) walks the d_s seed dimensions: for each it evaluates the
+3 non-zero normalised B-spline weights of x[n, l, d], gathers the 3 matching rows of S = 1 + Delta
+(a few MB, cache-resident), forms phi[n, :] in registers and adds log|phi| into an fp32 accumulator.
+
+Backward: one program per (seed dimension d, head, partition of the ids). It holds dL/dS[head, d], a
+[kappa, r] fp32 slab, in registers while it sweeps its partition's id tiles in order; per tile it
+recomputes phi, writes dL/dx[:, head, d] for the tile and adds the tile's contribution to the slab
+(a small matmul, dense basis^T @ dL/dphi); it stores the slab once at the end. The programs of one
+head run side by side over the same tiles, so dL/dM and logsum are read from L2. With h x d_s
+(head, dimension) pairs already enough programs (``_TARGET_PROGRAMS`` = 1,024, the defaults' count)
+there is one partition and the kernel writes dL/dS itself. Otherwise the ids are split into
+P = min(id tiles, ceil(1024 / (h d_s))) runs of consecutive tiles whose [P, h, d_s, kappa, r] partial
+slabs torch sums: sized by N, and fewer than 1,024 + h d_s slabs whatever N is. No buffer is zero-filled: every
+element is written by exactly one program. The tile, warps and
+stages (``_fwd_config``, ``_bwd_config``) keep every default shape free of register spills on sm_80
+and sm_90; ``compile_report`` compiles both kernels ahead of time and says what ptxas allocates.
 
 Numerics (spec step 6): the product is accumulated in fp32 in sign/log form for every input dtype
 (bf16 or fp32 parameters): logsum = sum_d log(max(|phi_d|, log_eps)), sign from the parity of
@@ -15,20 +29,23 @@ phi per tile and uses dM/dphi_d = sign(M) sign(phi_d) exp(logsum - log max(|phi_
 product of the other factors, finite and non-zero at phi_d = 0 and exact near fp32 underflow. These
 are the eager log form's formulas, so both agree to fp32 rounding.
 
-Determinism: no float atomics. dL/dx is written by the program that owns (ids, head). dL/dS, a sum
-over ids, is reduced in two fixed stages: each program of a fixed partition of the ids into
-``_partitions(N, h)`` groups owns its own [d_s, kappa, r] slab of a partial buffer (its per-tile
-contribution is a small matmul, dense basis^T @ dL/dphi, accumulated in a fixed order); the partials
-are then summed by torch in a fixed order. The partition depends only on N and h, so two runs give
-bit-identical gradients on any device.
+Determinism: no float atomics. dL/dx[n, head, d] is written by the one program owning (d, head) and
+n's partition. dL/dS is summed over the ids in a fixed order: tile after tile within a partition, then
+(when P > 1) over the partitions by torch. The partition depends only on N, h and d_s, so two runs
+give bit-identical gradients.
 
 Any d_s, kappa, r and h: the rank and the knots are padded to powers of two (at least 16, the
-smallest ``tl.dot`` tile) and masked; d_s and h are loop/grid bounds.
+smallest ``tl.dot`` tile) and masked; d_s and h are grid bounds. Launches run on the input's device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import os
+import tempfile
+import warnings
 
 import torch
 
@@ -38,11 +55,11 @@ try:
 except ImportError:  # triton is an optional accelerator
     triton = None
 
-__all__ = ["available", "interpreted", "devices", "triton_separable_product", "BLOCK_N"]
+__all__ = ["available", "interpreted", "devices", "triton_separable_product", "BLOCK_N", "compile_report",
+           "KernelResources", "report_shapes"]
 
-BLOCK_N = 32  # ids per program tile
-_TARGET_PROGRAMS = 512  # backward: about this many (partition, head) programs (a few per SM)
-_PARTIAL_BYTES = 256 << 20  # backward: cap on the dL/dS partial buffer
+BLOCK_N = 32  # ids per program tile at r <= 64 (16 above: see _fwd_config, _bwd_config)
+_TARGET_PROGRAMS = 1024  # backward: at least about this many programs (several per SM of an H100)
 
 
 def available() -> bool:
@@ -127,75 +144,133 @@ if triton is not None:
         tl.store(sign_ptr + out, sign, mask=ok)
 
     @triton.jit
-    def _bwd_kernel(x_ptr, delta_ptr, logsum_ptr, gsign_ptr, grad_x_ptr, partial_ptr, N, H, DS, K, R, P,
-                    log_eps, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # gsign = dL/dM * sign(M), [N, H, R]; grad_x: [H, DS, N] fp32; partial: [P, H, DS, K, R] fp32.
-        part = tl.program_id(0)
+    def _bwd_kernel(x_ptr, delta_ptr, logsum_ptr, gsign_ptr, grad_x_ptr, grad_s_ptr, N, H, DS, K, R,
+                    TILES_PER_PART, log_eps, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        # One program per (seed dimension d, head, id partition); d varies fastest, so the programs
+        # resident at once share a head and sweep the same id tiles (gsign/logsum stay in L2).
+        # gsign = dL/dM * sign(M), [N, H, R]; grad_x: [H, DS, N] fp32; grad_s: [P, H, DS, K, R] fp32.
+        d = tl.program_id(0)
         head = tl.program_id(1)
+        part = tl.program_id(2)
+        row = head * DS + d
         rho = tl.arange(0, BLOCK_R)
         knot = tl.arange(0, BLOCK_K)
         r_ok = rho < R
-        slab_ok = (knot[:, None] < K) & r_ok[None, :]
-        num_blocks = tl.cdiv(N, BLOCK_N)
-        for blk in range(part, num_blocks, P):  # a fixed set of id tiles, always in the same order
+        base = delta_ptr + row * K * R + rho[None, :]
+        # dL/dS[head, d] over this partition's ids: a [K, R] slab held in registers across the tiles.
+        acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
+        first = part * TILES_PER_PART
+        last = tl.minimum(first + TILES_PER_PART, tl.cdiv(N, BLOCK_N))
+        for blk in range(first, last):  # consecutive id tiles, always in the same order
             n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < N
             ok = n_ok[:, None] & r_ok[None, :]
+            xv = tl.load(x_ptr + row.to(tl.int64) * N + n, mask=n_ok, other=0.5).to(tl.float32)
+            j0, j1, j2, w0, w1, w2, d0, d1, d2 = _basis(xv, K)
+            s0 = tl.load(base + j0[:, None] * R, mask=ok, other=0.0).to(tl.float32) + 1.0
+            s1 = tl.load(base + j1[:, None] * R, mask=ok, other=0.0).to(tl.float32) + 1.0
+            s2 = tl.load(base + j2[:, None] * R, mask=ok, other=0.0).to(tl.float32) + 1.0
+            phi = w0[:, None] * s0 + w1[:, None] * s1 + w2[:, None] * s2
             nhr = (n.to(tl.int64)[:, None] * H + head) * R + rho[None, :]
-            gsign = tl.load(gsign_ptr + nhr, mask=ok, other=0.0)
             logsum = tl.load(logsum_ptr + nhr, mask=ok, other=0.0)
-            for d in range(DS):
-                row = head * DS + d
-                xv = tl.load(x_ptr + row.to(tl.int64) * N + n, mask=n_ok, other=0.5).to(tl.float32)
-                j0, j1, j2, w0, w1, w2, d0, d1, d2 = _basis(xv, K)
-                base = delta_ptr + row * K * R + rho[None, :]
-                s0 = tl.load(base + j0[:, None] * R, mask=ok, other=0.0).to(tl.float32) + 1.0
-                s1 = tl.load(base + j1[:, None] * R, mask=ok, other=0.0).to(tl.float32) + 1.0
-                s2 = tl.load(base + j2[:, None] * R, mask=ok, other=0.0).to(tl.float32) + 1.0
-                phi = w0[:, None] * s0 + w1[:, None] * s1 + w2[:, None] * s2
-                # dL/dphi_d = dL/dM * (product of the other factors), in the log form.
-                others = tl.exp(logsum - tl.log(tl.maximum(tl.abs(phi), log_eps)))
-                gphi = tl.where(phi < 0.0, -gsign, gsign) * others
-                a0 = tl.sum(gphi * s0, axis=1)
-                a1 = tl.sum(gphi * s1, axis=1)
-                a2 = tl.sum(gphi * s2, axis=1)
-                tl.store(grad_x_ptr + row.to(tl.int64) * N + n, a0 * d0 + a1 * d1 + a2 * d2, mask=n_ok)
-                # dL/dS[knot, :] += sum_n Bhat_knot(x_n) dL/dphi[n, :]: a dense-basis matmul per tile.
-                dense = (tl.where(knot[None, :] == j0[:, None], w0[:, None], 0.0)
-                         + tl.where(knot[None, :] == j1[:, None], w1[:, None], 0.0)
-                         + tl.where(knot[None, :] == j2[:, None], w2[:, None], 0.0))
-                contrib = tl.dot(tl.trans(dense), gphi, input_precision="ieee")
-                slab = partial_ptr + ((part * H + head) * DS + d).to(tl.int64) * K * R
-                offs = knot[:, None] * R + rho[None, :]
-                acc = tl.load(slab + offs, mask=slab_ok, other=0.0)
-                tl.store(slab + offs, acc + contrib, mask=slab_ok)
+            # dL/dphi_d = dL/dM * (product of the other factors), in the log form.
+            others = tl.exp(logsum - tl.log(tl.maximum(tl.abs(phi), log_eps)))
+            gsign = tl.load(gsign_ptr + nhr, mask=ok, other=0.0)
+            gphi = tl.where(phi < 0.0, -gsign, gsign) * others
+            gx = tl.sum(gphi * (d0[:, None] * s0 + d1[:, None] * s1 + d2[:, None] * s2), axis=1)
+            tl.store(grad_x_ptr + row.to(tl.int64) * N + n, gx, mask=n_ok)
+            # dL/dS[knot, :] += sum_n Bhat_knot(x_n) dL/dphi[n, :]: a dense-basis matmul per tile.
+            dense = (tl.where(knot[None, :] == j0[:, None], w0[:, None], 0.0)
+                     + tl.where(knot[None, :] == j1[:, None], w1[:, None], 0.0)
+                     + tl.where(knot[None, :] == j2[:, None], w2[:, None], 0.0))
+            acc = tl.dot(tl.trans(dense), gphi, acc, input_precision="ieee")
+        slab = grad_s_ptr + ((part * H + head) * DS + d).to(tl.int64) * K * R
+        tl.store(slab + knot[:, None] * R + rho[None, :], acc, mask=(knot[:, None] < K) & r_ok[None, :])
 
 
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (int(n) - 1).bit_length())
 
 
-def _partitions(n: int, h: int, ds: int, kappa: int, r: int) -> int:
-    """Id groups of the backward's dL/dS reduction: a function of the shape only (determinism)."""
-    blocks = -(-n // BLOCK_N)
-    by_memory = max(1, _PARTIAL_BYTES // (4 * h * ds * kappa * r))
-    return max(1, min(blocks, max(1, _TARGET_PROGRAMS // h), by_memory))
+def _fwd_config(kappa: int, r: int) -> dict:
+    """Tile and warps of the forward launch (``compile_report`` compiles the same)."""
+    block_r = _pow2(r)
+    wide = block_r > 64  # keep each thread's share of a [BLOCK_N, BLOCK_R] tile at <= 16 values
+    return dict(BLOCK_N=16 if wide else BLOCK_N, BLOCK_R=block_r, num_warps=8 if wide else 4)
+
+
+def _bwd_config(kappa: int, r: int) -> dict:
+    """Tile, warps and stages of the backward launch (``compile_report`` compiles the same).
+
+    About 8 values of each [BLOCK_N, BLOCK_R] tile per thread: the loop body holds some eight such
+    tiles (S rows, phi, logsum, gsign, dL/dphi, ...) beside the [kappa, r] slab, so 8 warps at r = 64
+    keep it near 128 registers; one stage (no software pipelining of the loads), because the
+    pipeliner's buffered loads push the default shape over 255 registers on sm_80.
+    """
+    block_r = _pow2(r)
+    block_n = BLOCK_N if block_r <= 64 else 16
+    warps = max(4, min(8, block_n * block_r // 256))
+    return dict(BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=_pow2(kappa), num_warps=warps, num_stages=1)
+
+
+def _partitions(n: int, h: int, ds: int, block_n: int) -> tuple[int, int]:
+    """(P, tiles per partition): the backward splits the id tiles into P runs of consecutive tiles,
+    enough for about ``_TARGET_PROGRAMS`` programs over the h x d_s (head, dimension) pairs and never
+    more than there are tiles. A function of the shape only, so the reduction order is fixed."""
+    tiles = -(-n // block_n)
+    want = min(tiles, -(-_TARGET_PROGRAMS // (h * ds)))
+    per = -(-tiles // max(1, want))
+    return -(-tiles // per), per
+
+
+def _on_device(t: torch.Tensor):
+    """Launch on the tensor's GPU, not the current one (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _fwd_launch(xt, dl, m, logsum, sign, log_eps):
+    """(grid, arguments, launch options) of the forward; ``compile_report`` compiles the same."""
+    h, ds, n = xt.shape
+    kappa, r = dl.shape[2], dl.shape[3]
+    cfg = _fwd_config(kappa, r)
+    return (triton.cdiv(n, cfg["BLOCK_N"]), h), (xt, dl, m, logsum, sign, n, h, ds, kappa, r, float(log_eps)), cfg
+
+
+def _bwd_buffers(xt, kappa, r):
+    """grad_x [h, d_s, N] and the dL/dS partials [P, h, d_s, kappa, r] (fp32, P from ``_partitions``).
+    Every element is written by exactly one program, so neither is zero-filled."""
+    h, ds, n = xt.shape
+    parts, _ = _partitions(n, h, ds, _bwd_config(kappa, r)["BLOCK_N"])
+    return (torch.empty(h, ds, n, dtype=torch.float32, device=xt.device),
+            torch.empty(parts, h, ds, kappa, r, dtype=torch.float32, device=xt.device))
+
+
+def _bwd_launch(xt, dl, logsum, gsign, grad_xt, grad_s, log_eps):
+    """(grid, arguments, launch options) of the backward; ``compile_report`` compiles the same."""
+    h, ds, n = xt.shape
+    kappa, r = dl.shape[2], dl.shape[3]
+    cfg = _bwd_config(kappa, r)
+    parts, per = _partitions(n, h, ds, cfg["BLOCK_N"])
+    assert grad_s.shape[0] == parts
+    args = (xt, dl, logsum, gsign, grad_xt, grad_s, n, h, ds, kappa, r, per, float(log_eps))
+    return (ds, h, parts), args, cfg
 
 
 class _TritonProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, delta, log_eps):
         n, h, ds = x.shape
-        kappa, r = delta.shape[2], delta.shape[3]
+        r = delta.shape[3]
         xt = x.detach().permute(1, 2, 0).contiguous()  # [h, d_s, N]: coalesced loads per seed dimension
         dl = delta.detach().contiguous()
         m = torch.empty(n, h, r, dtype=torch.float32, device=x.device)
         logsum = torch.empty_like(m)
         sign = torch.empty_like(m)
         if n > 0:
-            grid = (triton.cdiv(n, BLOCK_N), h)
-            _fwd_kernel[grid](xt, dl, m, logsum, sign, n, h, ds, kappa, r, float(log_eps),
-                              BLOCK_N=BLOCK_N, BLOCK_R=_pow2(r))
+            grid, args, cfg = _fwd_launch(xt, dl, m, logsum, sign, log_eps)
+            with _on_device(x):
+                _fwd_kernel[grid](*args, **cfg)
         ctx.save_for_backward(xt, dl, logsum, sign)
         ctx.log_eps = float(log_eps)
         ctx.dtypes = (x.dtype, delta.dtype)
@@ -207,16 +282,20 @@ class _TritonProduct(torch.autograd.Function):
         xt, dl, logsum, sign = ctx.saved_tensors
         h, ds, n = xt.shape
         kappa, r = dl.shape[2], dl.shape[3]
-        gsign = (grad_m.to(torch.float32) * sign).contiguous()
-        grad_xt = torch.zeros(h, ds, n, dtype=torch.float32, device=xt.device)
-        parts = _partitions(n, h, ds, kappa, r)
-        partial = torch.zeros(parts, h, ds, kappa, r, dtype=torch.float32, device=xt.device)
-        if n > 0:
-            _bwd_kernel[(parts, h)](xt, dl, logsum, gsign, grad_xt, partial, n, h, ds, kappa, r, parts,
-                                    ctx.log_eps, BLOCK_N=BLOCK_N, BLOCK_R=_pow2(r), BLOCK_K=_pow2(kappa))
         x_dtype, delta_dtype = ctx.dtypes
+        if n == 0:
+            grad_xt = torch.zeros(h, ds, 0, dtype=torch.float32, device=xt.device)
+            grad_s = torch.zeros(h, ds, kappa, r, dtype=torch.float32, device=xt.device)
+        else:
+            gsign = (grad_m.to(torch.float32) * sign).contiguous()
+            grad_xt, partials = _bwd_buffers(xt, kappa, r)
+            grid, args, cfg = _bwd_launch(xt, dl, logsum, gsign, grad_xt, partials, ctx.log_eps)
+            with _on_device(xt):
+                _bwd_kernel[grid](*args, **cfg)
+            # One partition at the defaults (the kernel wrote dL/dS itself); else a fixed-order sum.
+            grad_s = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
         grad_x = grad_xt.permute(2, 0, 1).to(x_dtype) if ctx.needs_input_grad[0] else None
-        grad_delta = partial.sum(dim=0).to(delta_dtype) if ctx.needs_input_grad[1] else None
+        grad_delta = grad_s.to(delta_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_delta, None
 
 
@@ -229,3 +308,142 @@ def triton_separable_product(x, delta, num_knots, *, fallback=None, log_eps: flo
     if delta.shape[2] != num_knots:
         raise ValueError(f"triton product: delta has {delta.shape[2]} knots, expected {num_knots}")
     return _TritonProduct.apply(x, delta, log_eps)
+
+
+# --- Ahead-of-time compilation report (no GPU needed: Triton's bundled ptxas builds the cubin) ---
+
+REPORT_ARCHS = (90, 80)
+# N of the compiled launches: table mode's chunk (and the anchor's id count), which Triton's launcher
+# specialises as a multiple of 16, and one N that is not (unique mode's id counts are arbitrary).
+REPORT_IDS = (4096, 4095)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one compiled kernel (per thread unless said otherwise)."""
+
+    kernel: str
+    """"forward" or "backward"."""
+    arch: str
+    """Target, e.g. "sm_90"."""
+    label: str
+    """"default" (the paper's d_s, h, kappa, r: ``LEVConfig``'s defaults) or the field changed."""
+    delta_dtype: str
+    """Dtype of Delta (x, M and the gradients are fp32 either way)."""
+    n: int
+    d_s: int
+    h: int
+    kappa: int
+    r: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    spill: int
+    """Bytes of spill stores per thread (0: nothing spilled)."""
+    spill_loads: int
+    stack: int
+    """Bytes of stack frame per thread."""
+    shared: int
+    """Bytes of shared memory per program (Triton's allocation)."""
+
+    def line(self) -> str:
+        return (f"{self.kernel:8s} {self.arch} {self.label:8s} Delta {self.delta_dtype:4s} "
+                f"(d_s={self.d_s} h={self.h} kappa={self.kappa} r={self.r} N={self.n}, {self.num_warps} warps): "
+                f"registers {self.registers}, spill {self.spill}, stack {self.stack}, "
+                f"shared memory {self.shared} B")
+
+
+def report_shapes() -> list:
+    """(label, LEVConfig overrides, Delta dtype) of the report: the defaults in bf16 and fp32, and r = 128."""
+    return [("default", {}, torch.bfloat16), ("default", {}, torch.float32),
+            ("r=128", {"rank": 128}, torch.bfloat16), ("r=128", {"rank": 128}, torch.float32)]
+
+
+def _launch_arguments(kernel: str, n: int, h: int, ds: int, kappa: int, r: int, delta_dtype):
+    """The arguments the autograd function would launch ``kernel`` with, on meta tensors."""
+    meta = dict(device="meta", dtype=torch.float32)
+    xt = torch.empty(h, ds, n, **meta)
+    dl = torch.empty(h, ds, kappa, r, device="meta", dtype=delta_dtype)
+    out = torch.empty(n, h, r, **meta)
+    if kernel == "forward":
+        return _fwd_kernel, _fwd_launch(xt, dl, out, out, out, 1e-30)
+    grad_xt, partials = _bwd_buffers(xt, kappa, r)
+    return _bwd_kernel, _bwd_launch(xt, dl, out, out, grad_xt, partials, 1e-30)
+
+
+def _compile(fn, args, cfg, arch: int) -> tuple[str, int]:
+    """Compile ``fn`` for ``args`` as Triton's launcher would specialise them; (ptxas log, shared bytes)."""
+    from triton import knobs
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.runtime.jit import native_specialize_impl
+
+    constexprs = {k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")}
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+        kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)  # the launcher's
+        if kind == "constexpr":  # ints equal to 1, as the launcher specialises them
+            constexprs[name] = spec
+        else:
+            signature[name] = kind
+            if isinstance(spec, str):
+                attrs[(i,)] = BaseBackend.parse_attr(spec)
+    for name in constexprs:
+        signature[name] = "constexpr"
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg.get("num_stages", 3)}
+    log = io.StringIO()
+    with tempfile.TemporaryDirectory() as cache, knobs.cache.scope(), knobs.nvidia.scope(), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Triton 3.9's FP-fusion default notice
+        knobs.cache.dir = cache  # a fresh cache, so ptxas runs and prints its log
+        knobs.nvidia.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return log.getvalue(), int(compiled.metadata.shared)
+
+
+def _ptxas_figure(log: str, pattern: str, what: str) -> int:
+    import re
+
+    found = re.search(pattern, log)
+    if found is None:
+        raise RuntimeError(f"compile report: no {what} in the ptxas log of this Triton ({triton.__version__}): "
+                           f"{log.strip()[:300]!r}")
+    return int(found.group(1))
+
+
+def compile_report(archs=REPORT_ARCHS, shapes=None, ids=REPORT_IDS) -> list:
+    """Compile the forward and backward for each arch (compute capability, e.g. 90), shape of
+    ``report_shapes()`` (or ``shapes``) and number of ids N in ``ids`` ahead of time, with the launch
+    options and argument specialisation of the layer's own launches, and return one
+    ``KernelResources`` per kernel, arch, shape and N. Needs triton, not a GPU; raises RuntimeError
+    with the reason when compilation cannot run here."""
+    from megatron_lev.lev.config import LEVConfig
+
+    if triton is None:
+        raise RuntimeError("compile report: triton is not installed (pip install triton)")
+    if interpreted():
+        raise RuntimeError("compile report: the kernels were built for Triton's interpreter "
+                           "(TRITON_INTERPRET=1 at import); run it in a process without TRITON_INTERPRET")
+    records = []
+    cases = [(n, *shape) for n in ids for shape in (shapes if shapes is not None else report_shapes())]
+    for n, label, overrides, delta_dtype in cases:
+        c = LEVConfig(**overrides)
+        ds, h, kappa, r = c.seed_dim, c.num_heads, c.num_knots, c.rank
+        for kernel in ("forward", "backward"):
+            fn, (_grid, args, cfg) = _launch_arguments(kernel, n, h, ds, kappa, r, delta_dtype)
+            for arch in archs:
+                try:
+                    log, shared = _compile(fn, args, cfg, int(arch))
+                except Exception as e:  # a missing ptxas, an unsupported arch, ...: say which and why
+                    raise RuntimeError(f"compile report: compiling the {kernel} for sm_{arch} failed: "
+                                       f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}") from e
+                records.append(KernelResources(
+                    kernel=kernel, arch=f"sm_{arch}", label=label, delta_dtype=str(delta_dtype).split(".")[-1]
+                    .replace("bfloat16", "bf16").replace("float32", "fp32"), n=n, d_s=ds, h=h, kappa=kappa, r=r,
+                    num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3),
+                    registers=_ptxas_figure(log, r"Used (\d+) registers", "register count"),
+                    spill=_ptxas_figure(log, r"(\d+) bytes spill stores", "spill stores"),
+                    spill_loads=_ptxas_figure(log, r"(\d+) bytes spill loads", "spill loads"),
+                    stack=_ptxas_figure(log, r"(\d+) bytes stack frame", "stack frame"), shared=shared))
+    return records

@@ -7,8 +7,10 @@ GPU. Interpreted sizes are kept small: each program tile runs as numpy in Python
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -58,15 +60,53 @@ def test_kernel_is_registered_for_this_device():
     assert lev_triton.interpreted() == (DEVICE == "cpu")
 
 
-# d_s, kappa, r, h not powers of two (masking), r and kappa below the 16-wide dot tile, and N over
-# several id tiles.
-@pytest.mark.parametrize("shape", [(5, 2, 3, 3, 2), (70, 3, 7, 5, 20), (40, 2, 9, 16, 64)])
+# d_s, kappa, r, h not powers of two (masking), r and kappa below the 16-wide dot tile, N over
+# several id tiles and not a multiple of the tile, N below one tile, one head.
+@pytest.mark.parametrize("shape", [(5, 2, 3, 3, 2), (70, 3, 7, 5, 20), (40, 2, 9, 16, 64), (1, 1, 5, 7, 3),
+                                   (37, 1, 6, 4, 5)])
 def test_values_and_gradients_match_eager_fp64(shape):
     n, h, ds, kappa, r = shape
     x, delta, up = _case(*shape)
     want = _run("dense", x, delta, up, kappa, torch.float64, "cpu")
     got = _run("triton", x, delta, up, kappa, torch.float32, DEVICE)
     _assert_close_scaled(got, want, rtol=2e-5)
+
+
+def _tiles(n, kappa, r):
+    return -(-n // lev_triton._bwd_config(kappa, r)["BLOCK_N"])
+
+
+# The backward's id partitions: several, the last one shorter (tiles not a multiple of P); and a
+# single partition over many tiles, where the kernel writes dL/dDelta itself (as at the defaults).
+@pytest.mark.parametrize("target, shape, parts", [(18, (6 * 32 + 3, 2, 3, 5, 6), 3),
+                                                  (1, (3 * 32 + 1, 2, 3, 5, 6), 1)])
+def test_backward_partitions_match_eager_fp64(monkeypatch, target, shape, parts):
+    monkeypatch.setattr(lev_triton, "_TARGET_PROGRAMS", target)
+    n, h, ds, kappa, r = shape
+    block_n = lev_triton._bwd_config(kappa, r)["BLOCK_N"]
+    p, per = lev_triton._partitions(n, h, ds, block_n)
+    assert p == parts and (p == 1 or _tiles(n, kappa, r) % per != 0)
+    x, delta, up = _case(*shape, seed=7)
+    want = _run("dense", x, delta, up, kappa, torch.float64, "cpu")
+    got = _run("triton", x, delta, up, kappa, torch.float32, DEVICE)
+    _assert_close_scaled(got, want, rtol=2e-5)
+
+
+def test_partitions_cover_the_tiles_and_are_sized_by_n():
+    block_n = lev_triton._bwd_config(16, 64)["BLOCK_N"]
+    assert lev_triton._partitions(4096, 8, 128, block_n) == (1, 4096 // block_n)  # defaults: no partials
+    for n, h, ds in [(1, 1, 1), (33, 1, 3), (5000, 2, 7), (10**6, 1, 4), (10**6, 8, 128), (64, 4, 4)]:
+        p, per = lev_triton._partitions(n, h, ds, block_n)
+        tiles = -(-n // block_n)
+        assert 1 <= p <= tiles and (p - 1) * per < tiles <= p * per  # no empty partition, all covered
+        assert p * h * ds < lev_triton._TARGET_PROGRAMS + h * ds  # bounded whatever N is
+    assert lev_triton._partitions(64, 1, 4, block_n)[0] == 2  # small N: at most one partition per tile
+
+
+def test_launches_run_on_the_inputs_device():
+    on = lev_triton._on_device(types.SimpleNamespace(device=torch.device("cuda", 1)))
+    assert isinstance(on, torch.cuda.device) and on.idx == 1  # not the current device
+    assert isinstance(lev_triton._on_device(torch.empty(1)), contextlib.nullcontext)
 
 
 def test_zero_factor_gives_zero_product_and_the_product_of_the_others():
@@ -96,7 +136,7 @@ def test_long_product_near_fp32_underflow():
 def test_backward_is_deterministic():
     # 3 heads over 3 id tiles: more than one partition of the dL/dDelta reduction.
     shape = (2 * lev_triton.BLOCK_N + 5, 3, 3, 6, 7)
-    assert lev_triton._partitions(shape[0], shape[1], *shape[2:]) > 1
+    assert lev_triton._partitions(*shape[:3], lev_triton._bwd_config(6, 7)["BLOCK_N"])[0] > 1
     x, delta, up = _case(*shape, seed=3)
     first = _run("triton", x, delta, up, 6, torch.float32, DEVICE)
     second = _run("triton", x, delta, up, 6, torch.float32, DEVICE)
