@@ -8,7 +8,7 @@
 # MASTER_PORT (29500), CKPT_ROOT (checkpoints), EXTRA (more flags, e.g. "--wandb-project lev"; flags given
 # in EXTRA override the YAML config), TORCHRUN (torchrun). RDZV_ID set: c10d rendezvous at
 # MASTER_ADDR:MASTER_PORT under that id instead of NODE_RANK (what train.sbatch uses). DRY_RUN=1: check
-# the inputs and print the command without running it.
+# the inputs and print the command without running it. CUDA_DEVICE_MAX_CONNECTIONS: 1 unless set.
 #
 # Restarting the same command resumes from the latest complete checkpoint. SIGTERM (to torchrun, or to
 # every process as Slurm does) makes the ranks save at the end of the current iteration and exit 0
@@ -43,6 +43,10 @@ MASTER_PORT=${MASTER_PORT:-29500}
 CKPT_ROOT=${CKPT_ROOT:-checkpoints}
 CKPT="$CKPT_ROOT/pile_${SCALE}_${ARM}"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
+# megatron issues each tensor-parallel collective before the GEMM it overlaps with and relies on a single
+# hardware queue to keep that order (Megatron-LM refuses TP without it before Blackwell; so does
+# pretrain_lev.py). Set before torchrun, so every rank's CUDA context is created with it.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 if [ -n "${RDZV_ID:-}" ]; then
   LAUNCH=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID")

@@ -40,7 +40,7 @@ TRAIN_ITERS = 12
 
 pytestmark = pytest.mark.scripts
 
-# The 200m config shrunk to a toy; everything else (bf16, distributed optimizer, LEV table mode, the
+# The 200m config shrunk to a toy; everything else (bf16, distributed optimizer, LEV compute mode, the
 # SIGTERM handler) comes from the config file itself.
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 32 "
