@@ -111,9 +111,9 @@ def settings_for_loading(saved: Dict[str, Any]) -> Dict[str, Any]:
     the bf16/fp32 ones, so the model evaluates in its ``--bf16``/``--fp16`` precision.
     """
     impl = saved.get("transformer_impl") or "auto"
-    if te_available() and torch.cuda.is_available():
-        return {"transformer_impl": impl, "fp8_format": None}
-    return {"transformer_impl": "auto" if impl == "transformer_engine" else impl, "fp8_format": None}
+    if impl == "transformer_engine" and not (te_available() and torch.cuda.is_available()):
+        impl = "auto"
+    return {"transformer_impl": impl, "fp8_format": None}
 
 
 def check_cuda_device_max_connections(tp: int) -> None:
