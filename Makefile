@@ -6,7 +6,16 @@ STAMP  := $(VENV)/.megatron-lev-installed
 # CPU machines get the 2.13.0 CPU wheel; a machine with an NVIDIA driver keeps/installs a CUDA torch.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: setup demo test test-fast bench clean-venv
+# The fake-CUDA device checks (tests marked cuda_build) need the CUDA build of torch, which PyPI serves
+# for Python 3.12; it runs on the CPU here (no GPU needed).
+# The first candidate that runs and is 3.12 (a pyenv shim on PATH may not run).
+PYTHON312   ?= $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do \
+                 "$$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && { echo "$$c"; break; }; done)
+VENV_CUDA   ?= .venv-cuda
+PY_CUDA     := $(VENV_CUDA)/bin/python
+STAMP_CUDA  := $(VENV_CUDA)/.megatron-lev-installed
+
+.PHONY: setup demo test test-fast test-fake-cuda bench clean-venv
 
 setup: $(STAMP)
 
@@ -23,6 +32,17 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+test-fake-cuda: $(STAMP_CUDA)
+	$(PY_CUDA) -m pytest -q -p no:cacheprovider -m cuda_build
+
+$(STAMP_CUDA): pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "error: make test-fake-cuda needs Python 3.12 (python3.12 on PATH or under ~/.pyenv/versions); set PYTHON312=/path/to/python3.12"; exit 2; }
+	@test -x $(PY_CUDA) || $(PYTHON312) -m venv $(VENV_CUDA)
+	@$(PY_CUDA) -c "import torch, sys; sys.exit(torch.version.cuda is None)" 2>/dev/null || $(PY_CUDA) -m pip install -q "torch==2.13.0"
+	@$(PY_CUDA) -c "import torch, sys; sys.exit(torch.version.cuda is None)" || { echo "error: $(VENV_CUDA) got a CPU-only torch; install a CUDA build of torch 2.13.0 there"; exit 2; }
+	$(PY_CUDA) -m pip install -q -e . pytest
+	@touch $(STAMP_CUDA)
+
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
@@ -30,4 +50,4 @@ bench: setup
 	$(PY) bench/lev_layer.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_CUDA)

@@ -287,13 +287,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "shared_data" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.real_data)
-    # GPU-marked tests run only where CUDA exists; elsewhere they are deselected and counted
-    # in the summary (never reported as passed).
-    if torch.cuda.is_available():
+    # GPU-marked tests run only where CUDA exists, and fake-CUDA ones only with the CUDA build of torch;
+    # elsewhere they are deselected and counted in the summary (never reported as passed).
+    needs = [m for m, have in (("gpu", torch.cuda.is_available()), ("cuda_build", torch.version.cuda is not None))
+             if not have]
+    if not needs:
         return
     selected, deselected = [], []
     for item in items:
-        (deselected if item.get_closest_marker("gpu") else selected).append(item)
+        (deselected if any(item.get_closest_marker(m) for m in needs) else selected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
