@@ -151,13 +151,14 @@ def run_logged(cmd: Sequence[str], timeout: float, log: Path, env: Optional[Dict
     """Run ``cmd`` (from the repository root) with stdout+stderr to ``log``; (exit status, output).
 
     At ``timeout`` the whole process group is killed (a launcher's workers too) and 124 is returned:
-    the output written until then stays in the log."""
+    the output written until then stays in the log. The group stays in this session, so whatever
+    ends this run's session (a device's command limit) ends the group too."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w", encoding="utf-8") as f:
         f.write("$ " + " ".join(map(str, cmd)) + "\n")
         f.flush()
         p = subprocess.Popen(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO),
-                             env=env, start_new_session=True)
+                             env=env, process_group=0)
         try:
             rc = p.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:

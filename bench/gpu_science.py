@@ -138,7 +138,8 @@ def eval_argv(arm: str, data: Dict[str, Path], shared: Path, run_dir: Path) -> L
 def _dataset_tokens(prefix: Path) -> int:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    return int(IndexedDataset(str(prefix)).sequence_lengths.sum())
+    dataset = IndexedDataset(str(prefix))  # held while summing: its lengths are a view of its mmap
+    return int(dataset.sequence_lengths.sum())
 
 
 def run(corpus: str, shared_data: str, work: Path, out: Path, deadline: float, env: Dict[str, str],
@@ -146,8 +147,9 @@ def run(corpus: str, shared_data: str, work: Path, out: Path, deadline: float, e
     """Every step within ``deadline`` (time.monotonic); figures per step; OUT/science.md after each."""
     from gpu_check import CheckFailed, run_logged
 
-    shared, work = Path(shared_data), Path(work)
+    shared, work, out = Path(shared_data), Path(work), Path(out)
     work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     d = work / "data"
     data = {"train": d / "gpt2_train_text_document", "valid": d / "gpt2_valid_text_document",
             "counts": d / "gpt2_train_text_token_counts.npy"}
@@ -240,7 +242,6 @@ def main(argv=None) -> int:
     corpus = a.corpus or str(Path(a.shared_data) / "corpus" / "train.jsonl.zst")
     if not os.path.exists(corpus):
         p.error(f"--corpus {corpus}: no such file")
-    Path(a.out).mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     run(corpus, a.shared_data, Path(a.work), Path(a.out), time.monotonic() + a.budget_s, env)
     return 0
