@@ -507,7 +507,7 @@ def _start_data(run: _Run, state: _State, tokenizer) -> None:
         raise _StartupError(str(e).strip().splitlines()[0]) from None
     run.train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, args)
     run.flops_iter = flops_per_iteration(run.config, run.model_config, global_batch_size=args.global_batch_size,
-                                         seq_length=args.seq_length)
+                                         seq_length=args.seq_length, data_parallel_size=args.data_parallel_size)
     run.peak = peak_tflops_per_device(args.peak_tflops_per_device)
     run.handler = SignalHandler() if args.exit_signal_handler else None
     run.logger.log(
