@@ -1,7 +1,7 @@
 """The production path on CPU ranks: what the GPU path shares with the CPU path, checked where CPU can.
 
 One 4-rank torchrun job (TP=2 x DP=2, gloo) runs, in one process group:
-- each shipped ``examples/pile/configs/*.yaml`` as a user runs it (bf16, LEV table mode, distributed
+- each shipped ``examples/pile/configs/*.yaml`` as a user runs it (bf16, LEV unique mode, distributed
   optimizer, overlapped grad reduce), with only the sizes scaled down (layers, widths, vocabulary,
   batch, iterations), and the same run with ``--no-overlap-grad-reduce``: losses and grad norms equal;
 - LEV at TP=2 with the distributed optimizer in unique and table mode: an uninterrupted run and a run
@@ -93,9 +93,9 @@ def test_shipped_pile_config_trains_with_overlap_like_without(runs, config):
         assert on[i]["lm loss"] == off[i]["lm loss"], (config, i)
         assert on[i]["grad norm"] == pytest.approx(off[i]["grad norm"], rel=1e-6), (config, i)
         assert on[i]["grad norm"] > 0 and not on[i]["skipped"]
-    # The shipped file's own settings were in force: bf16, LEV in table mode, distributed optimizer.
+    # The shipped file's own settings were in force: bf16, LEV in unique mode, distributed optimizer.
     cfg = (tmp / f"{config}-on" / "iter_0000003" / "config.yaml").read_text()
-    for setting in ("bf16: true", "lev_compute_mode: table", "use_distributed_optimizer: true",
+    for setting in ("bf16: true", "lev_compute_mode: unique", "use_distributed_optimizer: true",
                     "overlap_grad_reduce: true"):
         assert setting in cfg.splitlines(), setting
 
