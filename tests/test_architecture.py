@@ -30,7 +30,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "_procutil": set(),
     "checkpoint": {"_procutil", "config_flags", "distributed", "lev", "models", "parallel", "tokenizer"},
     "evaluation": {"checkpoint", "distributed", "jsonl", "lev", "models", "parallel", "tokenizer"},
-    "conversion": {"checkpoint", "distributed", "evaluation", "lev", "models", "parallel", "tokenizer"},
+    "conversion": {"checkpoint", "distributed", "evaluation", "kernels", "lev", "models", "parallel", "tokenizer"},
     "training": {"_procutil", "checkpoint", "data", "distributed", "lev", "models", "parallel", "tokenizer"},
     "testing": {"distributed"},
 }

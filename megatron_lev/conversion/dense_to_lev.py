@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from megatron_lev.distributed import set_seed
+from megatron_lev.kernels import register_default_kernels
 from megatron_lev.lev import ConfigError, LEVConfig, LEVEmbedding, lev_param_count
 
 from .source import ConversionError, open_checkpoint, save_target
@@ -180,6 +181,7 @@ def fit_lev(table: torch.Tensor, lev_config: LEVConfig, *, init_method_std: floa
         lev_config.validate(int(V), int(D))
     except ValueError as e:
         raise ConversionError(str(e)) from None
+    register_default_kernels()  # so basis "auto" (and "triton") finds the fused kernels on fit.device
     device = torch.device(fit.device)
     t0 = time.time()
     target = table.detach().to(device=device, dtype=torch.float32)

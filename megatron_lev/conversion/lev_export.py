@@ -55,12 +55,15 @@ def write_lev(model, a: Dict[str, Any], out_dir: str, table=None) -> None:
 
 
 def load_lev_embedding(folder: str, *, device: str = "cpu", dtype=None, compute_mode: Optional[str] = None):
-    """The pure-torch ``LEVEmbedding`` stored in ``folder`` (written by ``write_lev``/``export_lev``)."""
+    """The pure-torch ``LEVEmbedding`` stored in ``folder`` (written by ``write_lev``/``export_lev``),
+    with the fused kernels registered (Triton on CUDA, numba on CPU) as in a megatron model."""
     import torch
     from safetensors.torch import load_file
 
+    from megatron_lev.kernels import register_default_kernels
     from megatron_lev.lev import LEVConfig, LEVEmbedding
 
+    register_default_kernels()  # so basis "auto" (and "triton") finds the fused kernels on ``device``
     cfg_path, w_path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)
     for p in (cfg_path, w_path):
         if not os.path.isfile(p):
