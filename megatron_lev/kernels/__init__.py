@@ -6,6 +6,8 @@
   installed; ``--lev-basis auto`` picks it there. With TRITON_INTERPRET=1 it is registered for CPU
   tensors instead (basis "triton" only), so its tests run in Triton's interpreter. Triton is imported
   only where it can run: on a CPU machine without the interpreter, training never loads it.
+  ``lev_triton.compile_report()`` compiles both Triton kernels ahead of time for sm_90 and sm_80 (no GPU
+  needed) and returns ptxas's registers, spills and shared memory per kernel, arch and shape.
 
 Importing this package registers nothing: ``register_default_kernels()`` does, and the tensor-parallel
 LEV layer calls it when it is built (so every model uses the kernels). The pure-torch ``LEVEmbedding``

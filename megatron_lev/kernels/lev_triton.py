@@ -205,8 +205,9 @@ def _bwd_config(kappa: int, r: int) -> dict:
 
     About 8 values of each [BLOCK_N, BLOCK_R] tile per thread: the loop body holds some eight such
     tiles (S rows, phi, logsum, gsign, dL/dphi, ...) beside the [kappa, r] slab, so 8 warps at r = 64
-    keep it near 128 registers; one stage (no software pipelining of the loads), because the
-    pipeliner's buffered loads push the default shape over 255 registers on sm_80.
+    keep it near 128 registers (two programs per SM). One stage: Triton's software pipelining of the
+    loads takes 37-90 KB of shared memory per program, and at 4 warps, or with N, d_s, kappa and r not
+    multiples of 16, it pushed the loop body into spills on sm_80.
     """
     block_r = _pow2(r)
     block_n = BLOCK_N if block_r <= 64 else 16
