@@ -208,7 +208,7 @@ def test_hf_export_matches_megatron_and_generates(runs, evaluated, text_ids, tok
     assert gen.shape == (1, len(ids) + 4)
 
 
-def test_lev_parameters_reload_into_pure_layer(runs):
+def test_lev_parameters_reload_into_pure_layer(runs, evaluated):  # evaluated writes the HF export
     from safetensors.torch import load_file
 
     from megatron_lev.conversion import load_lev_embedding
