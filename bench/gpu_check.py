@@ -76,7 +76,7 @@ SHARED = REPO.parent / "shared" / "data"
 # What a bare GPU image (torch, triton, transformers, tokenizers, sentencepiece, safetensors) may lack.
 WHEELS = ("megatron-core==0.16.1", "tiktoken", "zstandard", "psutil", "pyyaml")
 MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml"}
-LAYER_TOLERANCE = {"float32": 3e-3, "bfloat16": 3e-2}  # max |error| / max |reference|; fp32 allows TF32 GEMMs
+LAYER_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max |error| / max |reference|; LEV's GEMMs are true fp32 (no TF32)
 GRAD_NORM_TOLERANCE = 0.1  # relative gap of the first grad norm, table+distopt+overlap vs unique
 MEM_RE = re.compile(r"mem allocated \(GiB\): ([\d.]+)")
 RESERVE_S = 5.0  # kept back from the budget for the last report write
