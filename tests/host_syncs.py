@@ -4,7 +4,8 @@ Run a function on the ``meta`` device (every branch of the code that tests ``dev
 takes its accelerator side) or on the CPU, and record each operation that on a GPU waits for the
 device or copies host data to it:
 - a tensor built from Python data on a non-CPU device (``torch.tensor(list, device=...)``) or copied
-  there from a CPU tensor: a host-to-device copy from pageable memory;
+  there from a CPU tensor, including the CPU scalar of ``t[idx] = True``: a host-to-device copy from
+  pageable memory;
 - ``.item()`` / ``bool()`` / ``int()`` of a tensor (``_local_scalar_dense``), and the ops whose output
   size depends on the values (``nonzero``, ``unique``, ``masked_select``): a device-to-host sync.
 """
@@ -47,6 +48,11 @@ class _Ops(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if name in DATA_DEPENDENT:
             self.events.append(name)
+        elif name in ("index_put_", "index_put", "_index_put_impl_"):
+            # A CPU scalar value written into a device tensor is copied there first, blocking.
+            value = args[2] if len(args) > 2 else kwargs.get("values")
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and _off_cpu(args[0].device):
+                self.events.append(f"cpu value -> {args[0].device} ({name})")
         elif name in ("_to_copy", "copy_"):
             src = args[1] if name == "copy_" else args[0]
             dst = kwargs.get("device") if name == "_to_copy" else args[0].device

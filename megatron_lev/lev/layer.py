@@ -16,8 +16,9 @@ Design choices (the first four are the spec's, the rest are ours where the paper
 - Precision on a GPU, chosen from ``bench/lev_precision.py`` (paper defaults, V = 50,304, D = 2048, at
   init; errors in units of rounding G itself to bf16 once): the coordinate GEMM A_l z stays true fp32
   (TF32 inputs would add 0.89 units, for a GEMM of 1/8 of the projection's size), the projection
-  sum_l W_l M_l stays true fp32 (TF32 would add 0.26 units, bf16 inputs 2.1; its FLOPs are about 0.1%
-  of a 1.2B model's), and the tensor-parallel reduction of the partial sums is fp32 (bf16 partials would
+  sum_l W_l M_l stays true fp32 (TF32 would add 0.26 units; a bf16 GEMM 1.5 where W is a bf16
+  parameter already, 2.1 with W rounded too; its FLOPs are about 0.1% of a 1.2B model's), and the
+  tensor-parallel reduction of the partial sums is fp32 (bf16 partials would
   add 1.5 units at TP=2; it is one activation-sized all-reduce per micro-batch beside the transformer's
   four per layer). torch's default (no TF32 for fp32 matmuls) is left as it is.
 - Each head's LayerNorm normalises over the d_s seed dimensions with eps = 1e-5 (torch's default),
@@ -413,7 +414,8 @@ def table_backward(
     bucket is complete. ``table_grad`` None (no row used) delivers zeros, keeping that count fixed.
 
     ``rows`` defaults to the rows whose gradient is not all zero (the ids that occurred). A wrapper whose
-    ranks must run the same collectives passes the same ``rows`` on every rank.
+    ranks must run the same collectives passes the same ``rows`` on every rank. A parameter with a
+    megatron ``main_grad`` gets the fp32 sum added there directly (see the delivery below).
     """
     params = [p for p in params if p.requires_grad]
     sums: List[Optional[torch.Tensor]] = [None] * len(params)
@@ -431,7 +433,17 @@ def table_backward(
                     continue
                 g = g.to(torch.promote_types(g.dtype, torch.float32))
                 sums[i] = g if sums[i] is None else sums[i].add_(g)
-    grads = [torch.zeros_like(p) if s is None else s.to(p.dtype) for p, s in zip(params, sums)]
+    grads = []
+    for p, s in zip(params, sums):
+        main = getattr(p, "main_grad", None)
+        if s is not None and main is not None:
+            # megatron DDP: the step's fp32 sum goes straight into the main grad, not through a
+            # param.grad rounded to a bf16 parameter's dtype (as megatron's gradient-accumulation fusion
+            # does for its weights); the hook still fires on the zeros below and skips its own add.
+            main.add_(s)
+            p.grad_added_to_main_grad = True
+            s = None
+        grads.append(torch.zeros_like(p) if s is None else s.to(p.dtype))
     with torch.enable_grad():
         # view_as keeps each parameter's own AccumulateGrad node (and the hooks on it) as the target.
         torch.autograd.backward([p.view_as(p) for p in params], grads)
@@ -488,6 +500,7 @@ class ComputeModes:
         if mode == "token":
             return fn(flat)
         # "unique", and "table" outside training (no grad, no table)
+        # One host sync per forward: the number of distinct ids sizes F's evaluation.
         uniq, inverse = torch.unique(flat, return_inverse=True)
         return F.embedding(inverse, fn(uniq))
 
@@ -511,14 +524,18 @@ class ComputeModes:
         N x D tensor (deterministic), and those N rows are added into ``table_grad`` with distinct
         indices. The extra memory is N x D per micro-batch, never V x D.
         """
-        self._seen[flat_ids] = True
+        # index_fill_ with a Python scalar: ``seen[ids] = True`` would copy a CPU scalar tensor to the
+        # device and synchronise on every micro-batch.
+        self._seen.index_fill_(0, flat_ids, True)
         sorted_ids, order = torch.sort(flat_ids)
         starts = torch.ones_like(sorted_ids, dtype=torch.bool)
         starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
         group_sorted = torch.cumsum(starts, 0) - 1
         group = torch.empty_like(group_sorted).scatter_(0, order, group_sorted)
-        # Groups past the last one keep id 0 and receive a zero gradient (adding 0 changes no value).
-        group_ids = torch.zeros_like(sorted_ids).scatter_(0, group_sorted, sorted_ids)
+        # Groups past the last one keep a placeholder id and receive a zero gradient (adding 0 changes no
+        # value); spread over distinct rows so that their adds do not all contend for one row.
+        placeholder = torch.arange(sorted_ids.numel(), device=sorted_ids.device) % self.vocab_size
+        group_ids = placeholder.scatter_(0, group_sorted, sorted_ids)
         rows = _TableRows.apply(self._anchor, self.table, self.table_grad, group_ids)
         return F.embedding(group, rows).to(self._dtype)
 
@@ -529,6 +546,7 @@ class ComputeModes:
         self.table = self.table_grad = self._seen = self._anchor = None
         if not active:
             return
+        # One host sync per step: the ids seen decide how many chunks go back through F.
         rows = torch.nonzero(seen, as_tuple=False).squeeze(1)
         table_backward(fn, table_grad, self.config.chunk_size, params, rows=rows)
 
@@ -536,8 +554,8 @@ class ComputeModes:
 class _TableRows(torch.autograd.Function):
     """table[ids] forward; backward adds the rows' gradient into the step's ``table_grad`` buffer.
 
-    ``ids`` are distinct except for groups whose gradient is zero, so ``index_add_`` sums no two
-    non-zero rows into one (its result does not depend on the order of atomic adds)."""
+    ``ids`` are distinct except for placeholder groups whose gradient is zero, so ``index_add_`` sums no
+    two non-zero rows into one (its result does not depend on the order of atomic adds)."""
 
     @staticmethod
     def forward(ctx, anchor, table, table_grad, ids):

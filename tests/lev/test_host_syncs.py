@@ -55,3 +55,23 @@ def test_the_data_dependent_syncs_that_remain():
     with HostSyncs() as s:
         table.finish_table_step()
     assert s.events.count("nonzero") == 1
+
+
+@pytest.mark.cuda_build
+@pytest.mark.parametrize("mode", ["token", "table"])
+def test_micro_batches_on_fake_cuda_copy_nothing_to_the_device(mode):
+    """On fake CUDA tensors, where a CPU scalar written into a CUDA tensor shows as a CPU tensor (on
+    ``meta`` the scalar is created on meta, so only this catches it)."""
+    from tests.fake_cuda import fake_cuda
+
+    emb = _emb(mode, basis="sparse")
+    batches = [torch.randint(0, 300, (2, 7)) for _ in range(2)]
+    with fake_cuda() as fm:
+        emb = emb.to("cuda")
+        batches = [fm.from_tensor(b).to("cuda") for b in batches]
+        if mode == "table":
+            emb.begin_table_step()
+        with HostSyncs() as s:
+            for ids in batches:
+                emb(ids)
+    assert s.events == []

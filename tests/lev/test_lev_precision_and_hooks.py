@@ -122,3 +122,29 @@ def test_no_initialisation_computes_no_statistics(monkeypatch):
     LEVEmbedding(V, D, _cfg(), initialize=False)
     with pytest.raises(AssertionError, match="statistics computed"):
         LEVEmbedding(V, D, _cfg())
+
+
+def test_table_mode_adds_its_fp32_sum_into_megatron_main_grads():
+    """With megatron DDP's ``main_grad`` on the parameters, the step's fp32 sum over id chunks goes there directly
+    (not through a param.grad rounded to bf16); the delivered param.grad is zeros, flagged as added."""
+    ids = [torch.randint(0, V, (3, 7), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+
+    def step(main_grads: bool):
+        emb = LEVEmbedding(V, D, _cfg("table", chunk_size=8), init_seed=3, dtype=torch.bfloat16)
+        pushed = list(emb.seed.parameters()) + list(emb.heads.parameters())
+        if main_grads:
+            for p in pushed:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+                p.grad_added_to_main_grad = False
+        for x in ids:
+            emb(x).float().pow(2).sum().backward()
+        emb.finish_table_step()
+        return pushed
+
+    plain, fused = step(False), step(True)
+    finer = False
+    for p, q in zip(plain, fused):
+        assert q.grad_added_to_main_grad and torch.count_nonzero(q.grad) == 0
+        assert torch.equal(q.main_grad.to(torch.bfloat16), p.grad)  # the same sum, rounded once here
+        finer |= not torch.equal(q.main_grad, q.main_grad.to(torch.bfloat16).float())
+    assert finer  # the main grads keep what bf16 rounding drops
