@@ -133,7 +133,12 @@ class Ctx:
     def env(self) -> Dict[str, str]:
         """The environment of every child: WORK/site and the repository first on the import path."""
         path = [p for p in (self.site, str(REPO), os.environ.get("PYTHONPATH")) if p]
-        return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(path))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(path))
+        # One compile cache for every child: each arm's first step would otherwise recompile the Triton
+        # kernels and megatron's torch.compile'd fusions from nothing.
+        env.setdefault("TRITON_CACHE_DIR", os.path.join(self.work, "triton_cache"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(self.work, "inductor_cache"))
+        return env
 
     def figures(self, name: str) -> Dict[str, Any]:
         entry = (self.results or {}).get(name) or {}
@@ -285,6 +290,12 @@ def child_env(ctx: Ctx, partial) -> Dict[str, Any]:
             figures[mod] = str(getattr(m, "__version__", "yes"))
         except Exception as e:
             figures[mod] = f"not importable ({type(e).__name__})"
+    # torch.compile's Triton backend builds a C launcher at run time: without both, the fusions stay off.
+    import shutil
+    import sysconfig
+
+    figures["c_compiler"] = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or None
+    figures["python_headers"] = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     if not torch.cuda.is_available():
         figures["device"] = None
         return figures

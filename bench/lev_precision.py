@@ -9,7 +9,8 @@ is evaluated in fp64 for a fixed-seed sample of ids. Each variant rounds one sta
 the fp64 G; the unit is the error of rounding G itself to bf16 once (what every bf16 run pays):
 - fp32: the projection sum_l W_l M_l + c in fp32 (what the layer does);
 - tf32 projection: M and W rounded to TF32's 10-bit mantissa, products accumulated exactly (a TF32 GEMM);
-- bf16 projection: M and W rounded to bf16 (a bf16 GEMM with fp32 accumulation);
+- bf16 projection: M and W rounded to bf16 (a bf16 GEMM with fp32 accumulation); and the same where W
+  is a bf16 parameter already (bf16 training): only M's rounding is new;
 - bf16 TP partials: each tensor-parallel rank's partial sum over its heads rounded to bf16 before the
   reduction (a bf16 all-reduce), then c added;
 - coordinates in TF32: the head projection A_l z computed from TF32-rounded A and z.
@@ -72,8 +73,13 @@ def main(argv=None) -> int:
         variants = {"fp32 (the layer)": project(m.float(), w.float()).double() + c.float().double()}
         variants["tf32 projection"] = project(tf32(m.float()).double(), tf32(w.float()).double()) + c
         variants["bf16 projection"] = project(bf16(m.float()).double(), bf16(w.float()).double()) + c
+        # A bf16 model's W is a bf16 parameter already, which the layer multiplies exactly: only M's
+        # rounding is new there (compared with the exact product of that W).
+        w16 = bf16(w.float()).double()
+        bf16_m_only = project(bf16(m.float()).double(), w16) - project(m, w16) + ref
         per = cfg.num_heads // a.tp
         parts = [project(m[:, i * per:(i + 1) * per], w[i * per:(i + 1) * per]) for i in range(a.tp)]
+        variants["bf16 projection, W already bf16"] = bf16_m_only
         variants[f"bf16 TP partials (TP={a.tp})"] = sum(bf16(q.float()).double() for q in parts) + c
         # Coordinates from TF32-rounded inputs, the rest exact.
         dt = torch.float64

@@ -14,7 +14,10 @@ gradient-accumulation-fusion flag), so this module and megatron agree on what wi
 from __future__ import annotations
 
 import os
+import shutil
+import sysconfig
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -60,14 +63,18 @@ def te_version():
 
 
 def triton_available() -> bool:
-    """Whether torch.compile has its GPU backend (Triton imports); megatron's ``jit_fuser`` (torch.compile)
-    builds the bias-dropout-add and bias-activation fusions with it. Asks no device: configs are built
-    before each rank selects its GPU."""
+    """Whether torch.compile has its GPU backend: Triton imports, and Triton can build its launcher at run
+    time (a C compiler and Python's headers; without them the first compiled call fails). megatron's
+    ``jit_fuser`` (torch.compile) builds the bias-dropout-add and bias-activation fusions with it. Asks no
+    device: configs are built before each rank selects its GPU."""
     try:
         from torch.utils._triton import has_triton_package
     except ImportError:
         return False
-    return bool(has_triton_package())
+    if not has_triton_package():
+        return False
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return bool(compiler) and Path(sysconfig.get_paths()["include"], "Python.h").exists()
 
 
 def apex_softmax_available() -> bool:
@@ -82,9 +89,13 @@ def apex_softmax_available() -> bool:
 
 
 def cuda_capability() -> Optional[Tuple[int, int]]:
-    """Compute capability of the current CUDA device, None without CUDA (asked only where a setting needs
-    it: FP8, or TP without CUDA_DEVICE_MAX_CONNECTIONS=1)."""
-    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    """Compute capability of this rank's CUDA device (``LOCAL_RANK``: configs are built before the rank
+    selects its GPU), None without CUDA; asked only where a setting needs it: FP8, or TP without
+    CUDA_DEVICE_MAX_CONNECTIONS=1."""
+    if not torch.cuda.is_available():
+        return None
+    device = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def use_transformer_engine(transformer_impl: str = "auto") -> bool:
@@ -117,17 +128,19 @@ def settings_for_loading(saved: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_cuda_device_max_connections(tp: int) -> None:
-    """Tensor parallelism on a GPU before Blackwell needs ``CUDA_DEVICE_MAX_CONNECTIONS=1``: megatron-core
-    issues each TP collective before the GEMM it overlaps with and relies on one hardware queue to run
-    them in that order (Megatron-LM refuses to start without it)."""
+    """Tensor parallelism on a GPU before Blackwell wants ``CUDA_DEVICE_MAX_CONNECTIONS=1``: megatron-core
+    issues each TP collective before the GEMM it overlaps with, and only one hardware queue keeps that
+    order (a speed matter, not correctness, in megatron-core's words). Megatron-LM refuses to start
+    without it; so does this, so a launch script behaves the same under both."""
     if tp <= 1 or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         return
     cc = cuda_capability()
     if cc is not None and cc[0] < 10:
         raise ConfigError(
             f"--tensor-model-parallel-size {tp} on this GPU (compute capability {cc[0]}.{cc[1]}) needs "
-            "CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment (megatron overlaps TP communication in that "
-            "order); export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch (examples/pile/train.sh does)"
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment to overlap TP communication with compute (as "
+            "Megatron-LM requires); export CUDA_DEVICE_MAX_CONNECTIONS=1 before the launch "
+            "(examples/pile/train.sh does)"
         )
 
 

@@ -24,8 +24,9 @@ def test_lev_precision_orders_the_variants(capsys):
     assert units["fp32 (the layer)"] < 0.01
     assert units["tf32 projection"] < units["bf16 projection"]
     assert units["bf16 TP partials (TP=2)"] > 0.1
+    assert units["bf16 projection, W already bf16"] < units["bf16 projection"]
     assert set(units) == {"fp32 (the layer)", "tf32 projection", "bf16 projection", "bf16 TP partials (TP=2)",
-                          "coordinates in tf32"}
+                          "coordinates in tf32", "bf16 projection, W already bf16"}
 
 
 def test_tf32_rounding_keeps_ten_mantissa_bits():

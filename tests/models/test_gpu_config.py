@@ -304,3 +304,26 @@ def test_compute_mode_rule():
         == 8_192
     _one_line(lambda: mconfig.tokens_per_data_parallel_rank(global_batch_size=100, seq_length=512,
                                                             data_parallel_size=32), "--global-batch-size 100")
+
+
+def test_triton_counts_only_where_it_can_build_its_launcher(monkeypatch):
+    """torch.compile's Triton backend builds a C launcher at the first compiled call: without a compiler
+    the fusions that use it stay off (instead of failing at the first step)."""
+    import shutil
+
+    monkeypatch.delenv("CC", raising=False)
+    have_compiler = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+    assert mconfig.triton_available() is have_compiler  # triton is a dev dependency: installed here
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert mconfig.triton_available() is False
+    monkeypatch.setenv("CC", "/usr/bin/cc")
+    assert mconfig.triton_available() is True
+
+
+def test_cuda_capability_asks_this_ranks_gpu(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert mconfig.cuda_capability() == (9, 0) and asked == [5]
