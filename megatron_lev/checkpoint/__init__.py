@@ -11,8 +11,8 @@ Training, evaluation and conversion all use this package; it imports ``models`` 
 
 from .build import build_configs, build_model_chunks, lev_table_modules, model_config_from_args, params_dtype, \
     relayout, transformer_config_kwargs
-from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, checkpoint_dir, \
-    find_checkpoint, load_common, open_checkpoint, read_tracker
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, check_checkpoint_tokenizer, \
+    checkpoint_dir, find_checkpoint, load_common, open_checkpoint, read_tracker
 from .sharded import check_save_and_load, load_checkpoint, load_model_state, save_checkpoint
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "SavedCheckpoint",
     "build_configs",
     "build_model_chunks",
+    "check_checkpoint_tokenizer",
     "check_save_and_load",
     "checkpoint_dir",
     "find_checkpoint",

@@ -34,10 +34,12 @@ from megatron_lev.config_flags import add_config_flags
 from megatron_lev.lev.config import ConfigError, LEVConfig, lev_flag
 from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, \
     check_parallel_settings
+from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG
 from megatron_lev.tokenizer.spec import TokenizerSpec
 
 # Arguments that describe the run rather than the model/optimisation: not compared on resume.
-_DERIVED = ("data_parallel_size", "world_size", "num_microbatches", "padded_vocab_size", "params_dtype_name")
+_DERIVED = ("data_parallel_size", "world_size", "num_microbatches", "padded_vocab_size", "params_dtype_name",
+            "tokenizer_fingerprint")
 # LevModelConfig fields that are flags of their own name (--albert-dim ...); the others come from
 # Megatron-LM's flags (--seq-length, --swiglu, --disable-bias-linear, ...) in model_config_from_args.
 _MODEL_FLAG_FIELDS = ("input_embedding", "albert_dim", "flat_mlp_dim", "mlp_hidden")
@@ -195,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
     TokenizerSpec.add_flags(g)  # --vocab-size also sizes --mock-data
+    g.add_argument(ALLOW_TOKENIZER_MISMATCH_FLAG, action="store_true",
+                   help="train on datasets, or resume a checkpoint, made with another tokenizer (warns instead "
+                        "of refusing)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)

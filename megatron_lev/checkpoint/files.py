@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, tokenizer_mismatch
+
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_NAME = "config.yaml"
 # Saved arguments that fix the model's tensors: a resumed run and a config.yaml must agree on them.
@@ -29,6 +31,33 @@ _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (missing, incomplete, incompatible); one-line message."""
+
+
+def check_checkpoint_tokenizer(saved_args: Dict[str, Any], tokenizer_fp: Optional[Dict[str, Any]],
+                               tokenizer_type: Optional[str], path: str, *, allow_mismatch: bool = False,
+                               log=print) -> None:
+    """Refuse a checkpoint saved with another tokenizer than ``tokenizer_fp`` (one line naming both).
+
+    ``allow_mismatch`` warns instead. A checkpoint saved before fingerprints were recorded is
+    compared by tokenizer type only (and a warning says so).
+    """
+    recorded = saved_args.get("tokenizer_fingerprint")
+    if recorded:
+        msg = tokenizer_mismatch(recorded, tokenizer_fp, path, made="saved")
+    elif saved_args.get("tokenizer_type") and tokenizer_type and saved_args["tokenizer_type"] != tokenizer_type:
+        msg = (f"{path} was saved with --tokenizer-type {saved_args['tokenizer_type']} but this run's tokenizer is "
+               f"{tokenizer_type}; give the same tokenizer, or pass {ALLOW_TOKENIZER_MISMATCH_FLAG} if this is "
+               "deliberate")
+    else:
+        if tokenizer_fp is not None:
+            log(f"WARNING: {path}: saved without a tokenizer fingerprint; only its tokenizer type is checked")
+        return
+    if msg is None:
+        return
+    if allow_mismatch:
+        log(f"WARNING: {msg.split('; give the same')[0]} (allowed by {ALLOW_TOKENIZER_MISMATCH_FLAG})")
+        return
+    raise CheckpointError(msg)
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:

@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, checkpoint_dir, find_checkpoint, \
-    looks_like_one_checkpoint, read_tracker, write_tracker
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, check_checkpoint_tokenizer, checkpoint_dir, \
+    find_checkpoint, looks_like_one_checkpoint, read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -383,6 +383,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     iteration, path = found
     common = dist_checkpointing.load_common_state_dict(path)
     saved_args = common.get("args", {})
+    check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),
+                               path, allow_mismatch=bool(run_args.get("allow_tokenizer_mismatch")), log=log)
     for name in STRUCTURE_ARGS:
         if name in saved_args and saved_args[name] != run_args.get(name):
             raise CheckpointError(_structure_mismatch(name, saved_args[name], run_args.get(name),

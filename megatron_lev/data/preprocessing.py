@@ -48,7 +48,8 @@ import numpy as np
 
 from megatron_lev.data.indexed import BackgroundImport
 from megatron_lev.jsonl import TruncatedInputError, expand_inputs, iter_lines
-from megatron_lev.tokenizer import TokenizerSpec
+from megatron_lev.tokenizer import TokenizerSpec, tokenizer_fingerprint
+from megatron_lev.tokenizer.fingerprint import sidecar_path, write_sidecar
 
 ERROR_REASONS = ("invalid_utf8", "malformed_json", "missing_key", "non_string")
 SKIP_REASONS = ("blank", "empty", "filtered")
@@ -315,8 +316,10 @@ class _Output:
     kept from the first batch on.
     """
 
-    def __init__(self, ds_prefix: str, vocab_size: int, counts: bool) -> None:
+    def __init__(self, ds_prefix: str, vocab_size: int, counts: bool, tokenizer_fp: Dict[str, Any]) -> None:
         self.prefix = ds_prefix
+        self.tokenizer_fp = tokenizer_fp
+        self.tmp_fp = sidecar_path(ds_prefix) + ".partial"
         self.tmp_bin = ds_prefix + ".bin.partial"
         self.tmp_idx = ds_prefix + ".idx.partial"
         self.tmp_counts = token_counts_path(ds_prefix) + ".partial"
@@ -357,6 +360,9 @@ class _Output:
                 np.save(f, self.counts)
             os.replace(self.tmp_counts, token_counts_path(self.prefix))
             done.append(token_counts_path(self.prefix))
+        write_sidecar(self.tmp_fp, self.tokenizer_fp)
+        os.replace(self.tmp_fp, sidecar_path(self.prefix))
+        done.append(sidecar_path(self.prefix))
         # .bin first, then .idx: a final .idx exists only once everything is in place.
         os.replace(self.tmp_bin, self.prefix + ".bin")
         os.replace(self.tmp_idx, self.prefix + ".idx")
@@ -365,7 +371,7 @@ class _Output:
     def abort(self) -> None:
         if self.builder is not None and not self.builder.data_file.closed:
             self.builder.data_file.close()
-        for p in (self.tmp_bin, self.tmp_idx, self.tmp_counts):
+        for p in (self.tmp_bin, self.tmp_idx, self.tmp_counts, self.tmp_fp):
             if os.path.exists(p):
                 os.remove(p)
 
@@ -424,7 +430,7 @@ def _check_outputs(cfg: PreprocessConfig) -> None:
     _check_writable(cfg)
     for key in cfg.json_keys:
         pre = dataset_prefix(cfg.output_prefix, key)
-        paths = [pre + ".bin", pre + ".idx"]
+        paths = [pre + ".bin", pre + ".idx", sidecar_path(pre)]
         if cfg.output_token_counts:
             paths.append(token_counts_path(pre))
         for p in paths:
@@ -491,8 +497,10 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
     _init_state(spec, opts, tokenizer)  # forked workers inherit it
 
     stats = PreprocessStats()
+    fp = tokenizer_fingerprint(tokenizer)
     outputs = {
-        k: _Output(dataset_prefix(cfg.output_prefix, k), tokenizer.vocab_size, cfg.output_token_counts)
+        k: _Output(dataset_prefix(cfg.output_prefix, k), tokenizer.vocab_size, cfg.output_token_counts,
+                   fp)
         for k in cfg.json_keys
     }
     progress = _Progress(cfg, stats)

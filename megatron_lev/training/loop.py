@@ -35,6 +35,7 @@ from megatron_lev.checkpoint.arguments import format_config, parse_args, resolve
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, set_seed
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.parallel.collectives import all_reduce_
+from megatron_lev.tokenizer import tokenizer_fingerprint
 
 from .logger import TrainingLogger
 
@@ -407,6 +408,7 @@ def _setup_configs(argv):
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: {str(e).splitlines()[0]}") from None
         args.padded_vocab_size = padded_vocab(args, tokenizer)
+        args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         config, model_config = checkpoint.build_configs(vars(args))
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None

@@ -137,3 +137,12 @@ def test_nan_is_checked_by_default_and_never_checkpointed(tmp_path):
     assert "Traceback" not in r.stderr
     assert (ck / TRACKER).read_text().strip() == "2"
     assert not (ck / "iter_0000003").exists()
+
+    # Resuming that checkpoint with another tokenizer (same padded vocabulary, 256) is refused in one line.
+    r = run_single(tiny_args(6, ["--save", str(ck), "--load", str(ck), "--vocab-size", "250"]))
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = _error_lines(r)
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: {ck / 'iter_0000002'} was saved with NullTokenizer (257 ids"), errors
+    assert "this run's tokenizer is NullTokenizer (251 ids" in errors[0] and "--allow-tokenizer-mismatch" in errors[0]
+    assert (ck / TRACKER).read_text().strip() == "2"
