@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the distributed optimizer so that it reloads with any TP/PP (gathers on DP rank 0)")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load iter_N of --load instead of the one latest_checkpointed_iteration.txt names")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="allow saving into a --save directory that holds another run's checkpoints "
                         "(without it, such a run is refused unless --load names the same directory)")
@@ -565,6 +567,8 @@ def _check_checkpointing(args) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ConfigError(f"--exit-interval must be >= 1 (got {args.exit_interval})")
+    if args.ckpt_step is not None and args.load is None:
+        raise ConfigError("--ckpt-step needs --load DIR")
     if args.skip_train and args.load is None:
         raise ConfigError("--skip-train needs --load DIR")
     for name in ("debug_kill_during_save", "debug_stall_during_save"):

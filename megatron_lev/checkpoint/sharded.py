@@ -31,8 +31,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, check_checkpoint_tokenizer, checkpoint_dir, \
-    find_checkpoint, looks_like_one_checkpoint, read_tracker, write_tracker
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
+    check_intact, checkpoint_dir, damaged_checkpoint_message, find_checkpoint, looks_like_one_checkpoint, \
+    read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -360,10 +361,17 @@ def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any],
     return f"--{name.replace('_', '-')} {current} differs from the checkpoint's {saved} ({path})"
 
 
+def _ckpt_step_hint(it: int, path: str) -> str:
+    return f"resume from it with --ckpt-step {it}"
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[str, Any], load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, exit_on_missing: bool = False,
-                    log=print) -> Optional[Dict[str, Any]]:
-    """Load the newest complete checkpoint under ``root`` into model/optimizer/scheduler/RNG.
+                    iteration: Optional[int] = None, log=print) -> Optional[Dict[str, Any]]:
+    """Load the newest complete checkpoint under ``root`` (or ``iteration``'s) into model/optimizer/scheduler/RNG.
+
+    A damaged file is refused in one line naming it and the newest complete older checkpoint
+    (``--ckpt-step N`` loads that one); nothing is loaded from a damaged checkpoint.
 
     ``run_args``: this run's resolved arguments (the model structure must match the checkpoint's).
     ``finetune``: model weights only, from iteration 0. Returns the checkpoint's common state (iteration,
@@ -374,13 +382,20 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
 
     from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
 
-    found = find_checkpoint(root) if os.path.isdir(root) else None
+    if iteration is not None:
+        path = checkpoint_dir(root, iteration)
+        if not all(os.path.isfile(os.path.join(path, n)) for n in ("metadata.json", CONFIG_NAME)):
+            raise CheckpointError(f"--ckpt-step {iteration}: {path} is not a complete checkpoint")
+        found = (iteration, path)
+    else:
+        found = find_checkpoint(root) if os.path.isdir(root) else None
     if found is None:
         if exit_on_missing:
             raise CheckpointError(f"--load {root}: no checkpoint found ({TRACKER} missing)")
         log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
         return None
     iteration, path = found
+    check_intact(root, iteration, path, _ckpt_step_hint)
     common = dist_checkpointing.load_common_state_dict(path)
     saved_args = common.get("args", {})
     check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),
@@ -406,7 +421,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     state = _sharded_state_dict(model, optimizer, include_optim=load_optim, include_rng=load_rng, is_loading=True,
                                 sharding_type=sharding, saved=saved, match=match)
     strategy = get_default_load_sharded_strategy(path)
-    loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
+    try:
+        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
+    except CheckpointError:
+        raise
+    except Exception as e:  # damage the file checks cannot see (bytes changed inside a shard)
+        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, path, f"cannot be read ({_first_line(e)})",
+                                                         _ckpt_step_hint)) from None
     _restore_model(model, loaded)
     for note in match.describe(saved):
         log(f"  {path}: {note}")

@@ -27,7 +27,7 @@ import torch
 
 from megatron_lev.distributed import destroy_distributed, init_distributed
 from megatron_lev.jsonl import expand_inputs
-from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, open_checkpoint
+from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, open_checkpoint
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, TokenizerSpec, tokenizer_fingerprint
 from megatron_lev.tokenizer.fingerprint import check_dataset_tokenizer
 
@@ -289,13 +289,14 @@ def _hf_model(args, meta: Dict[str, Any]):
 
 def _checkpoint_tokenizer(args):
     """The tokenizer of ``--load`` (flags over its saved arguments), checked against the checkpoint's
-    and the indexed sets' before any model is built."""
+    and the indexed sets' before any model is built; then the checkpoint's files are checked."""
     try:
         saved = open_checkpoint(args.load, read_common=False)
+        tokenizer = _tokenizer_for_checkpoint(args, saved.args)
+        check_tokenizer(args, tokenizer, saved.args, saved.path)
+        check_intact(saved.root, saved.iteration, saved.path, lambda it, path: f"evaluate it with --load {path}")
     except CheckpointError as e:
         raise UsageError(str(e)) from None
-    tokenizer = _tokenizer_for_checkpoint(args, saved.args)
-    check_tokenizer(args, tokenizer, saved.args, saved.path)
     return tokenizer
 
 

@@ -345,6 +345,8 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
 def _will_load_checkpoint(args) -> bool:
     if not args.load or not os.path.isdir(args.load):
         return False
+    if args.ckpt_step is not None:
+        return True
     try:
         return checkpoint.find_checkpoint(args.load) is not None
     except checkpoint.CheckpointError:
@@ -490,7 +492,7 @@ def _load(run: _Run, state: _State) -> None:
         loaded = checkpoint.load_checkpoint(
             args.load, run.model, run.optimizer, run.scheduler, run_args=vars(args),
             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-            exit_on_missing=args.exit_on_missing_checkpoint, log=run.logger.log)
+            exit_on_missing=args.exit_on_missing_checkpoint, iteration=args.ckpt_step, log=run.logger.log)
     except checkpoint.CheckpointError as e:
         raise _StartupError(str(e)) from None
     if loaded is not None:

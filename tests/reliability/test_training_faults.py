@@ -146,3 +146,53 @@ def test_nan_is_checked_by_default_and_never_checkpointed(tmp_path):
     assert errors[0].startswith(f"error: {ck / 'iter_0000002'} was saved with NullTokenizer (257 ids"), errors
     assert "this run's tokenizer is NullTokenizer (251 ids" in errors[0] and "--allow-tokenizer-mismatch" in errors[0]
     assert (ck / TRACKER).read_text().strip() == "2"
+
+    # Damaged files of the latest checkpoint: one line naming the file and the older complete checkpoint.
+    _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck)
+
+
+def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
+    import shutil
+
+    import pytest
+
+    from megatron_lev.checkpoint import CheckpointError, open_checkpoint
+    from megatron_lev.conversion import ConversionError
+    from megatron_lev.conversion import open_checkpoint as open_for_conversion
+
+    it2, it1 = ck / "iter_0000002", ck / "iter_0000001"
+    shard = sorted(it2.glob("*.distcp"))[0]
+    keep = ck.parent / "keep"
+    shutil.copytree(it2, keep)
+
+    def truncate(p):
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+    cases = [(shard, truncate, "truncated ("), (shard, os.remove, "missing"),
+             (it2 / ".metadata", os.remove, "missing"), (it2 / ".metadata", truncate, "unreadable ("),
+             (it2 / "common.pt", truncate, "unreadable ("), (it2 / "common.pt", os.remove, "missing")]
+    for path, damage, what in cases:
+        damage(path)
+        with pytest.raises(CheckpointError) as e:
+            open_checkpoint(str(ck))
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{path}: {what}"), msg
+        assert f"the newest complete older checkpoint is {it1}: pass --iteration 1" in msg, msg
+        with pytest.raises(ConversionError, match=f"^{path}: {what}".replace("(", r"\(")):
+            open_for_conversion(str(ck))
+        shutil.rmtree(it2)
+        shutil.copytree(keep, it2)
+    open_checkpoint(str(ck))  # restored
+
+    # Training: refused at start-up with the flag that loads the older one; that flag resumes from it.
+    truncate(shard)
+    args = tiny_args(6, ["--save", str(ck), "--load", str(ck), "--save-interval", "1"])
+    r = run_single(args)
+    errors = _error_lines(r)
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: {shard}: truncated (") and "nothing was loaded" in errors[0], errors
+    assert errors[0].endswith(f"the newest complete older checkpoint is {it1}: resume from it with --ckpt-step 1")
+    r = run_single(args + ["--ckpt-step", "1"])
+    assert r.returncode == 0 and "at iteration 1" in r.stdout, r.stderr[-3000:]
+    assert (ck / TRACKER).read_text().strip() == "6"
+    open_checkpoint(str(ck), 2)  # the damaged iteration was saved again
