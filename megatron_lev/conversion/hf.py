@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
 
-from .source import ConversionError, open_checkpoint
+from .source import ConversionError, check_writable, open_checkpoint
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -499,12 +499,13 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
     from .launch import run_ranks
     from .model_io import layout_args
 
+    out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
+    check_writable(out_dir)  # before any work
     source = open_checkpoint(src, iteration)
     a = source.args
     check_hf_compatible(a)
     dt = resolve_dtype(dtype, a)
     shard = parse_size(max_shard_size)
-    out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"{out_dir}: exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:

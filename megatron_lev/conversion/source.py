@@ -4,6 +4,7 @@ reported as :class:`ConversionError` (one line)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Optional
 
 from megatron_lev.checkpoint import TRACKER, CheckpointError, SavedCheckpoint
@@ -24,6 +25,23 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
         raise ConversionError(str(e)) from None
 
 
+def check_writable(save: str) -> None:
+    """Refuse in one line, before any work, a ``save`` directory that cannot be written: a probe file is
+    written and removed in it, or (when it does not exist yet) in the nearest folder above it."""
+    where = save
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    try:
+        if not os.path.isdir(where):
+            raise NotADirectoryError(20, f"{where} is a file")
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-test-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConversionError(f"--save {save}: cannot write in {where} ({e.strerror or e}); choose a writable "
+                              "directory") from None
+
+
 def save_target(save: str, source_root: Optional[str] = None) -> str:
     """The absolute ``--save`` directory of a conversion, refused in one line when it is the source's
     directory, a file, or already holds a checkpoint (a conversion never writes over one)."""
@@ -34,4 +52,5 @@ def save_target(save: str, source_root: Optional[str] = None) -> str:
         raise ConversionError(f"--save {save}: exists and is not a directory")
     if os.path.isfile(os.path.join(save, TRACKER)):
         raise ConversionError(f"--save {save}: already holds a checkpoint ({TRACKER}); choose an empty directory")
+    check_writable(save)
     return save
