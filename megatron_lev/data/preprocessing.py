@@ -59,6 +59,10 @@ class PreprocessError(Exception):
     """A one-line error for the user (bad flag, existing output, bad input under --strict)."""
 
 
+class EmptyOutputError(PreprocessError):
+    """No input line gave a document (empty inputs, a --json-keys no line has, everything skipped)."""
+
+
 class BadInputError(PreprocessError):
     """Bad input line met with ``strict=True``."""
 
@@ -78,6 +82,7 @@ class PreprocessConfig(TokenizerSpec):
     pile_set_names: Optional[Sequence[str]] = None
     strict: bool = False
     allow_truncated_input: bool = False  # keep the complete lines of a truncated/corrupt input (reported)
+    allow_empty_output: bool = False  # write a dataset of 0 documents instead of refusing (EmptyOutputError)
     overwrite: bool = False
     output_token_counts: bool = False
     batch_docs: int = 128
@@ -103,6 +108,10 @@ class PreprocessStats:
     def errors(self) -> int:
         return sum(self.skipped[r] for r in ERROR_REASONS)
 
+    def skipped_counts(self) -> str:
+        """``missing_key=3, blank=1``: the skipped lines by reason (empty when none)."""
+        return ", ".join(f"{r}={self.skipped[r]}" for r in ERROR_REASONS + SKIP_REASONS if self.skipped[r])
+
     def summary(self) -> str:
         s = max(self.seconds, 1e-9)
         parts = [
@@ -114,8 +123,7 @@ class PreprocessStats:
             f"MB/s={self.bytes / 1e6 / s:,.2f}",
             f"tokens/s={self.tokens / s:,.0f}",
         ]
-        skipped = ", ".join(f"{r}={self.skipped[r]}" for r in ERROR_REASONS + SKIP_REASONS if self.skipped[r])
-        lines = ["summary: " + " ".join(parts), f"skipped lines: {skipped or 'none'}"]
+        lines = ["summary: " + " ".join(parts), f"skipped lines: {self.skipped_counts() or 'none'}"]
         if self.examples:
             lines.append("first bad lines:")
             lines += [f"  {e}" for e in self.examples]
@@ -316,7 +324,8 @@ class _Output:
     kept from the first batch on.
     """
 
-    def __init__(self, ds_prefix: str, vocab_size: int, counts: bool, tokenizer_fp: Dict[str, Any]) -> None:
+    def __init__(self, ds_prefix: str, vocab_size: int, counts: bool,
+                 tokenizer_fp: Optional[Dict[str, Any]] = None) -> None:
         self.prefix = ds_prefix
         self.tokenizer_fp = tokenizer_fp
         self.tmp_fp = sidecar_path(ds_prefix) + ".partial"
@@ -360,9 +369,10 @@ class _Output:
                 np.save(f, self.counts)
             os.replace(self.tmp_counts, token_counts_path(self.prefix))
             done.append(token_counts_path(self.prefix))
-        write_sidecar(self.tmp_fp, self.tokenizer_fp)
-        os.replace(self.tmp_fp, sidecar_path(self.prefix))
-        done.append(sidecar_path(self.prefix))
+        if self.tokenizer_fp is not None:
+            write_sidecar(self.tmp_fp, self.tokenizer_fp)
+            os.replace(self.tmp_fp, sidecar_path(self.prefix))
+            done.append(sidecar_path(self.prefix))
         # .bin first, then .idx: a final .idx exists only once everything is in place.
         os.replace(self.tmp_bin, self.prefix + ".bin")
         os.replace(self.tmp_idx, self.prefix + ".idx")
@@ -526,6 +536,11 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
             writer.add(res)
             progress.update(res["docs"])
         writer.flush()
+        if stats.docs == 0 and not cfg.allow_empty_output:
+            raise EmptyOutputError(
+                f"no documents from {len(files)} input file(s) ({stats.lines:,} lines read; skipped: "
+                f"{stats.skipped_counts() or 'none'}; --json-keys {' '.join(cfg.json_keys)}); nothing written; "
+                "check the inputs and --json-keys, or pass --allow-empty-output to write an empty dataset")
         stats.seconds = time.perf_counter() - t0
         for out in outputs.values():
             stats.outputs += out.commit()

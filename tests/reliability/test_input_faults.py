@@ -404,3 +404,28 @@ def test_checkpoint_tokenizer_check_old_checkpoints_and_the_override():
     logs = []
     check_checkpoint_tokenizer({"tokenizer_type": "NullTokenizer"}, b, "NullTokenizer", "ck", log=logs.append)
     assert len(logs) == 1 and "without a tokenizer fingerprint" in logs[0]
+
+
+# ---------------------------------------------------------------------------------- empty outputs
+
+
+def test_empty_outputs_are_refused_with_the_counts_unless_asked(tmp_path, capsys):
+    empty, blank, other_key = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl", tmp_path / "body.jsonl"
+    empty.write_text("")
+    blank.write_text("\n\n")
+    other_key.write_text("".join(_lines(4)))
+    for src, extra, counts in ((empty, (), "0 lines read; skipped: none"), (blank, (), "skipped: blank=2"),
+                               (other_key, ("--json-keys", "body"), "4 lines read; skipped: missing_key=4")):
+        code, errors, err, written = _run(tmp_path, capsys, src, *extra)
+        assert code == 1 and len(errors) == 1, (src.name, err)
+        assert errors[0].startswith("error: no documents from 1 input file(s)") and counts in errors[0], errors
+        assert "--allow-empty-output" in errors[0] and "Traceback" not in err
+        assert written == [], (src.name, written)
+    code, errors, err, written = _run(tmp_path, capsys, empty, "--allow-empty-output")
+    assert code == 0 and errors == [] and "ds_text_document.bin" in written, err
+
+
+def test_a_directory_as_input_is_named_as_one(tmp_path, capsys):
+    code, errors, err, _ = _run(tmp_path, capsys, tmp_path)
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0] == f"error: {tmp_path}: a directory, not an input file; give its files (e.g. '{tmp_path}/*.jsonl*')"
