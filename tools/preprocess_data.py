@@ -3,7 +3,7 @@
 
 Exit status: 0 done (bad lines, if any, are skipped and reported); 1 bad input with --strict, a
 truncated/corrupt input file (unless --allow-truncated-input), or no document at all (unless
---allow-empty-output); 2 usage or setup error (bad flags, missing input, existing output without --overwrite).
+--allow-empty-output), or a full disk (partial files removed); 2 usage or setup error (bad flags, missing input, existing output without --overwrite).
 """
 
 import argparse
@@ -13,8 +13,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lev.data.preprocessing import BadInputError, EmptyOutputError, PreprocessConfig, PreprocessError, \
-    preprocess  # noqa: E402
+from megatron_lev.data.preprocessing import BadInputError, EmptyOutputError, OutputWriteError, PreprocessConfig, \
+    PreprocessError, preprocess  # noqa: E402
 from megatron_lev.tokenizer import TokenizerSpec  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     )
     try:
         stats = preprocess(cfg)
-    except (BadInputError, EmptyOutputError) as e:
+    except (BadInputError, EmptyOutputError, OutputWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except PreprocessError as e:

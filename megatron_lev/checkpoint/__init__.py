@@ -13,13 +13,14 @@ from .build import build_configs, build_model_chunks, lev_table_modules, model_c
     relayout, transformer_config_kwargs
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, check_checkpoint_tokenizer, \
     check_intact, checkpoint_dir, find_checkpoint, find_damage, older_complete_checkpoint, load_common, open_checkpoint, read_tracker
-from .sharded import check_save_and_load, load_checkpoint, load_model_state, save_checkpoint
+from .sharded import CheckpointSaveError, check_save_and_load, load_checkpoint, load_model_state, save_checkpoint
 
 __all__ = [
     "CONFIG_NAME",
     "STRUCTURE_ARGS",
     "TRACKER",
     "CheckpointError",
+    "CheckpointSaveError",
     "SavedCheckpoint",
     "build_configs",
     "build_model_chunks",

@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inject-nan-at-iteration", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--debug-kill-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
     g.add_argument("--debug-stall-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
+    g.add_argument("--debug-enospc-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'weight prefix weight prefix ...'")
@@ -571,7 +572,7 @@ def _check_checkpointing(args) -> None:
         raise ConfigError("--ckpt-step needs --load DIR")
     if args.skip_train and args.load is None:
         raise ConfigError("--skip-train needs --load DIR")
-    for name in ("debug_kill_during_save", "debug_stall_during_save"):
+    for name in ("debug_kill_during_save", "debug_stall_during_save", "debug_enospc_during_save"):
         value = getattr(args, name)
         if value is not None:
             try:

@@ -34,9 +34,11 @@ Document conventions:
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -61,6 +63,10 @@ class PreprocessError(Exception):
 
 class EmptyOutputError(PreprocessError):
     """No input line gave a document (empty inputs, a --json-keys no line has, everything skipped)."""
+
+
+class OutputWriteError(PreprocessError):
+    """The outputs could not be written (the disk filled); the partial files are removed."""
 
 
 class BadInputError(PreprocessError):
@@ -545,9 +551,15 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
         for out in outputs.values():
             stats.outputs += out.commit()
         stats.tokens_per_key = {k: o.tokens for k, o in outputs.items()}
-    except BaseException:
+    except BaseException as e:
         for out in outputs.values():
             out.abort()
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            d = os.path.dirname(os.path.abspath(dataset_prefix(cfg.output_prefix, cfg.json_keys[0])))
+            raise OutputWriteError(
+                f"--output-prefix {cfg.output_prefix}: no space left on device in {d} after {stats.docs:,} documents "
+                f"({shutil.disk_usage(d).free / 2**30:.1f} GiB free there); the partial files were removed, "
+                "nothing was written; make room and run again") from None
         raise
     finally:
         progress.close()

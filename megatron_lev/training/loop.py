@@ -41,6 +41,7 @@ from .logger import TrainingLogger
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
+EXIT_SAVE_FAILED = 4
 
 
 class NanDetected(RuntimeError):
@@ -384,6 +385,11 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         if torch.distributed.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
+    except checkpoint.CheckpointSaveError as e:
+        if torch.distributed.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        torch.distributed.barrier()  # no rank exits (and gets the others killed) before the line is out
+        return EXIT_SAVE_FAILED
     finally:
         destroy_distributed(setup)
 
@@ -537,7 +543,7 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
         consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
         save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
         optim_fully_reshardable=args.dist_ckpt_optim_fully_reshardable, kill_at=args.debug_kill_during_save,
-        stall_at=args.debug_stall_during_save, log=run.logger.log)
+        stall_at=args.debug_stall_during_save, enospc_at=args.debug_enospc_during_save, log=run.logger.log)
     state.last_saved = iteration
     return True
 

@@ -359,3 +359,24 @@ def test_unwritable_save_is_refused_before_any_work(tmp_path, capsys):
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and err[0].startswith(f"error: --save {target}: cannot write in {where} ("), err
             assert "choose a writable directory" in err[0]
+
+
+def test_disk_full_during_an_export_is_one_line(tmp_path):
+    import errno
+
+    from megatron_lev.conversion.launch import ConversionRankFailure
+    from megatron_lev.conversion.source import ConversionError, disk_full_is_one_line
+
+    out = str(tmp_path)
+    rank_trace = "rank 0 failed:\nTraceback (most recent call last):\n  ...\nOSError: [Errno 28] No space left on device"
+    for error in (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), ConversionRankFailure(rank_trace)):
+        with pytest.raises(ConversionError) as e:
+            with disk_full_is_one_line(out, "the Hugging Face export"):
+                raise error
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"--save {out}: no space left on device while writing the Hugging "
+                                                  "Face export ("), msg
+        assert "GiB free there); the files in" in msg and "--overwrite" in msg
+    with pytest.raises(PermissionError):  # other failures are not disguised
+        with disk_full_is_one_line(out, "x"):
+            raise PermissionError(errno.EACCES, "denied")

@@ -429,3 +429,25 @@ def test_a_directory_as_input_is_named_as_one(tmp_path, capsys):
     code, errors, err, _ = _run(tmp_path, capsys, tmp_path)
     assert code == 2 and len(errors) == 1, err
     assert errors[0] == f"error: {tmp_path}: a directory, not an input file; give its files (e.g. '{tmp_path}/*.jsonl*')"
+
+
+def test_disk_full_while_preprocessing_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from megatron_lev.data import preprocessing
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(_lines()))
+    real = preprocessing._Output.write
+
+    def full(self, tokens, lengths):
+        real(self, tokens, lengths)  # some bytes reach the .partial file, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(preprocessing._Output, "write", full)
+    code, errors, err, written = _run(tmp_path, capsys, src)
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: --output-prefix {tmp_path / 'out' / 'ds'}: no space left on device in "
+                                f"{tmp_path / 'out'} after "), errors
+    assert "GiB free there); the partial files were removed" in errors[0]
+    assert written == [], written

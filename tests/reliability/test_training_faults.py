@@ -196,3 +196,28 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
     assert r.returncode == 0 and "at iteration 1" in r.stdout, r.stderr[-3000:]
     assert (ck / TRACKER).read_text().strip() == "6"
     open_checkpoint(str(ck), 2)  # the damaged iteration was saved again
+
+
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    r = run_single(tiny_args(6, ["--save", str(ck), "--save-interval", "2", "--debug-enospc-during-save", "0:4"]))
+    assert r.returncode == 4, r.stderr[-3000:]
+    errors = _error_lines(r)
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    msg = errors[0]
+    assert msg.startswith(f"error: --save {ck}: the checkpoint of iteration 4 could not be written "
+                          "(no space left on device; "), msg
+    assert " free there); its partial folder " in msg and f"{ck / 'iter_0000004'} was removed" in msg, msg
+    assert f"the last complete checkpoint is {ck / 'iter_0000002'}" in msg and f"--load {ck}" in msg, msg
+    assert not (ck / "iter_0000004").exists() and (ck / TRACKER).read_text().strip() == "2"
+
+    # TP=2, the second rank's writer fails: the first rank still says it in one line, no rank's traceback.
+    ck2 = tmp_path / "ck2"
+    r = launch(2, tiny_args(6, ["--save", str(ck2), "--save-interval", "2", "--tensor-model-parallel-size", "2",
+                                "--debug-enospc-during-save", "1:4"]), check=False)
+    errors = _error_lines(r)
+    assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: --save {ck2}: the checkpoint of iteration 4 could not be written (no space"), errors
+    assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
+    assert "inline_container" not in r.stderr
+    assert not (ck2 / "iter_0000004").exists() and (ck2 / TRACKER).read_text().strip() == "2"
