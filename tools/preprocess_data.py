@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
+    if a.vocab_size is not None and a.tokenizer_type != "NullTokenizer":
+        print(f"error: --vocab-size {a.vocab_size} applies to NullTokenizer only; {a.tokenizer_type} takes its "
+              "vocabulary from its files: drop --vocab-size", file=sys.stderr)
+        sys.exit(2)
     if a.partitions > 1 and a.partition_index is None:
         p.error("--partitions N needs --partition-index I (run one part per node, then tools/merge_datasets.py)")
     return a

@@ -613,6 +613,9 @@ def _validate_tokenizer_files(args) -> None:
             raise ConfigError(f"{flag} {path}: no such file")
     if args.vocab_size is not None and args.vocab_size < 2:
         raise ConfigError(f"--vocab-size must be >= 2 (got {args.vocab_size})")
+    if args.vocab_size is not None and t != "NullTokenizer":
+        raise ConfigError(f"--vocab-size {args.vocab_size} applies to NullTokenizer only; {t} takes its vocabulary "
+                          "from its files: drop --vocab-size")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -458,6 +458,9 @@ def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any],
         return (f"{path}: saved at TP={saved_layout['tp']}, this run has TP={layout['tp']} (padded vocabulary "
                 f"{saved} -> {current}); convert it first: python tools/convert_checkpoint.py reshard "
                 f"--load CKPT --save NEW --target-tp {layout['tp']} --target-pp {layout['pp']}")
+    if name == "padded_vocab_size":
+        return (f"{path}: padded vocabulary {saved} in the checkpoint, {current} in this run (another tokenizer, or "
+                "another --make-vocab-size-divisible-by); give the checkpoint's tokenizer and settings")
     return f"--{name.replace('_', '-')} {current} differs from the checkpoint's {saved} ({path})"
 
 

@@ -295,6 +295,12 @@ def build_train_valid_test_datasets(
         create_attention_mask=create_attention_mask,
         **config_extra,
     )
+    # A split asked for no samples is not built (an empty one would make megatron-core loop forever).
+    if not mock and blend is not None and config.split_matrix is not None:
+        config.split_matrix = [m if size != 0 else None for m, size in zip(config.split_matrix,
+                                                                            train_valid_test_num_samples)]
+    elif not mock and use_per_split:
+        config.blend_per_split = [b if size != 0 else None for b, size in zip(per_split, train_valid_test_num_samples)]
     blends = [blend] if blend else [b for b in per_split if b]
     if init_process_group and data_cache_path and any(len(b[0]) > 1 for b in blends):
         ensure_process_group()

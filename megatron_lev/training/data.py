@@ -34,7 +34,7 @@ def build_datasets(args, tokenizer):
     from megatron_lev.data.datasets import build_train_valid_test_datasets
 
     gbs = args.global_batch_size
-    num_samples = [args.train_iters * gbs, max(args.eval_iters, 1) * gbs, max(args.eval_iters, 1) * gbs]
+    num_samples = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]  # 0: not built
     join = lambda v: " ".join(v) if v else None  # noqa: E731
     return build_train_valid_test_datasets(
         tokenizer, args.seq_length, num_samples,

@@ -42,6 +42,7 @@ from .logger import TrainingLogger
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
 EXIT_SAVE_FAILED = 4
+EXIT_INTERRUPTED = 130
 
 
 class NanDetected(RuntimeError):
@@ -454,10 +455,26 @@ def _run(args, tokenizer, config, model_config) -> int:
     _start_data(run, state, tokenizer)
     try:
         return _train(run, state)
+    except KeyboardInterrupt:
+        if rank_is0():
+            print(f"error: {_interrupted(args, state)}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
         if run.handler is not None:
             run.handler.release()
         run.logger.close()
+
+
+def _interrupted(args, state: _State) -> str:
+    """The line for Ctrl-C: where training stood and the checkpoint a rerun resumes from."""
+    root = args.save or args.load
+    try:
+        last = checkpoint.read_tracker(root) if root and os.path.isdir(root) else None
+    except checkpoint.CheckpointError:
+        last = None
+    where = (f"the last checkpoint is iteration {last} ({checkpoint.checkpoint_dir(root, last)}; resume with "
+             f"--load {root})") if last is not None else "no checkpoint was saved"
+    return f"interrupted at iteration {state.iteration}; {where}"
 
 
 def _start(args, config, model_config) -> _Run:

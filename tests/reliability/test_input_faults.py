@@ -451,3 +451,47 @@ def test_disk_full_while_preprocessing_is_one_line_and_leaves_nothing(tmp_path, 
                                 f"{tmp_path / 'out'} after "), errors
     assert "GiB free there); the partial files were removed" in errors[0]
     assert written == [], written
+
+
+# ------------------------------------------------------------------------------------ smaller cases
+
+
+def test_vocab_size_with_a_tokenizer_that_has_files_is_refused(tmp_path, capsys):
+    from megatron_lev.lev.config import ConfigError
+    from megatron_lev.checkpoint.arguments import parse_args
+
+    tik = _tiktoken_file(tmp_path / "t.tiktoken", b"ab")
+    flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik, "--vocab-size", "1000"]
+    with pytest.raises(SystemExit) as e:
+        preprocess_main(["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0] == ("error: --vocab-size 1000 applies to NullTokenizer only; TikTokenizer takes its vocabulary "
+                      "from its files: drop --vocab-size")
+    with pytest.raises(ConfigError, match="^--vocab-size 1000 applies to NullTokenizer only; TikTokenizer"):
+        parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+                    "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", *flags])
+
+
+def test_padded_vocabulary_mismatch_does_not_name_an_internal_flag():
+    from megatron_lev.checkpoint.sharded import _structure_mismatch
+
+    msg = _structure_mismatch("padded_vocab_size", 50304, 50432, {"tp": 1}, {"tp": 1, "pp": 1}, "ck")
+    assert "--padded-vocab-size" not in msg and "padded vocabulary 50304 in the checkpoint, 50432 in this run" in msg
+    assert "--make-vocab-size-divisible-by" in msg
+
+
+def test_no_evaluation_builds_no_validation_or_test_split(dataset):
+    from megatron_lev.data.datasets import DatasetValidationError
+    from megatron_lev.training.data import build_datasets
+    from megatron_lev.training.loop import _setup_configs
+
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--data-path", dataset,
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]  # the default --split 969,30,1
+    args, tok, _, _ = _setup_configs(argv + ["--eval-iters", "0"])
+    train, valid, test = build_datasets(args, tok)
+    assert train is not None and valid is None and test is None
+    args, tok, _, _ = _setup_configs(argv + ["--eval-iters", "1"])  # the test part of 60 documents is empty
+    with pytest.raises(DatasetValidationError, match="the test part of --split 969,30,1 gets 0 of its 60 documents"):
+        build_datasets(args, tok)

@@ -221,3 +221,24 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_p
     assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
     assert "inline_container" not in r.stderr
     assert not (ck2 / "iter_0000004").exists() and (ck2 / TRACKER).read_text().strip() == "2"
+
+
+def test_ctrl_c_is_one_line_naming_the_iteration_and_the_last_checkpoint(tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "run.log"
+    cmd = [sys.executable, PRETRAIN] + tiny_args(100000, ["--save", str(ck), "--save-interval", "2"])
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        wait_for_text(log, " iteration        5/", proc)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert code == 130 and len(errors) == 1 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    last = int((ck / TRACKER).read_text())
+    assert errors[0].startswith("error: interrupted at iteration "), errors
+    assert f"the last checkpoint is iteration {last} ({ck / f'iter_{last:07d}'}; resume with --load {ck})" in errors[0]
