@@ -85,6 +85,9 @@ def expand_inputs(patterns: Sequence[str]) -> List[str]:
             matches = sorted(p for p in glob.glob(pat) if os.path.isfile(p))
         else:
             matches = [pat] if os.path.isfile(pat) else []
+        if not matches and os.path.isdir(pat):
+            raise FileNotFoundError(f"{pat}: a directory, not an input file; give its files "
+                                    f"(e.g. '{os.path.join(pat, '*.jsonl*')}')")
         if not matches:
             raise FileNotFoundError(f"{pat}: no such input file")
         for m in matches:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Tokenise jsonl(.gz/.zst) into megatron-core .bin/.idx (flags follow Megatron-LM's tool).
 
-Exit status: 0 done (bad lines, if any, are skipped and reported); 1 bad input with --strict, or a
-truncated/corrupt input file (unless --allow-truncated-input); 2 usage or setup error (bad flags, missing input, existing output without --overwrite).
+Exit status: 0 done (bad lines, if any, are skipped and reported); 1 bad input with --strict, a
+truncated/corrupt input file (unless --allow-truncated-input), or no document at all (unless
+--allow-empty-output), or a full disk (partial files removed); 2 usage or setup error (bad flags, missing input, existing output without --overwrite).
 """
 
 import argparse
@@ -12,7 +13,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lev.data.preprocessing import BadInputError, PreprocessConfig, PreprocessError, preprocess  # noqa: E402
+from megatron_lev.data.preprocessing import BadInputError, EmptyOutputError, OutputWriteError, PreprocessConfig, \
+    PreprocessError, preprocess  # noqa: E402
 from megatron_lev.tokenizer import TokenizerSpec  # noqa: E402
 
 
@@ -26,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allow-truncated-input", action="store_true",
                    help="keep the complete lines of a truncated or corrupt input file (reported) instead "
                         "of stopping with exit 1")
+    g.add_argument("--allow-empty-output", action="store_true",
+                   help="write a dataset of 0 documents instead of stopping with exit 1 when no line gives one")
     g = p.add_argument_group("tokenizer")
     TokenizerSpec.add_flags(g, required=True)
     g.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
@@ -48,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
+    if a.vocab_size is not None and a.tokenizer_type != "NullTokenizer":
+        print(f"error: --vocab-size {a.vocab_size} applies to NullTokenizer only; {a.tokenizer_type} takes its "
+              "vocabulary from its files: drop --vocab-size", file=sys.stderr)
+        sys.exit(2)
     if a.partitions > 1 and a.partition_index is None:
         p.error("--partitions N needs --partition-index I (run one part per node, then tools/merge_datasets.py)")
     return a
@@ -63,13 +71,14 @@ def main(argv=None) -> int:
         append_eod=a.append_eod, workers=a.workers, log_interval=a.log_interval,
         partitions=a.partitions, partition_index=a.partition_index or 0,
         pile_set_names=a.pile_set_name, strict=a.strict, allow_truncated_input=a.allow_truncated_input,
+        allow_empty_output=a.allow_empty_output,
         overwrite=a.overwrite,
         output_token_counts=a.output_token_counts, batch_docs=a.batch_docs,
         progress=False if a.no_progress_bar else None,
     )
     try:
         stats = preprocess(cfg)
-    except BadInputError as e:
+    except (BadInputError, EmptyOutputError, OutputWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except PreprocessError as e:

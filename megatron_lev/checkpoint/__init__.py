@@ -11,26 +11,31 @@ Training, evaluation and conversion all use this package; it imports ``models`` 
 
 from .build import build_configs, build_model_chunks, lev_table_modules, model_config_from_args, params_dtype, \
     relayout, transformer_config_kwargs
-from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, checkpoint_dir, \
-    find_checkpoint, load_common, open_checkpoint, read_tracker
-from .sharded import check_save_and_load, load_checkpoint, load_model_state, save_checkpoint
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, check_checkpoint_tokenizer, \
+    check_intact, checkpoint_dir, find_checkpoint, find_damage, older_complete_checkpoint, load_common, open_checkpoint, read_tracker
+from .sharded import CheckpointSaveError, check_save_and_load, load_checkpoint, load_model_state, save_checkpoint
 
 __all__ = [
     "CONFIG_NAME",
     "STRUCTURE_ARGS",
     "TRACKER",
     "CheckpointError",
+    "CheckpointSaveError",
     "SavedCheckpoint",
     "build_configs",
     "build_model_chunks",
+    "check_checkpoint_tokenizer",
+    "check_intact",
     "check_save_and_load",
     "checkpoint_dir",
     "find_checkpoint",
+    "find_damage",
     "lev_table_modules",
     "load_checkpoint",
     "load_common",
     "load_model_state",
     "model_config_from_args",
+    "older_complete_checkpoint",
     "open_checkpoint",
     "params_dtype",
     "read_tracker",

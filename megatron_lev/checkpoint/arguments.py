@@ -34,10 +34,12 @@ from megatron_lev.config_flags import add_config_flags
 from megatron_lev.lev.config import ConfigError, LEVConfig, lev_flag
 from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, \
     check_parallel_settings
+from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG
 from megatron_lev.tokenizer.spec import TokenizerSpec
 
 # Arguments that describe the run rather than the model/optimisation: not compared on resume.
-_DERIVED = ("data_parallel_size", "world_size", "num_microbatches", "padded_vocab_size", "params_dtype_name")
+_DERIVED = ("data_parallel_size", "world_size", "num_microbatches", "padded_vocab_size", "params_dtype_name",
+            "tokenizer_fingerprint")
 # LevModelConfig fields that are flags of their own name (--albert-dim ...); the others come from
 # Megatron-LM's flags (--seq-length, --swiglu, --disable-bias-linear, ...) in model_config_from_args.
 _MODEL_FLAG_FIELDS = ("input_embedding", "albert_dim", "flat_mlp_dim", "mlp_hidden")
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inject-nan-at-iteration", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--debug-kill-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
     g.add_argument("--debug-stall-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
+    g.add_argument("--debug-enospc-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'weight prefix weight prefix ...'")
@@ -195,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
     TokenizerSpec.add_flags(g)  # --vocab-size also sizes --mock-data
+    g.add_argument(ALLOW_TOKENIZER_MISMATCH_FLAG, action="store_true",
+                   help="train on datasets, or resume a checkpoint, made with another tokenizer (warns instead "
+                        "of refusing)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -210,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="save the distributed optimizer so that it reloads with any TP/PP (gathers on DP rank 0)")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load iter_N of --load instead of the one latest_checkpointed_iteration.txt names")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="allow saving into a --save directory that holds another run's checkpoints "
                         "(without it, such a run is refused unless --load names the same directory)")
@@ -560,9 +568,11 @@ def _check_checkpointing(args) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ConfigError(f"--exit-interval must be >= 1 (got {args.exit_interval})")
+    if args.ckpt_step is not None and args.load is None:
+        raise ConfigError("--ckpt-step needs --load DIR")
     if args.skip_train and args.load is None:
         raise ConfigError("--skip-train needs --load DIR")
-    for name in ("debug_kill_during_save", "debug_stall_during_save"):
+    for name in ("debug_kill_during_save", "debug_stall_during_save", "debug_enospc_during_save"):
         value = getattr(args, name)
         if value is not None:
             try:
@@ -603,6 +613,9 @@ def _validate_tokenizer_files(args) -> None:
             raise ConfigError(f"{flag} {path}: no such file")
     if args.vocab_size is not None and args.vocab_size < 2:
         raise ConfigError(f"--vocab-size must be >= 2 (got {args.vocab_size})")
+    if args.vocab_size is not None and t != "NullTokenizer":
+        raise ConfigError(f"--vocab-size {args.vocab_size} applies to NullTokenizer only; {t} takes its vocabulary "
+                          "from its files: drop --vocab-size")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, tokenizer_mismatch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_NAME = "config.yaml"
@@ -29,6 +31,33 @@ _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (missing, incomplete, incompatible); one-line message."""
+
+
+def check_checkpoint_tokenizer(saved_args: Dict[str, Any], tokenizer_fp: Optional[Dict[str, Any]],
+                               tokenizer_type: Optional[str], path: str, *, allow_mismatch: bool = False,
+                               log=print) -> None:
+    """Refuse a checkpoint saved with another tokenizer than ``tokenizer_fp`` (one line naming both).
+
+    ``allow_mismatch`` warns instead. A checkpoint saved before fingerprints were recorded is
+    compared by tokenizer type only (and a warning says so).
+    """
+    recorded = saved_args.get("tokenizer_fingerprint")
+    if recorded:
+        msg = tokenizer_mismatch(recorded, tokenizer_fp, path, made="saved")
+    elif saved_args.get("tokenizer_type") and tokenizer_type and saved_args["tokenizer_type"] != tokenizer_type:
+        msg = (f"{path} was saved with --tokenizer-type {saved_args['tokenizer_type']} but this run's tokenizer is "
+               f"{tokenizer_type}; give the same tokenizer, or pass {ALLOW_TOKENIZER_MISMATCH_FLAG} if this is "
+               "deliberate")
+    else:
+        if tokenizer_fp is not None:
+            log(f"WARNING: {path}: saved without a tokenizer fingerprint; only its tokenizer type is checked")
+        return
+    if msg is None:
+        return
+    if allow_mismatch:
+        log(f"WARNING: {msg.split('; give the same')[0]} (allowed by {ALLOW_TOKENIZER_MISMATCH_FLAG})")
+        return
+    raise CheckpointError(msg)
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -118,6 +147,84 @@ def _read_yaml(path: str) -> Dict[str, Any]:
     return data
 
 
+def find_damage(path: str) -> Optional[Tuple[str, str]]:
+    """(file, what is wrong) for the first damaged file of the dist_checkpointing directory ``path``, else None.
+
+    Checks that ``.metadata`` reads, that every shard file it names exists and is as long as the
+    byte ranges it records there, and that ``common.pt`` reads.
+    """
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta):
+        return meta, "missing"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+        ends: Dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    except Exception as e:  # a truncated or foreign pickle
+        return meta, f"unreadable ({_first_line(e)})"
+    for name, end in sorted(ends.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            return shard, "missing"
+        size = os.path.getsize(shard)
+        if size < end:
+            return shard, f"truncated ({size:,} of {end:,} bytes)"
+    common = os.path.join(path, "common.pt")
+    if not os.path.isfile(common):
+        return common, "missing"
+    try:
+        torch.load(common, map_location="cpu", weights_only=False)
+    except Exception as e:
+        return common, f"unreadable ({_first_line(e)})"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def older_complete_checkpoint(root: str, iteration: int) -> Optional[Tuple[int, str]]:
+    """(iteration, directory) of the newest checkpoint under ``root`` older than ``iteration`` that is
+    complete (metadata.json and config.yaml written) and undamaged (:func:`find_damage`)."""
+    if not os.path.isdir(root):
+        return None
+    older = sorted((int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m), reverse=True)
+    for it in older:
+        d = checkpoint_dir(root, it)
+        if it < iteration and all(os.path.isfile(os.path.join(d, n)) for n in ("metadata.json", CONFIG_NAME)) \
+                and find_damage(d) is None:
+            return it, d
+    return None
+
+
+def iteration_hint(it: int, path: str) -> str:
+    """How a conversion loads an older checkpoint."""
+    return f"pass --iteration {it}"
+
+
+def damaged_checkpoint_message(root: str, iteration: int, path: str, file: str, what: str,
+                               older_hint: Callable[[int, str], str] = iteration_hint) -> str:
+    """One line: the damaged file, the newest complete older checkpoint and how to load it."""
+    older = older_complete_checkpoint(root, iteration)
+    way = (f"the newest complete older checkpoint is {older[1]}: {older_hint(*older)}" if older
+           else f"no complete older checkpoint under {root}")
+    return f"{file}: {what}; checkpoint {path} cannot be loaded (nothing was loaded); {way}"
+
+
+def check_intact(root: str, iteration: int, path: str,
+                 older_hint: Callable[[int, str], str] = iteration_hint) -> None:
+    """Raise :class:`CheckpointError` (one line, :func:`damaged_checkpoint_message`) when a file of
+    ``path`` is damaged."""
+    damage = find_damage(path)
+    if damage is not None:
+        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, *damage, older_hint=older_hint))
+
+
 def load_common(path: str) -> Dict[str, Any]:
     """The non-sharded part of a dist_checkpointing directory (``common.pt``)."""
     from megatron.core import dist_checkpointing
@@ -158,8 +265,12 @@ def _locate(path: str, iteration: Optional[int]) -> Tuple[str, int, str]:
     return path, it, iter_path
 
 
-def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: bool = True) -> SavedCheckpoint:
-    """Locate and check the checkpoint at ``path`` (a root with a tracker file, or an ``iter_*`` dir)."""
+def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: bool = True,
+                    older_hint: Callable[[int, str], str] = iteration_hint) -> SavedCheckpoint:
+    """Locate and check the checkpoint at ``path`` (a root with a tracker file, or an ``iter_*`` dir).
+
+    With ``read_common`` its files are checked first (:func:`check_intact`); a damaged one names the
+    newest complete older checkpoint with ``older_hint(iteration, directory)``, the way to load it."""
     root, it, iter_path = _locate(path, iteration)
     if not os.path.isfile(os.path.join(iter_path, "metadata.json")):
         raise CheckpointError(f"{iter_path}: incomplete checkpoint (no metadata.json)")
@@ -170,6 +281,7 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
     common: Dict[str, Any] = {}
     args = dict(cfg)
     if read_common:
+        check_intact(root, int(it), iter_path, older_hint)
         common = load_common(iter_path)
         saved = common.get("args")
         if isinstance(saved, dict) and saved:

@@ -31,8 +31,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, checkpoint_dir, find_checkpoint, \
-    looks_like_one_checkpoint, read_tracker, write_tracker
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
+    check_intact, checkpoint_dir, damaged_checkpoint_message, find_checkpoint, looks_like_one_checkpoint, \
+    read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -230,18 +231,104 @@ def _stall_writers() -> None:
     FileSystemWriterAsync.write_preloaded_data = staticmethod(stalled)
 
 
+def _fail_writers_with_enospc() -> None:
+    """Test hook: dist_checkpointing's writer processes of this save fail as on a full disk (after
+    writing a few bytes of their first item)."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    def full(*args, **kw):
+        stream = next(a for a in args if hasattr(a, "write"))
+        stream.write(b"\0" * 64)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    fa._write_item = full
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (disk full, I/O error); the partial folder is removed and the tracker unchanged."""
+
+
+def _no_space(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps, as megatron's worker failures do) is ENOSPC."""
+    import errno
+
+    seen = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(e) or "Errno 28" in str(e):
+            return True
+        stack += [e.__cause__, e.__context__] + [a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]
+        for v in (getattr(e, "args", ()) or ()):
+            if isinstance(v, dict):
+                stack += [x for x in v.values() if isinstance(x, BaseException)]
+    return False
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _any_rank_failed(failed: bool) -> bool:
+    from megatron_lev.parallel.collectives import all_reduce_
+
+    t = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    return bool(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
+
+
+def _save_failed(root: str, iteration: int, path: str, error: Optional[BaseException]) -> CheckpointSaveError:
+    """Remove the partial ``path`` (rank 0) and describe the failure in one line (on every rank)."""
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    torch.distributed.barrier()
+    try:
+        free = _human_bytes(shutil.disk_usage(root).free)
+    except OSError:
+        free = "unknown"
+    if error is None:
+        reason = "another rank failed to write its part"
+    elif _no_space(error):
+        reason = "no space left on device"
+    else:
+        reason = _first_line(error)
+    try:
+        last = read_tracker(root)
+    except CheckpointError:
+        last = None
+    kept = f"the last complete checkpoint is {checkpoint_dir(root, last)}" if last is not None else \
+        "there is no complete checkpoint yet"
+    gone = "removed" if not os.path.exists(path) else "left in place (remove it)"
+    return CheckpointSaveError(
+        f"--save {root}: the checkpoint of iteration {iteration} could not be written ({reason}; {free} free "
+        f"there); its partial folder {path} was {gone}; {kept}; make room and resume with --load {root}")
+
+
 def save_checkpoint(
     root: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
     counters: Dict[str, int], config: Dict[str, Any], save_optim: bool = True, save_rng: bool = True,
     optim_fully_reshardable: bool = False, kill_at: Optional[str] = None, stall_at: Optional[str] = None,
-    log=print,
+    enospc_at: Optional[str] = None, log=print,
 ) -> str:
     """Save a complete checkpoint of this iteration on every rank; return its directory.
 
     ``config``: the resolved arguments (saved inside and as ``config.yaml``). ``optim_fully_reshardable``:
     megatron-core's distributed-optimizer layout fully_reshardable (gathers on DP rank 0; reloads with
     any TP/PP/DP) instead of dp_reshardable (fast; reloads with the same TP/PP). ``kill_at`` /
-    ``stall_at`` ("RANK:ITERATION"): test hooks that kill this rank, or stall its writers, in this save."""
+    ``stall_at`` / ``enospc_at`` ("RANK:ITERATION"): test hooks that kill this rank, stall its writers or
+    fail them as on a full disk, in this save. A failed save raises :class:`CheckpointSaveError` on every
+    rank (one line: ``--save``, the iteration, the free space, the last complete checkpoint) after the
+    partial folder is removed; the tracker still names the last complete checkpoint."""
     import yaml
     from megatron.core import dist_checkpointing
 
@@ -276,13 +363,27 @@ def save_checkpoint(
     if stall_at is not None and tuple(int(x) for x in stall_at.split(":")) == (rank, iteration):
         _stall_writers()
 
-    dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
-    torch.distributed.barrier()  # every rank's shards are on disk
+    if enospc_at is not None and tuple(int(x) for x in enospc_at.split(":")) == (rank, iteration):
+        _fail_writers_with_enospc()
+
+    error: Optional[BaseException] = None
+    try:
+        dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a full disk, an I/O error (torch's CheckpointException is a BaseException)
+        error = e
+    if _any_rank_failed(error is not None):  # every rank's shards are on disk, or none goes on
+        raise _save_failed(root, iteration, path, error)
     if rank == 0:
-        with open(os.path.join(path, CONFIG_NAME), "w", encoding="utf-8") as f:
-            yaml.safe_dump(dict(config), f, sort_keys=True)
-        write_tracker(root, iteration)
-    torch.distributed.barrier()
+        try:
+            with open(os.path.join(path, CONFIG_NAME), "w", encoding="utf-8") as f:
+                yaml.safe_dump(dict(config), f, sort_keys=True)
+            write_tracker(root, iteration)
+        except OSError as e:
+            error = e
+    if _any_rank_failed(error is not None):
+        raise _save_failed(root, iteration, path, error)
     log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
     return path
 
@@ -357,13 +458,23 @@ def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any],
         return (f"{path}: saved at TP={saved_layout['tp']}, this run has TP={layout['tp']} (padded vocabulary "
                 f"{saved} -> {current}); convert it first: python tools/convert_checkpoint.py reshard "
                 f"--load CKPT --save NEW --target-tp {layout['tp']} --target-pp {layout['pp']}")
+    if name == "padded_vocab_size":
+        return (f"{path}: padded vocabulary {saved} in the checkpoint, {current} in this run (another tokenizer, or "
+                "another --make-vocab-size-divisible-by); give the checkpoint's tokenizer and settings")
     return f"--{name.replace('_', '-')} {current} differs from the checkpoint's {saved} ({path})"
+
+
+def _ckpt_step_hint(it: int, path: str) -> str:
+    return f"resume from it with --ckpt-step {it}"
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[str, Any], load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, exit_on_missing: bool = False,
-                    log=print) -> Optional[Dict[str, Any]]:
-    """Load the newest complete checkpoint under ``root`` into model/optimizer/scheduler/RNG.
+                    iteration: Optional[int] = None, log=print) -> Optional[Dict[str, Any]]:
+    """Load the newest complete checkpoint under ``root`` (or ``iteration``'s) into model/optimizer/scheduler/RNG.
+
+    A damaged file is refused in one line naming it and the newest complete older checkpoint
+    (``--ckpt-step N`` loads that one); nothing is loaded from a damaged checkpoint.
 
     ``run_args``: this run's resolved arguments (the model structure must match the checkpoint's).
     ``finetune``: model weights only, from iteration 0. Returns the checkpoint's common state (iteration,
@@ -374,15 +485,24 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
 
     from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
 
-    found = find_checkpoint(root) if os.path.isdir(root) else None
+    if iteration is not None:
+        path = checkpoint_dir(root, iteration)
+        if not all(os.path.isfile(os.path.join(path, n)) for n in ("metadata.json", CONFIG_NAME)):
+            raise CheckpointError(f"--ckpt-step {iteration}: {path} is not a complete checkpoint")
+        found = (iteration, path)
+    else:
+        found = find_checkpoint(root) if os.path.isdir(root) else None
     if found is None:
         if exit_on_missing:
             raise CheckpointError(f"--load {root}: no checkpoint found ({TRACKER} missing)")
         log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
         return None
     iteration, path = found
+    check_intact(root, iteration, path, _ckpt_step_hint)
     common = dist_checkpointing.load_common_state_dict(path)
     saved_args = common.get("args", {})
+    check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),
+                               path, allow_mismatch=bool(run_args.get("allow_tokenizer_mismatch")), log=log)
     for name in STRUCTURE_ARGS:
         if name in saved_args and saved_args[name] != run_args.get(name):
             raise CheckpointError(_structure_mismatch(name, saved_args[name], run_args.get(name),
@@ -404,7 +524,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     state = _sharded_state_dict(model, optimizer, include_optim=load_optim, include_rng=load_rng, is_loading=True,
                                 sharding_type=sharding, saved=saved, match=match)
     strategy = get_default_load_sharded_strategy(path)
-    loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
+    try:
+        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
+    except CheckpointError:
+        raise
+    except Exception as e:  # damage the file checks cannot see (bytes changed inside a shard)
+        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, path, f"cannot be read ({_first_line(e)})",
+                                                         _ckpt_step_hint)) from None
     _restore_model(model, loaded)
     for note in match.describe(saved):
         log(f"  {path}: {note}")

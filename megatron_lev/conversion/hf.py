@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
 
-from .source import ConversionError, open_checkpoint
+from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -499,12 +499,13 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
     from .launch import run_ranks
     from .model_io import layout_args
 
+    out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
+    check_writable(out_dir)  # before any work
     source = open_checkpoint(src, iteration)
     a = source.args
     check_hf_compatible(a)
     dt = resolve_dtype(dtype, a)
     shard = parse_size(max_shard_size)
-    out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"{out_dir}: exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
@@ -530,17 +531,18 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
     a1 = dict(layout_args(a, 1, 1), _iteration=source.iteration)
     opts = {"dtype": dt, "max_shard_size": shard, "vocab_rows": vocab_rows, "progress": progress, "lev": lev,
             "reference_ids": None if reference_ids is None else [list(map(int, r)) for r in reference_ids]}
-    result = run_ranks(_export_rank, tp=1, pp=1, args=(source.path, out_dir, a1, opts))[0]
-    vocab = vocab_rows if vocab_rows is not None else padded
-    with _HF_LOCK:  # transformers' lazy imports are not thread-safe (exports may run side by side)
-        llama_config(a, vocab, dt, tok).save_pretrained(out_dir)
-        from transformers import GenerationConfig
+    with disk_full_is_one_line(out_dir, "the Hugging Face export"):
+        result = run_ranks(_export_rank, tp=1, pp=1, args=(source.path, out_dir, a1, opts))[0]
+        vocab = vocab_rows if vocab_rows is not None else padded
+        with _HF_LOCK:  # transformers' lazy imports are not thread-safe (exports may run side by side)
+            llama_config(a, vocab, dt, tok).save_pretrained(out_dir)
+            from transformers import GenerationConfig
 
-        eos = tok["eod"] if tok else None
-        bos = tok["bos"] if tok and tok["bos"] is not None else eos
-        GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out_dir)
-        result["tokenizer_files"] = export_tokenizer(a, out_dir, log=print if progress else (lambda m: None)) \
-            if tokenizer else []
+            eos = tok["eod"] if tok else None
+            bos = tok["bos"] if tok and tok["bos"] is not None else eos
+            GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out_dir)
+            result["tokenizer_files"] = export_tokenizer(a, out_dir, log=print if progress else (lambda m: None)) \
+                if tokenizer else []
     result.update(vocab_size=vocab, padded_vocab_size=padded, dtype=dt, out_dir=out_dir,
                   tokenizer_vocab_size=tok["vocab_size"] if tok else None)
     if progress:

@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any, Dict, Optional
 
-from .source import ConversionError, open_checkpoint
+from .source import ConversionError, check_writable, open_checkpoint
 
 CONFIG_FILE = "lev_config.json"
 WEIGHTS_FILE = "lev_embedding.safetensors"
@@ -101,11 +101,12 @@ def export_lev(src: str, out_dir: str, *, iteration: Optional[int] = None, progr
     from .launch import run_ranks
     from .model_io import layout_args
 
+    out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
+    check_writable(out_dir)  # before any work
     source = open_checkpoint(src, iteration)
     if source.args.get("input_embedding") != "lev":
         raise ConversionError(f"{source.path}: --input-embedding is {source.args.get('input_embedding')}, "
                               "not lev: there are no LEV parameters to export")
-    out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     if os.path.isfile(os.path.join(out_dir, WEIGHTS_FILE)):
         raise ConversionError(f"{out_dir}: already holds {WEIGHTS_FILE}; choose another --save")
     os.makedirs(out_dir, exist_ok=True)

@@ -3,11 +3,16 @@ reported as :class:`ConversionError` (one line)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from typing import Optional
 
 from megatron_lev.checkpoint import TRACKER, CheckpointError, SavedCheckpoint
 from megatron_lev.checkpoint import open_checkpoint as _open_checkpoint
+from megatron_lev.distributed import RankFailure
 
 SourceCheckpoint = SavedCheckpoint
 
@@ -24,6 +29,49 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
         raise ConversionError(str(e)) from None
 
 
+def check_writable(save: str) -> None:
+    """Refuse in one line, before any work, a ``save`` directory that cannot be written: a probe file is
+    written and removed in it, or (when it does not exist yet) in the nearest folder above it."""
+    where = save
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    try:
+        if not os.path.isdir(where):
+            raise NotADirectoryError(20, f"{where} is a file")
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-test-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ConversionError(f"--save {save}: cannot write in {where} ({e.strerror or e}); choose a writable "
+                              "directory") from None
+
+
+def _no_space(error: BaseException) -> bool:
+    text = str(error)
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in text \
+        or "Errno 28" in text
+
+
+@contextmanager
+def disk_full_is_one_line(save: str, what: str):
+    """A full disk while writing ``what`` into ``save`` (here or on a conversion rank) becomes one
+    :class:`ConversionError` line naming ``--save``, the free space and the incomplete files."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except (OSError, RankFailure) as e:
+        if not _no_space(e):
+            raise
+        try:
+            free = f"{shutil.disk_usage(save).free / 2**30:.1f} GiB"
+        except OSError:
+            free = "unknown"
+        raise ConversionError(f"--save {save}: no space left on device while writing {what} ({free} free there); "
+                              f"the files in {save} are incomplete: make room and run again with --overwrite "
+                              "(or an empty --save)") from None
+
+
 def save_target(save: str, source_root: Optional[str] = None) -> str:
     """The absolute ``--save`` directory of a conversion, refused in one line when it is the source's
     directory, a file, or already holds a checkpoint (a conversion never writes over one)."""
@@ -34,4 +82,5 @@ def save_target(save: str, source_root: Optional[str] = None) -> str:
         raise ConversionError(f"--save {save}: exists and is not a directory")
     if os.path.isfile(os.path.join(save, TRACKER)):
         raise ConversionError(f"--save {save}: already holds a checkpoint ({TRACKER}); choose an empty directory")
+    check_writable(save)
     return save

@@ -17,6 +17,7 @@ import numpy as np
 
 from megatron_lev.data.indexed import IndexInfo, check_index_pointers, max_token_id, read_index_info
 from megatron_lev.data.preprocessing import token_counts_path
+from megatron_lev.tokenizer.fingerprint import check_dataset_tokenizer as _check_fingerprint
 
 Blend = Tuple[List[str], Optional[List[float]]]
 DataPath = Union[None, str, Sequence[str]]
@@ -57,8 +58,26 @@ def parse_blend(data_path: DataPath) -> Optional[Blend]:
     return list(tokens), None
 
 
-def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check_token_ids: bool = True) -> IndexInfo:
+_UNRECORDED_WARNED: set = set()
+
+
+def check_dataset_tokenizer(prefix: str, tokenizer_fp: Optional[dict], allow_mismatch: bool = False,
+                            warn: Callable[[str], None] = print) -> None:
+    """The tokenizer check of :func:`megatron_lev.tokenizer.fingerprint.check_dataset_tokenizer` (a dataset
+    made before fingerprints warns once per prefix and process), raising :class:`DatasetValidationError`."""
+    try:
+        _check_fingerprint(prefix, tokenizer_fp, allow_mismatch=allow_mismatch, warn=warn, warned=_UNRECORDED_WARNED)
+    except ValueError as e:
+        raise DatasetValidationError(str(e)) from None
+
+
+def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check_token_ids: bool = True,
+                            tokenizer_fp: Optional[dict] = None, allow_tokenizer_mismatch: bool = False,
+                            warn: Callable[[str], None] = print) -> IndexInfo:
     """Check one ``.bin/.idx`` pair; raise :class:`DatasetValidationError` naming the offending file.
+
+    ``tokenizer_fp``: the run's tokenizer fingerprint, compared with the one written beside the pair
+    (:func:`check_dataset_tokenizer`).
 
     Checks: both files exist; the .idx header and size are sane; the .bin size equals
     tokens x itemsize; the .idx pointers rise monotonically and stay inside the .bin; and
@@ -85,6 +104,7 @@ def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check
         check_index_pointers(idx, actual)
     except ValueError as e:
         raise DatasetValidationError(f"{idx}: corrupt index: {e}; preprocess the data again") from None
+    check_dataset_tokenizer(prefix, tokenizer_fp, allow_tokenizer_mismatch, warn)
     if check_token_ids and vocab_size is not None and info.num_tokens:
         max_id = None
         counts_path = token_counts_path(prefix)
@@ -224,6 +244,9 @@ def build_train_valid_test_datasets(
     check_token_ids: bool = True,
     is_built_on_rank: Optional[Callable[[], bool]] = None,
     init_process_group: bool = True,
+    tokenizer_fp: Optional[dict] = None,
+    allow_tokenizer_mismatch: bool = False,
+    warn: Callable[[str], None] = print,
     **config_extra,
 ):
     """Build ``(train, valid, test)`` megatron-core datasets (each may be None).
@@ -231,7 +254,9 @@ def build_train_valid_test_datasets(
     ``train_valid_test_num_samples``: samples per split (Megatron computes them from iterations x
     global batch size). ``vocab_size``: the model's vocabulary (ids must be below it); defaults to
     ``tokenizer.vocab_size``. ``is_built_on_rank``: defaults to "always" (pass Megatron's
-    ``tensor model parallel rank == 0`` check in multi-rank training).
+    ``tensor model parallel rank == 0`` check in multi-rank training). ``tokenizer_fp``: the run's
+    tokenizer fingerprint, compared with each dataset's (refused on a mismatch unless
+    ``allow_tokenizer_mismatch``); ``warn`` prints the warnings.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
@@ -250,7 +275,8 @@ def build_train_valid_test_datasets(
         vs = vocab_size if vocab_size is not None else getattr(tokenizer, "vocab_size", None)
         prefixes = list(blend[0]) if blend else [p for b in per_split if b for p in b[0]]
         for p in dict.fromkeys(prefixes):
-            validate_dataset_prefix(p, vs, check_token_ids=check_token_ids)
+            validate_dataset_prefix(p, vs, check_token_ids=check_token_ids, tokenizer_fp=tokenizer_fp,
+                                    allow_tokenizer_mismatch=allow_tokenizer_mismatch, warn=warn)
 
     if not mock:
         _check_split_sizes(blend, per_split if use_per_split else None, split, train_valid_test_num_samples)
@@ -269,6 +295,12 @@ def build_train_valid_test_datasets(
         create_attention_mask=create_attention_mask,
         **config_extra,
     )
+    # A split asked for no samples is not built (an empty one would make megatron-core loop forever).
+    if not mock and blend is not None and config.split_matrix is not None:
+        config.split_matrix = [m if size != 0 else None for m, size in zip(config.split_matrix,
+                                                                            train_valid_test_num_samples)]
+    elif not mock and use_per_split:
+        config.blend_per_split = [b if size != 0 else None for b, size in zip(per_split, train_valid_test_num_samples)]
     blends = [blend] if blend else [b for b in per_split if b]
     if init_process_group and data_cache_path and any(len(b[0]) > 1 for b in blends):
         ensure_process_group()

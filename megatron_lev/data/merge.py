@@ -9,6 +9,8 @@ import numpy as np
 
 from megatron_lev.data.indexed import read_index_info
 from megatron_lev.data.preprocessing import PreprocessError, token_counts_path
+from megatron_lev.tokenizer import describe_tokenizer, tokenizer_mismatch
+from megatron_lev.tokenizer.fingerprint import read_sidecar, sidecar_path, write_sidecar
 
 
 def list_prefixes(inputs: Sequence[str]) -> List[str]:
@@ -42,7 +44,8 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, *, overwrite: bool
     prefixes = list_prefixes(inputs)
     if not prefixes:
         raise PreprocessError("nothing to merge")
-    outs = [output_prefix + ".bin", output_prefix + ".idx", token_counts_path(output_prefix)]
+    outs = [output_prefix + ".bin", output_prefix + ".idx", token_counts_path(output_prefix),
+            sidecar_path(output_prefix)]
     for p in outs:
         if os.path.exists(p) and not overwrite:
             raise PreprocessError(f"{p} exists; pass --overwrite to replace it")
@@ -58,6 +61,7 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, *, overwrite: bool
             "cannot merge datasets of different dtypes: "
             + ", ".join(f"{p} ({i.dtype})" for p, i in zip(prefixes, infos))
         )
+    fp = _common_tokenizer(prefixes)
     dtype = infos[0].dtype.type
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -76,6 +80,10 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, *, overwrite: bool
                 np.save(f, counts)
             os.replace(tmp, token_counts_path(output_prefix))
             written.append(token_counts_path(output_prefix))
+        if fp is not None:
+            write_sidecar(sidecar_path(output_prefix) + ".partial", fp)
+            os.replace(sidecar_path(output_prefix) + ".partial", sidecar_path(output_prefix))
+            written.append(sidecar_path(output_prefix))
         os.replace(tmp_bin, output_prefix + ".bin")
         os.replace(tmp_idx, output_prefix + ".idx")
     except BaseException:
@@ -84,6 +92,24 @@ def merge_datasets(inputs: Sequence[str], output_prefix: str, *, overwrite: bool
                 os.remove(t)
         raise
     return [output_prefix + ".bin", output_prefix + ".idx"] + written
+
+
+def _common_tokenizer(prefixes: Sequence[str]) -> Optional[dict]:
+    """The inputs' tokenizer fingerprint (None when one has none); inputs of different tokenizers are refused."""
+    fps = []
+    for p in prefixes:
+        try:
+            fps.append(read_sidecar(sidecar_path(p)))
+        except ValueError as e:
+            raise PreprocessError(str(e)) from None
+    if any(f is None for f in fps):
+        return None
+    for p, f in zip(prefixes[1:], fps[1:]):
+        msg = tokenizer_mismatch(fps[0], f, f"{prefixes[0]}.bin", made="preprocessed")
+        if msg is not None:
+            raise PreprocessError(f"cannot merge datasets of different tokenizers: {prefixes[0]} "
+                                  f"({describe_tokenizer(fps[0])}) and {p} ({describe_tokenizer(f)})")
+    return fps[0]
 
 
 def _sum_counts(prefixes: Sequence[str]) -> Optional[np.ndarray]:

@@ -34,9 +34,11 @@ Document conventions:
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -48,7 +50,8 @@ import numpy as np
 
 from megatron_lev.data.indexed import BackgroundImport
 from megatron_lev.jsonl import TruncatedInputError, expand_inputs, iter_lines
-from megatron_lev.tokenizer import TokenizerSpec
+from megatron_lev.tokenizer import TokenizerSpec, tokenizer_fingerprint
+from megatron_lev.tokenizer.fingerprint import sidecar_path, write_sidecar
 
 ERROR_REASONS = ("invalid_utf8", "malformed_json", "missing_key", "non_string")
 SKIP_REASONS = ("blank", "empty", "filtered")
@@ -56,6 +59,14 @@ SKIP_REASONS = ("blank", "empty", "filtered")
 
 class PreprocessError(Exception):
     """A one-line error for the user (bad flag, existing output, bad input under --strict)."""
+
+
+class EmptyOutputError(PreprocessError):
+    """No input line gave a document (empty inputs, a --json-keys no line has, everything skipped)."""
+
+
+class OutputWriteError(PreprocessError):
+    """The outputs could not be written (the disk filled); the partial files are removed."""
 
 
 class BadInputError(PreprocessError):
@@ -77,6 +88,7 @@ class PreprocessConfig(TokenizerSpec):
     pile_set_names: Optional[Sequence[str]] = None
     strict: bool = False
     allow_truncated_input: bool = False  # keep the complete lines of a truncated/corrupt input (reported)
+    allow_empty_output: bool = False  # write a dataset of 0 documents instead of refusing (EmptyOutputError)
     overwrite: bool = False
     output_token_counts: bool = False
     batch_docs: int = 128
@@ -102,6 +114,10 @@ class PreprocessStats:
     def errors(self) -> int:
         return sum(self.skipped[r] for r in ERROR_REASONS)
 
+    def skipped_counts(self) -> str:
+        """``missing_key=3, blank=1``: the skipped lines by reason (empty when none)."""
+        return ", ".join(f"{r}={self.skipped[r]}" for r in ERROR_REASONS + SKIP_REASONS if self.skipped[r])
+
     def summary(self) -> str:
         s = max(self.seconds, 1e-9)
         parts = [
@@ -113,8 +129,7 @@ class PreprocessStats:
             f"MB/s={self.bytes / 1e6 / s:,.2f}",
             f"tokens/s={self.tokens / s:,.0f}",
         ]
-        skipped = ", ".join(f"{r}={self.skipped[r]}" for r in ERROR_REASONS + SKIP_REASONS if self.skipped[r])
-        lines = ["summary: " + " ".join(parts), f"skipped lines: {skipped or 'none'}"]
+        lines = ["summary: " + " ".join(parts), f"skipped lines: {self.skipped_counts() or 'none'}"]
         if self.examples:
             lines.append("first bad lines:")
             lines += [f"  {e}" for e in self.examples]
@@ -315,8 +330,11 @@ class _Output:
     kept from the first batch on.
     """
 
-    def __init__(self, ds_prefix: str, vocab_size: int, counts: bool) -> None:
+    def __init__(self, ds_prefix: str, vocab_size: int, counts: bool,
+                 tokenizer_fp: Optional[Dict[str, Any]] = None) -> None:
         self.prefix = ds_prefix
+        self.tokenizer_fp = tokenizer_fp
+        self.tmp_fp = sidecar_path(ds_prefix) + ".partial"
         self.tmp_bin = ds_prefix + ".bin.partial"
         self.tmp_idx = ds_prefix + ".idx.partial"
         self.tmp_counts = token_counts_path(ds_prefix) + ".partial"
@@ -357,6 +375,10 @@ class _Output:
                 np.save(f, self.counts)
             os.replace(self.tmp_counts, token_counts_path(self.prefix))
             done.append(token_counts_path(self.prefix))
+        if self.tokenizer_fp is not None:
+            write_sidecar(self.tmp_fp, self.tokenizer_fp)
+            os.replace(self.tmp_fp, sidecar_path(self.prefix))
+            done.append(sidecar_path(self.prefix))
         # .bin first, then .idx: a final .idx exists only once everything is in place.
         os.replace(self.tmp_bin, self.prefix + ".bin")
         os.replace(self.tmp_idx, self.prefix + ".idx")
@@ -365,7 +387,7 @@ class _Output:
     def abort(self) -> None:
         if self.builder is not None and not self.builder.data_file.closed:
             self.builder.data_file.close()
-        for p in (self.tmp_bin, self.tmp_idx, self.tmp_counts):
+        for p in (self.tmp_bin, self.tmp_idx, self.tmp_counts, self.tmp_fp):
             if os.path.exists(p):
                 os.remove(p)
 
@@ -424,7 +446,7 @@ def _check_outputs(cfg: PreprocessConfig) -> None:
     _check_writable(cfg)
     for key in cfg.json_keys:
         pre = dataset_prefix(cfg.output_prefix, key)
-        paths = [pre + ".bin", pre + ".idx"]
+        paths = [pre + ".bin", pre + ".idx", sidecar_path(pre)]
         if cfg.output_token_counts:
             paths.append(token_counts_path(pre))
         for p in paths:
@@ -491,8 +513,10 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
     _init_state(spec, opts, tokenizer)  # forked workers inherit it
 
     stats = PreprocessStats()
+    fp = tokenizer_fingerprint(tokenizer)
     outputs = {
-        k: _Output(dataset_prefix(cfg.output_prefix, k), tokenizer.vocab_size, cfg.output_token_counts)
+        k: _Output(dataset_prefix(cfg.output_prefix, k), tokenizer.vocab_size, cfg.output_token_counts,
+                   fp)
         for k in cfg.json_keys
     }
     progress = _Progress(cfg, stats)
@@ -518,13 +542,24 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
             writer.add(res)
             progress.update(res["docs"])
         writer.flush()
+        if stats.docs == 0 and not cfg.allow_empty_output:
+            raise EmptyOutputError(
+                f"no documents from {len(files)} input file(s) ({stats.lines:,} lines read; skipped: "
+                f"{stats.skipped_counts() or 'none'}; --json-keys {' '.join(cfg.json_keys)}); nothing written; "
+                "check the inputs and --json-keys, or pass --allow-empty-output to write an empty dataset")
         stats.seconds = time.perf_counter() - t0
         for out in outputs.values():
             stats.outputs += out.commit()
         stats.tokens_per_key = {k: o.tokens for k, o in outputs.items()}
-    except BaseException:
+    except BaseException as e:
         for out in outputs.values():
             out.abort()
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            d = os.path.dirname(os.path.abspath(dataset_prefix(cfg.output_prefix, cfg.json_keys[0])))
+            raise OutputWriteError(
+                f"--output-prefix {cfg.output_prefix}: no space left on device in {d} after {stats.docs:,} documents "
+                f"({shutil.disk_usage(d).free / 2**30:.1f} GiB free there); the partial files were removed, "
+                "nothing was written; make room and run again") from None
         raise
     finally:
         progress.close()

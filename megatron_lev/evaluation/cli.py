@@ -27,7 +27,9 @@ import torch
 
 from megatron_lev.distributed import destroy_distributed, init_distributed
 from megatron_lev.jsonl import expand_inputs
-from megatron_lev.tokenizer import TokenizerSpec
+from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, open_checkpoint
+from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, TokenizerSpec, tokenizer_fingerprint
+from megatron_lev.tokenizer.fingerprint import check_dataset_tokenizer
 
 from .hf_scorer import HFScorer
 from .megatron_scorer import EvalSetupError, MegatronScorer
@@ -86,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tokenizer (default: the checkpoint's)")
     # Unset flags fall back to the checkpoint's saved settings (TokenizerSpec.from_args(flags, saved)).
     TokenizerSpec.add_flags(g, names=("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"))
+    g.add_argument(ALLOW_TOKENIZER_MISMATCH_FLAG, action="store_true",
+                   help="evaluate with another tokenizer than the checkpoint's or an indexed set's (warns "
+                        "instead of refusing)")
 
     g = p.add_argument_group("perplexity")
     g.add_argument("--valid-data", nargs="*", default=[], metavar="[NAME=]PATH",
@@ -224,6 +229,27 @@ def _tokenizer_for_checkpoint(args, saved: Dict[str, Any]):
                          "--vocab-file/--merge-file/--tokenizer-model)") from None
 
 
+def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, where: str = "") -> None:
+    """Refuse (UsageError, one line naming both) a tokenizer other than the checkpoint's (``saved``
+    arguments of ``where``) or than the one an indexed ``--valid-data``/``--zeroshot-data`` set was
+    made with, unless --allow-tokenizer-mismatch."""
+    if tokenizer is None:
+        return
+    fp = tokenizer_fingerprint(tokenizer)
+    allow = bool(getattr(args, "allow_tokenizer_mismatch", False))
+    if saved is not None:
+        try:
+            check_checkpoint_tokenizer(saved, fp, tokenizer.tokenizer_type, where, allow_mismatch=allow, log=_log)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
+    for _, path in _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot"):
+        if is_indexed_prefix(path):
+            try:
+                check_dataset_tokenizer(path, fp, allow_mismatch=allow, warn=_log)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+
+
 def _log(msg: str) -> None:
     """Print on the first rank only."""
     if os.environ.get("RANK", "0") == "0":
@@ -255,17 +281,31 @@ def _hf_model(args, meta: Dict[str, Any]):
     scorer = HFScorer(args.hf_model, batch_size=args.micro_batch_size, device=args.device, dtype=args.hf_dtype,
                       max_length=args.seq_length)
     tokenizer = scorer.tokenizer() if args.tokenizer_type is None else _tokenizer_for_checkpoint(args, {})
+    if args.tokenizer_type is not None:  # the model's own tokenizer has no fingerprint to compare
+        check_tokenizer(args, tokenizer)
     meta.update(model=scorer.description, hf_model=os.path.abspath(args.hf_model))
     return scorer, tokenizer
 
 
-def _checkpoint_model(args, meta: Dict[str, Any]):
-    """The scorer and tokenizer of ``--load`` at the requested TP/PP (process groups already set up)."""
+def _checkpoint_tokenizer(args):
+    """The tokenizer of ``--load`` (flags over its saved arguments), checked against the checkpoint's
+    and the indexed sets' before any model is built; then the checkpoint's files are checked."""
+    try:
+        saved = open_checkpoint(args.load, read_common=False)
+        tokenizer = _tokenizer_for_checkpoint(args, saved.args)
+        check_tokenizer(args, tokenizer, saved.args, saved.path)
+        check_intact(saved.root, saved.iteration, saved.path, lambda it, path: f"evaluate it with --load {path}")
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    return tokenizer
+
+
+def _checkpoint_model(args, meta: Dict[str, Any], tokenizer):
+    """The scorer of ``--load`` at the requested TP/PP (process groups already set up)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     scorer, _, info = MegatronScorer.from_checkpoint(
         args.load, tp=tp, pp=pp, micro_batch_size=args.micro_batch_size,
         num_microbatches=args.num_microbatches, max_length=args.seq_length, log=_log)
-    tokenizer = _tokenizer_for_checkpoint(args, info["config"])
     meta.update(model=scorer.description, checkpoint=info["checkpoint"], iteration=info["iteration"],
                 iteration_dir=info["iteration_dir"], config=info["config"], tp=tp, pp=pp,
                 world_size=torch.distributed.get_world_size())
@@ -282,9 +322,10 @@ def _evaluate(args, command: str) -> int:
         if args.hf_model:
             scorer, tokenizer = _hf_model(args, meta)
         else:
+            tokenizer = _checkpoint_tokenizer(args)
             dist_setup = init_distributed(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                           backend=args.distributed_backend, seed=1234)
-            scorer, tokenizer = _checkpoint_model(args, meta)
+            scorer, tokenizer = _checkpoint_model(args, meta, tokenizer)
         t0 = time.time()
         results = run_evaluation(scorer, tokenizer, args, meta, log=_log, examples=examples)
         meta["seconds"] = round(time.time() - t0, 2)

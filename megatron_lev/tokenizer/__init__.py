@@ -1,5 +1,9 @@
 """Tokenizers with Megatron-LM's type names over tiktoken, HF tokenizers and SentencePiece."""
 
+from megatron_lev.tokenizer.fingerprint import ALLOW_FLAG as ALLOW_TOKENIZER_MISMATCH_FLAG
+from megatron_lev.tokenizer.fingerprint import describe as describe_tokenizer
+from megatron_lev.tokenizer.fingerprint import fingerprint as tokenizer_fingerprint
+from megatron_lev.tokenizer.fingerprint import tokenizer_mismatch
 from megatron_lev.tokenizer.spec import TokenizerSpec
 
 from megatron_lev.tokenizer.tokenizers import (
@@ -17,6 +21,10 @@ from megatron_lev.tokenizer.tokenizers import (
 )
 
 __all__ = [
+    "ALLOW_TOKENIZER_MISMATCH_FLAG",
+    "describe_tokenizer",
+    "tokenizer_fingerprint",
+    "tokenizer_mismatch",
     "TIKTOKEN_PATTERNS",
     "TOKENIZER_TYPES",
     "GPT2BPETokenizer",

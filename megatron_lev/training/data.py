@@ -11,6 +11,7 @@ evaluation (and every run) measures the same tokens.
 
 from __future__ import annotations
 
+import sys
 from typing import Dict, Iterator, Optional
 
 import numpy as np
@@ -33,7 +34,7 @@ def build_datasets(args, tokenizer):
     from megatron_lev.data.datasets import build_train_valid_test_datasets
 
     gbs = args.global_batch_size
-    num_samples = [args.train_iters * gbs, max(args.eval_iters, 1) * gbs, max(args.eval_iters, 1) * gbs]
+    num_samples = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]  # 0: not built
     join = lambda v: " ".join(v) if v else None  # noqa: E731
     return build_train_valid_test_datasets(
         tokenizer, args.seq_length, num_samples,
@@ -43,7 +44,14 @@ def build_datasets(args, tokenizer):
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False, vocab_size=args.padded_vocab_size,
+        tokenizer_fp=getattr(args, "tokenizer_fingerprint", None),
+        allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, warn=_warn_first_rank,
     )
+
+
+def _warn_first_rank(msg: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
 
 
 class PretrainingSampler:

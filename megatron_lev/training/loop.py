@@ -35,11 +35,14 @@ from megatron_lev.checkpoint.arguments import format_config, parse_args, resolve
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, set_seed
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.parallel.collectives import all_reduce_
+from megatron_lev.tokenizer import tokenizer_fingerprint
 
 from .logger import TrainingLogger
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
+EXIT_SAVE_FAILED = 4
+EXIT_INTERRUPTED = 130
 
 
 class NanDetected(RuntimeError):
@@ -344,6 +347,8 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
 def _will_load_checkpoint(args) -> bool:
     if not args.load or not os.path.isdir(args.load):
         return False
+    if args.ckpt_step is not None:
+        return True
     try:
         return checkpoint.find_checkpoint(args.load) is not None
     except checkpoint.CheckpointError:
@@ -381,6 +386,11 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         if torch.distributed.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
+    except checkpoint.CheckpointSaveError as e:
+        if torch.distributed.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        torch.distributed.barrier()  # no rank exits (and gets the others killed) before the line is out
+        return EXIT_SAVE_FAILED
     finally:
         destroy_distributed(setup)
 
@@ -407,6 +417,7 @@ def _setup_configs(argv):
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: {str(e).splitlines()[0]}") from None
         args.padded_vocab_size = padded_vocab(args, tokenizer)
+        args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         config, model_config = checkpoint.build_configs(vars(args))
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
@@ -444,10 +455,26 @@ def _run(args, tokenizer, config, model_config) -> int:
     _start_data(run, state, tokenizer)
     try:
         return _train(run, state)
+    except KeyboardInterrupt:
+        if rank_is0():
+            print(f"error: {_interrupted(args, state)}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
         if run.handler is not None:
             run.handler.release()
         run.logger.close()
+
+
+def _interrupted(args, state: _State) -> str:
+    """The line for Ctrl-C: where training stood and the checkpoint a rerun resumes from."""
+    root = args.save or args.load
+    try:
+        last = checkpoint.read_tracker(root) if root and os.path.isdir(root) else None
+    except checkpoint.CheckpointError:
+        last = None
+    where = (f"the last checkpoint is iteration {last} ({checkpoint.checkpoint_dir(root, last)}; resume with "
+             f"--load {root})") if last is not None else "no checkpoint was saved"
+    return f"interrupted at iteration {state.iteration}; {where}"
 
 
 def _start(args, config, model_config) -> _Run:
@@ -488,7 +515,7 @@ def _load(run: _Run, state: _State) -> None:
         loaded = checkpoint.load_checkpoint(
             args.load, run.model, run.optimizer, run.scheduler, run_args=vars(args),
             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-            exit_on_missing=args.exit_on_missing_checkpoint, log=run.logger.log)
+            exit_on_missing=args.exit_on_missing_checkpoint, iteration=args.ckpt_step, log=run.logger.log)
     except checkpoint.CheckpointError as e:
         raise _StartupError(str(e)) from None
     if loaded is not None:
@@ -533,7 +560,7 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
         consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
         save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
         optim_fully_reshardable=args.dist_ckpt_optim_fully_reshardable, kill_at=args.debug_kill_during_save,
-        stall_at=args.debug_stall_during_save, log=run.logger.log)
+        stall_at=args.debug_stall_during_save, enospc_at=args.debug_enospc_during_save, log=run.logger.log)
     state.last_saved = iteration
     return True
 

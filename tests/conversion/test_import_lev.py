@@ -343,3 +343,40 @@ def test_save_target_refusals_name_save_and_the_fix(tmp_path):
         with pytest.raises(ConversionError, match=words) as e:
             save_target(str(target), str(src))
         assert str(e.value).startswith("--save ") and "\n" not in str(e.value)
+
+
+def test_unwritable_save_is_refused_before_any_work(tmp_path, capsys):
+    from megatron_lev.conversion.source import ConversionError, save_target
+    from tools.convert_checkpoint import main as convert_main
+
+    (tmp_path / "file").write_text("x")
+    missing = tmp_path / "no-checkpoint"  # would fail at once if it were opened first
+    for target, where in (("/proc/self/out", "/proc/self"), (str(tmp_path / "file" / "out"), str(tmp_path / "file"))):
+        with pytest.raises(ConversionError, match=f"^--save {target}: cannot write in {where} "):
+            save_target(target)
+        for command in ("export-hf", "export-lev"):
+            assert convert_main([command, "--load", str(missing), "--save", target]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"error: --save {target}: cannot write in {where} ("), err
+            assert "choose a writable directory" in err[0]
+
+
+def test_disk_full_during_an_export_is_one_line(tmp_path):
+    import errno
+
+    from megatron_lev.conversion.launch import ConversionRankFailure
+    from megatron_lev.conversion.source import ConversionError, disk_full_is_one_line
+
+    out = str(tmp_path)
+    rank_trace = "rank 0 failed:\nTraceback (most recent call last):\n  ...\nOSError: [Errno 28] No space left on device"
+    for error in (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), ConversionRankFailure(rank_trace)):
+        with pytest.raises(ConversionError) as e:
+            with disk_full_is_one_line(out, "the Hugging Face export"):
+                raise error
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"--save {out}: no space left on device while writing the Hugging "
+                                                  "Face export ("), msg
+        assert "GiB free there); the files in" in msg and "--overwrite" in msg
+    with pytest.raises(PermissionError):  # other failures are not disguised
+        with disk_full_is_one_line(out, "x"):
+            raise PermissionError(errno.EACCES, "denied")

@@ -288,8 +288,19 @@ def test_partitions_and_merge(tok_args, valid_path, n_docs, tmp_path):
     assert len(b) == n_docs and all(np.array_equal(a[j], d) for j, d in zip(order, b))
     assert np.array_equal(np.load(str(full) + "_text_token_counts.npy"),
                           np.load(str(tmp_path / "merged_text_token_counts.npy")))
+    # The tokenizer fingerprint travels with the merge; parts of different tokenizers are refused.
+    import json
+
     from megatron_lev.data.merge import merge_datasets
     from megatron_lev.data.preprocessing import PreprocessError
+
+    side = lambda p: json.loads(open(str(p) + ".tokenizer.json").read())  # noqa: E731
+    assert side(merged) == side(str(full) + "_text_document") and side(merged)["type"] == "GPT2BPETokenizer"
+    other = dict(side(tmp_path / "part1_text_document"), sha256="0" * 64)
+    open(str(tmp_path / "part1_text_document") + ".tokenizer.json", "w").write(json.dumps(other))
+    with pytest.raises(PreprocessError, match="cannot merge datasets of different tokenizers: .*part0"):
+        merge_datasets([str(tmp_path / "part0_text_document"), str(tmp_path / "part1_text_document")],
+                       str(tmp_path / "m2_text_document"))
 
     with pytest.raises(PreprocessError, match=rf"{merged}.bin exists; pass --overwrite"):
         merge_datasets([str(tmp_path / "part0_text_document")], str(merged))

@@ -285,3 +285,213 @@ def test_ranks_that_die_before_reporting_fail_at_once_with_their_exit_codes():
         run_distributed(_exit_at_once, 2, args=(7,), timeout=90)
     msg = str(e.value)
     assert "died without reporting" in msg and "[7" in msg and "timed out" not in msg, msg
+
+
+# -------------------------------------------------------------------------------- tokenizer fingerprints
+
+
+def _tiktoken_file(path, extra_merge: bytes):
+    from megatron_lev.tokenizer import write_tiktoken_file
+
+    ranks = {bytes([i]): i for i in range(256)}
+    ranks[extra_merge] = 256
+    write_tiktoken_file(ranks, str(path))
+    return str(path)
+
+
+def test_dataset_records_its_tokenizer_and_another_one_is_refused_in_one_line(dataset, capsys):
+    from megatron_lev.data.datasets import DatasetValidationError, validate_dataset_prefix
+    from megatron_lev.tokenizer import build_tokenizer, tokenizer_fingerprint
+
+    side = json.load(open(dataset + ".tokenizer.json"))
+    same = tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=1000))
+    assert side == same and side["type"] == "NullTokenizer" and side["vocab_size"] == 1001
+    validate_dataset_prefix(dataset, 1024, tokenizer_fp=same)
+    other = tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=999))  # pads to the same 1024
+    with pytest.raises(DatasetValidationError) as e:
+        validate_dataset_prefix(dataset, 1024, tokenizer_fp=other)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{dataset}.bin was preprocessed with NullTokenizer (1001 ids")
+    assert "this run's tokenizer is NullTokenizer (1000 ids" in msg and "--allow-tokenizer-mismatch" in msg
+    warnings = []
+    validate_dataset_prefix(dataset, 1024, tokenizer_fp=other, allow_tokenizer_mismatch=True, warn=warnings.append)
+    assert len(warnings) == 1 and "allowed by --allow-tokenizer-mismatch" in warnings[0]
+    # A dataset written before fingerprints: one warning per prefix, not a failure.
+    os.remove(dataset + ".tokenizer.json")
+    warnings = []
+    for _ in range(2):
+        validate_dataset_prefix(dataset, 1024, tokenizer_fp=other, warn=warnings.append)
+    assert len(warnings) == 1 and "tokenizer cannot be checked" in warnings[0], warnings
+
+
+def test_training_on_a_dataset_of_another_tokenizer_is_refused(dataset):
+    from megatron_lev.training.data import build_datasets
+    from megatron_lev.training.loop import _setup_configs
+
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0", "--split", "1,0,0",
+            "--data-path", dataset, "--tokenizer-type", "NullTokenizer"]
+    from megatron_lev.data.datasets import DatasetValidationError
+
+    args, tok, _, _ = _setup_configs(argv + ["--vocab-size", "999"])
+    with pytest.raises(DatasetValidationError, match="was preprocessed with NullTokenizer .*--allow-tokenizer-mismatch"):
+        build_datasets(args, tok)
+    args, tok, _, _ = _setup_configs(argv + ["--vocab-size", "999", "--allow-tokenizer-mismatch"])
+    assert build_datasets(args, tok)[0] is not None
+
+
+def _fake_checkpoint(root, fp, tokenizer_type="NullTokenizer"):
+    import yaml
+
+    it = root / "iter_0000002"
+    it.mkdir(parents=True)
+    (it / "metadata.json").write_text("{}")
+    cfg = dict(num_layers=1, hidden_size=16, num_attention_heads=2, input_embedding="tied", padded_vocab_size=1024,
+               tokenizer_type=tokenizer_type, vocab_size=1000, tokenizer_fingerprint=fp)
+    (it / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (root / "latest_checkpointed_iteration.txt").write_text("2\n")
+    return it
+
+
+def test_evaluation_with_another_tokenizer_is_refused_before_loading(tmp_path, capsys, dataset, monkeypatch):
+    from megatron_lev.evaluation import cli
+    from megatron_lev.tokenizer import build_tokenizer, tokenizer_fingerprint
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "init_distributed", no_model)
+    it = _fake_checkpoint(tmp_path / "ck", tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=1000)))
+    tik = _tiktoken_file(tmp_path / "other.tiktoken", b"ab")
+    base = ["--load", str(tmp_path / "ck"), "--output-dir", str(tmp_path / "out")]
+    code = cli.main(base + ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: {it} was saved with NullTokenizer (1001 ids")
+    assert "this run's tokenizer is TikTokenizer (" in err[0] and "other.tiktoken" in err[0]
+    assert "--allow-tokenizer-mismatch" in err[0]
+    # An indexed set of another tokenizer than the checkpoint's own.
+    _fake_checkpoint(tmp_path / "ck2", tokenizer_fingerprint(build_tokenizer("TikTokenizer", tokenizer_model=tik,
+                                                                             tiktoken_pattern="o200k")),
+                     tokenizer_type="TikTokenizer")
+    code = cli.main(["--load", str(tmp_path / "ck2"), "--output-dir", str(tmp_path / "out"), "--tokenizer-type",
+                     "TikTokenizer", "--tokenizer-model", tik, "--valid-data", dataset])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {dataset}.bin was preprocessed with NullTokenizer"), err
+    # Deliberate: the flag lets it through to the next check (this checkpoint has no shards at all).
+    code = cli.main(base + ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik, "--allow-tokenizer-mismatch"])
+    out = capsys.readouterr()
+    assert "allowed by --allow-tokenizer-mismatch" in out.out
+    assert code == 2 and out.err.startswith(f"error: {it / '.metadata'}: missing;"), out.err
+
+
+def test_checkpoint_tokenizer_check_old_checkpoints_and_the_override():
+    from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer
+    from megatron_lev.tokenizer import build_tokenizer, tokenizer_fingerprint
+
+    a = tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=1000))
+    b = tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=999))
+    check_checkpoint_tokenizer({"tokenizer_fingerprint": a}, a, "NullTokenizer", "ck")
+    with pytest.raises(CheckpointError, match=r"^ck was saved with NullTokenizer \(1001 ids.*NullTokenizer \(1000 ids"):
+        check_checkpoint_tokenizer({"tokenizer_fingerprint": a}, b, "NullTokenizer", "ck")
+    logs = []
+    check_checkpoint_tokenizer({"tokenizer_fingerprint": a}, b, "NullTokenizer", "ck", allow_mismatch=True,
+                               log=logs.append)
+    assert len(logs) == 1 and "allowed by --allow-tokenizer-mismatch" in logs[0]
+    # Saved before fingerprints: the type is still compared; the same type warns.
+    with pytest.raises(CheckpointError, match="--tokenizer-type GPT2BPETokenizer but this run's tokenizer is Null"):
+        check_checkpoint_tokenizer({"tokenizer_type": "GPT2BPETokenizer"}, b, "NullTokenizer", "ck")
+    logs = []
+    check_checkpoint_tokenizer({"tokenizer_type": "NullTokenizer"}, b, "NullTokenizer", "ck", log=logs.append)
+    assert len(logs) == 1 and "without a tokenizer fingerprint" in logs[0]
+
+
+# ---------------------------------------------------------------------------------- empty outputs
+
+
+def test_empty_outputs_are_refused_with_the_counts_unless_asked(tmp_path, capsys):
+    empty, blank, other_key = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl", tmp_path / "body.jsonl"
+    empty.write_text("")
+    blank.write_text("\n\n")
+    other_key.write_text("".join(_lines(4)))
+    for src, extra, counts in ((empty, (), "0 lines read; skipped: none"), (blank, (), "skipped: blank=2"),
+                               (other_key, ("--json-keys", "body"), "4 lines read; skipped: missing_key=4")):
+        code, errors, err, written = _run(tmp_path, capsys, src, *extra)
+        assert code == 1 and len(errors) == 1, (src.name, err)
+        assert errors[0].startswith("error: no documents from 1 input file(s)") and counts in errors[0], errors
+        assert "--allow-empty-output" in errors[0] and "Traceback" not in err
+        assert written == [], (src.name, written)
+    code, errors, err, written = _run(tmp_path, capsys, empty, "--allow-empty-output")
+    assert code == 0 and errors == [] and "ds_text_document.bin" in written, err
+
+
+def test_a_directory_as_input_is_named_as_one(tmp_path, capsys):
+    code, errors, err, _ = _run(tmp_path, capsys, tmp_path)
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0] == f"error: {tmp_path}: a directory, not an input file; give its files (e.g. '{tmp_path}/*.jsonl*')"
+
+
+def test_disk_full_while_preprocessing_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from megatron_lev.data import preprocessing
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(_lines()))
+    real = preprocessing._Output.write
+
+    def full(self, tokens, lengths):
+        real(self, tokens, lengths)  # some bytes reach the .partial file, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(preprocessing._Output, "write", full)
+    code, errors, err, written = _run(tmp_path, capsys, src)
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: --output-prefix {tmp_path / 'out' / 'ds'}: no space left on device in "
+                                f"{tmp_path / 'out'} after "), errors
+    assert "GiB free there); the partial files were removed" in errors[0]
+    assert written == [], written
+
+
+# ------------------------------------------------------------------------------------ smaller cases
+
+
+def test_vocab_size_with_a_tokenizer_that_has_files_is_refused(tmp_path, capsys):
+    from megatron_lev.lev.config import ConfigError
+    from megatron_lev.checkpoint.arguments import parse_args
+
+    tik = _tiktoken_file(tmp_path / "t.tiktoken", b"ab")
+    flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik, "--vocab-size", "1000"]
+    with pytest.raises(SystemExit) as e:
+        preprocess_main(["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0] == ("error: --vocab-size 1000 applies to NullTokenizer only; TikTokenizer takes its vocabulary "
+                      "from its files: drop --vocab-size")
+    with pytest.raises(ConfigError, match="^--vocab-size 1000 applies to NullTokenizer only; TikTokenizer"):
+        parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+                    "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", *flags])
+
+
+def test_padded_vocabulary_mismatch_does_not_name_an_internal_flag():
+    from megatron_lev.checkpoint.sharded import _structure_mismatch
+
+    msg = _structure_mismatch("padded_vocab_size", 50304, 50432, {"tp": 1}, {"tp": 1, "pp": 1}, "ck")
+    assert "--padded-vocab-size" not in msg and "padded vocabulary 50304 in the checkpoint, 50432 in this run" in msg
+    assert "--make-vocab-size-divisible-by" in msg
+
+
+def test_no_evaluation_builds_no_validation_or_test_split(dataset):
+    from megatron_lev.data.datasets import DatasetValidationError
+    from megatron_lev.training.data import build_datasets
+    from megatron_lev.training.loop import _setup_configs
+
+    argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--data-path", dataset,
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]  # the default --split 969,30,1
+    args, tok, _, _ = _setup_configs(argv + ["--eval-iters", "0"])
+    train, valid, test = build_datasets(args, tok)
+    assert train is not None and valid is None and test is None
+    args, tok, _, _ = _setup_configs(argv + ["--eval-iters", "1"])  # the test part of 60 documents is empty
+    with pytest.raises(DatasetValidationError, match="the test part of --split 969,30,1 gets 0 of its 60 documents"):
+        build_datasets(args, tok)

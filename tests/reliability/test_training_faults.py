@@ -137,3 +137,108 @@ def test_nan_is_checked_by_default_and_never_checkpointed(tmp_path):
     assert "Traceback" not in r.stderr
     assert (ck / TRACKER).read_text().strip() == "2"
     assert not (ck / "iter_0000003").exists()
+
+    # Resuming that checkpoint with another tokenizer (same padded vocabulary, 256) is refused in one line.
+    r = run_single(tiny_args(6, ["--save", str(ck), "--load", str(ck), "--vocab-size", "250"]))
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = _error_lines(r)
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: {ck / 'iter_0000002'} was saved with NullTokenizer (257 ids"), errors
+    assert "this run's tokenizer is NullTokenizer (251 ids" in errors[0] and "--allow-tokenizer-mismatch" in errors[0]
+    assert (ck / TRACKER).read_text().strip() == "2"
+
+    # Damaged files of the latest checkpoint: one line naming the file and the older complete checkpoint.
+    _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck)
+
+
+def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
+    import shutil
+
+    import pytest
+
+    from megatron_lev.checkpoint import CheckpointError, open_checkpoint
+    from megatron_lev.conversion import ConversionError
+    from megatron_lev.conversion import open_checkpoint as open_for_conversion
+
+    it2, it1 = ck / "iter_0000002", ck / "iter_0000001"
+    shard = sorted(it2.glob("*.distcp"))[0]
+    keep = ck.parent / "keep"
+    shutil.copytree(it2, keep)
+
+    def truncate(p):
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+    cases = [(shard, truncate, "truncated ("), (shard, os.remove, "missing"),
+             (it2 / ".metadata", os.remove, "missing"), (it2 / ".metadata", truncate, "unreadable ("),
+             (it2 / "common.pt", truncate, "unreadable ("), (it2 / "common.pt", os.remove, "missing")]
+    for path, damage, what in cases:
+        damage(path)
+        with pytest.raises(CheckpointError) as e:
+            open_checkpoint(str(ck))
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{path}: {what}"), msg
+        assert f"the newest complete older checkpoint is {it1}: pass --iteration 1" in msg, msg
+        with pytest.raises(ConversionError, match=f"^{path}: {what}".replace("(", r"\(")):
+            open_for_conversion(str(ck))
+        shutil.rmtree(it2)
+        shutil.copytree(keep, it2)
+    open_checkpoint(str(ck))  # restored
+
+    # Training: refused at start-up with the flag that loads the older one; that flag resumes from it.
+    truncate(shard)
+    args = tiny_args(6, ["--save", str(ck), "--load", str(ck), "--save-interval", "1"])
+    r = run_single(args)
+    errors = _error_lines(r)
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: {shard}: truncated (") and "nothing was loaded" in errors[0], errors
+    assert errors[0].endswith(f"the newest complete older checkpoint is {it1}: resume from it with --ckpt-step 1")
+    r = run_single(args + ["--ckpt-step", "1"])
+    assert r.returncode == 0 and "at iteration 1" in r.stdout, r.stderr[-3000:]
+    assert (ck / TRACKER).read_text().strip() == "6"
+    open_checkpoint(str(ck), 2)  # the damaged iteration was saved again
+
+
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    r = run_single(tiny_args(6, ["--save", str(ck), "--save-interval", "2", "--debug-enospc-during-save", "0:4"]))
+    assert r.returncode == 4, r.stderr[-3000:]
+    errors = _error_lines(r)
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    msg = errors[0]
+    assert msg.startswith(f"error: --save {ck}: the checkpoint of iteration 4 could not be written "
+                          "(no space left on device; "), msg
+    assert " free there); its partial folder " in msg and f"{ck / 'iter_0000004'} was removed" in msg, msg
+    assert f"the last complete checkpoint is {ck / 'iter_0000002'}" in msg and f"--load {ck}" in msg, msg
+    assert not (ck / "iter_0000004").exists() and (ck / TRACKER).read_text().strip() == "2"
+
+    # TP=2, the second rank's writer fails: the first rank still says it in one line, no rank's traceback.
+    ck2 = tmp_path / "ck2"
+    r = launch(2, tiny_args(6, ["--save", str(ck2), "--save-interval", "2", "--tensor-model-parallel-size", "2",
+                                "--debug-enospc-during-save", "1:4"]), check=False)
+    errors = _error_lines(r)
+    assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: --save {ck2}: the checkpoint of iteration 4 could not be written (no space"), errors
+    assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
+    assert "inline_container" not in r.stderr
+    assert not (ck2 / "iter_0000004").exists() and (ck2 / TRACKER).read_text().strip() == "2"
+
+
+def test_ctrl_c_is_one_line_naming_the_iteration_and_the_last_checkpoint(tmp_path):
+    ck, log = tmp_path / "ck", tmp_path / "run.log"
+    cmd = [sys.executable, PRETRAIN] + tiny_args(100000, ["--save", str(ck), "--save-interval", "2"])
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        wait_for_text(log, " iteration        5/", proc)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert code == 130 and len(errors) == 1 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    last = int((ck / TRACKER).read_text())
+    assert errors[0].startswith("error: interrupted at iteration "), errors
+    assert f"the last checkpoint is iteration {last} ({ck / f'iter_{last:07d}'}; resume with --load {ck})" in errors[0]

@@ -1,0 +1,107 @@
+"""Tokenizer fingerprints: what a dataset or a checkpoint was made with, compared where it is used.
+
+A fingerprint is a small dict ``{"type", "vocab_size", "files", "sha256"}``: the tokenizer's class,
+its vocabulary size, the names of its files and a hash of their bytes together with the options
+that change the ids (TikToken pattern, EOD token). Preprocessing writes it beside every ``.bin/.idx``
+(``{prefix}.tokenizer.json``); training saves it with every checkpoint (``tokenizer_fingerprint``
+in the saved arguments); resuming, training on a dataset and evaluating a checkpoint compare it
+with the tokenizer of the run (:func:`tokenizer_mismatch`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Callable, Dict, Optional, Set
+
+ALLOW_FLAG = "--allow-tokenizer-mismatch"
+
+
+def fingerprint(tokenizer) -> Dict[str, Any]:
+    """The fingerprint of a built :class:`~megatron_lev.tokenizer.LevTokenizer`."""
+    ids = dict(getattr(tokenizer, "unique_identifiers", {}) or {})
+    paths = list(ids.pop("tokenizer_path", []) or [])
+    kind = str(ids.pop("class", type(tokenizer).__name__))
+    h = hashlib.sha256()
+    h.update(json.dumps(ids, sort_keys=True).encode())
+    for p in paths:
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return {"type": kind, "vocab_size": int(tokenizer.vocab_size), "files": [os.path.basename(p) for p in paths],
+            "sha256": h.hexdigest()}
+
+
+def describe(fp: Optional[Dict[str, Any]]) -> str:
+    """``GPT2BPETokenizer (50257 ids, vocab.json+merges.txt sha256 1a2b3c4d5e6f)``."""
+    if not fp:
+        return "an unrecorded tokenizer"
+    files = "+".join(fp.get("files") or [])
+    return (f"{fp.get('type')} ({fp.get('vocab_size')} ids, {files + ' ' if files else ''}"
+            f"sha256 {str(fp.get('sha256', ''))[:12]})")
+
+
+def same_tokenizer(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    return (a.get("type"), a.get("vocab_size"), a.get("sha256")) == (b.get("type"), b.get("vocab_size"), b.get("sha256"))
+
+
+def tokenizer_mismatch(recorded: Optional[Dict[str, Any]], current: Optional[Dict[str, Any]], where: str,
+                       made: str = "made") -> Optional[str]:
+    """One line when ``recorded`` (of ``where``) and ``current`` differ, else None (also when either is unknown)."""
+    if not recorded or not current or same_tokenizer(recorded, current):
+        return None
+    return (f"{where} was {made} with {describe(recorded)} but this run's tokenizer is {describe(current)}; "
+            f"give the same tokenizer files, or pass {ALLOW_FLAG} if this is deliberate")
+
+
+def sidecar_path(ds_prefix: str) -> str:
+    """``{prefix}.tokenizer.json``: the fingerprint of the tokenizer a ``.bin/.idx`` pair was made with."""
+    return ds_prefix + ".tokenizer.json"
+
+
+def write_sidecar(path: str, fp: Dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(fp, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def read_sidecar(path: str) -> Optional[Dict[str, Any]]:
+    """The fingerprint in ``path``; None when there is none. A damaged file raises ValueError naming it."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable tokenizer fingerprint ({e}); preprocess the data again") from None
+    if not isinstance(data, dict) or "sha256" not in data:
+        raise ValueError(f"{path}: not a tokenizer fingerprint; preprocess the data again")
+    return data
+
+
+def check_dataset_tokenizer(prefix: str, current: Optional[Dict[str, Any]], *, allow_mismatch: bool = False,
+                            warn: Callable[[str], None] = print, warned: Optional[Set[str]] = None) -> None:
+    """Compare the fingerprint beside the dataset ``prefix`` with ``current`` (the run's tokenizer).
+
+    A mismatch raises ValueError (one line naming both tokenizers) unless ``allow_mismatch``, which
+    warns instead; so does a damaged fingerprint file. A dataset made before fingerprints were
+    written warns (once per prefix when a ``warned`` set is kept across calls).
+    """
+    if current is None:
+        return
+    path = sidecar_path(prefix)
+    recorded = read_sidecar(path)
+    if recorded is None:
+        if warned is None or prefix not in warned:
+            if warned is not None:
+                warned.add(prefix)
+            warn(f"WARNING: {prefix}: no {os.path.basename(path)} (preprocessed before tokenizer fingerprints "
+                 "were recorded); its tokenizer cannot be checked against this run's")
+        return
+    msg = tokenizer_mismatch(recorded, current, f"{prefix}.bin", made="preprocessed")
+    if msg is None:
+        return
+    if not allow_mismatch:
+        raise ValueError(msg)
+    warn(f"WARNING: {msg.split('; give the same')[0]} (allowed by {ALLOW_FLAG})")
