@@ -19,10 +19,12 @@ that the schedule calls.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -555,14 +557,35 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
         if rank_is0():
             print(f"error: {msg}", file=sys.stderr, flush=True)
         return False
-    checkpoint.save_checkpoint(
-        args.save, iteration, run.model, run.optimizer, run.scheduler,
-        consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
-        save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
-        optim_fully_reshardable=args.dist_ckpt_optim_fully_reshardable, kill_at=args.debug_kill_during_save,
-        stall_at=args.debug_stall_during_save, enospc_at=args.debug_enospc_during_save, log=run.logger.log)
-    state.last_saved = iteration
+    with _ctrl_c_held():
+        checkpoint.save_checkpoint(
+            args.save, iteration, run.model, run.optimizer, run.scheduler,
+            consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
+            save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
+            optim_fully_reshardable=args.dist_ckpt_optim_fully_reshardable, kill_at=args.debug_kill_during_save,
+            stall_at=args.debug_stall_during_save, enospc_at=args.debug_enospc_during_save, log=run.logger.log)
+        state.last_saved = iteration
     return True
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Hold a Ctrl-C (SIGINT) that arrives during the block and raise it at its end.
+
+    dist_checkpointing forks its writer processes during a save: an interrupt delivered while Python runs
+    the fork hooks is printed and dropped there (training would go on), and one delivered mid-write would
+    leave a partial checkpoint. Held, it stops the run right after the save completes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received and previous is signal.default_int_handler:
+        raise KeyboardInterrupt
 
 
 def _run_eval(run: _Run, state: _State, prefix: str) -> None:
