@@ -95,8 +95,10 @@ def test_kill9_of_launcher_mid_run_and_mid_save_leaves_no_orphans_and_resumes(tm
     # A long run: a rank that outlives the launcher keeps training (and saving) for minutes.
     args = tiny_args(100000, ["--save", str(ck), "--load", str(ck), "--save-interval", "2"])
 
-    # Mid-run: the ranks are training (iteration 5, after the save at 4).
-    _, survivors = kill_launcher_group(args, tmp_path / "a.log", " iteration        5/")
+    # Mid-run: the ranks are training (iteration 5, after the save at 4). The save at 6 stalls, so a
+    # kill that a loaded machine delivers an iteration late still finds 4 as the last checkpoint.
+    _, survivors = kill_launcher_group(args + ["--debug-stall-during-save", "0:6"], tmp_path / "a.log",
+                                       " iteration        5/")
     assert survivors == [], f"processes outlived the launcher by 10 s: {survivors}"
     assert (ck / TRACKER).read_text().strip() == "4"
 
