@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from megatron_lev.compat.versions import checkpoint_refusal, megatron_core_version
+
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, checkpoint_dir, find_checkpoint, \
     looks_like_one_checkpoint, read_tracker, write_tracker
 
@@ -261,6 +263,7 @@ def save_checkpoint(
     state.update(
         optim_sharding_type=sharding,
         checkpoint_version=CHECKPOINT_VERSION,
+        megatron_core_version=str(megatron_core_version()),
         iteration=iteration,
         consumed_train_samples=consumed_train_samples,
         counters=dict(counters),
@@ -382,6 +385,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         return None
     iteration, path = found
     common = dist_checkpointing.load_common_state_dict(path)
+    refusal = checkpoint_refusal(common.get("megatron_core_version"), path)
+    if refusal:
+        raise CheckpointError(refusal)
     saved_args = common.get("args", {})
     for name in STRUCTURE_ARGS:
         if name in saved_args and saved_args[name] != run_args.get(name):
