@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from megatron_lev.compat.versions import checkpoint_refusal, unreadable_checkpoint
+
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_NAME = "config.yaml"
 # Saved arguments that fix the model's tensors: a resumed run and a config.yaml must agree on them.
@@ -122,11 +124,18 @@ def load_common(path: str) -> Dict[str, Any]:
     """The non-sharded part of a dist_checkpointing directory (``common.pt``)."""
     from megatron.core import dist_checkpointing
 
+    refusal = unreadable_checkpoint(str(path))
+    if refusal:
+        raise CheckpointError(refusal)
     try:
-        return dist_checkpointing.load_common_state_dict(str(path))
+        common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:  # corrupt or foreign directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: not a readable dist_checkpointing checkpoint ({first})") from None
+    refusal = checkpoint_refusal(common.get("megatron_core_version"), str(path))
+    if refusal:
+        raise CheckpointError(refusal)
+    return common
 
 
 def _locate(path: str, iteration: Optional[int]) -> Tuple[str, int, str]:

@@ -31,10 +31,10 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from megatron_lev.compat.versions import checkpoint_refusal, megatron_core_version
+from megatron_lev.compat.versions import megatron_core_version
 
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, checkpoint_dir, find_checkpoint, \
-    looks_like_one_checkpoint, read_tracker, write_tracker
+    load_common, looks_like_one_checkpoint, read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -384,10 +384,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
         return None
     iteration, path = found
-    common = dist_checkpointing.load_common_state_dict(path)
-    refusal = checkpoint_refusal(common.get("megatron_core_version"), path)
-    if refusal:
-        raise CheckpointError(refusal)
+    common = load_common(path)  # refuses, in one line, a checkpoint of a newer megatron-core
     saved_args = common.get("args", {})
     for name in STRUCTURE_ARGS:
         if name in saved_args and saved_args[name] != run_args.get(name):

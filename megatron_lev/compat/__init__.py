@@ -4,7 +4,7 @@ CUDA is unavailable (see ``cpu.py``); it is a no-op on GPU machines. Inside the 
 the supported megatron-core releases (0.16.1 and 0.19.x)."""
 
 from .cpu import apply, hit_counts, is_applied
-from .versions import checkpoint_refusal, megatron_core_version, quiet_repeated_warnings
+from .versions import checkpoint_refusal, megatron_core_version, quiet_repeated_warnings, unreadable_checkpoint
 
 __all__ = ["apply", "checkpoint_refusal", "hit_counts", "is_applied", "megatron_core_version",
-           "quiet_repeated_warnings"]
+           "quiet_repeated_warnings", "unreadable_checkpoint"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import os
 from typing import Optional
 
 from packaging.version import Version
@@ -23,19 +24,38 @@ def megatron_core_version() -> Version:
     return Version(importlib.metadata.version("megatron-core"))
 
 
-def checkpoint_refusal(saved: Optional[str], path: str) -> Optional[str]:
-    """One line refusing a checkpoint that this megatron-core cannot read, or None when it can.
+def _refusal(path: str, written: str) -> str:
+    return (f"{path}: written by megatron-core {written}, newer than this environment's {megatron_core_version()}; "
+            f"load it where that release is installed (make test-next's .venv-next), or carry the model over "
+            f"with tools/convert_checkpoint.py export-hf there and import-hf here")
 
-    ``saved``: the megatron-core version recorded in the checkpoint (None: written before it was recorded).
-    A newer release may change the dist_checkpointing layout of optimizer and RNG state in ways an older
-    one does not know, so a checkpoint is read only by the release that wrote it or a newer one."""
-    current = megatron_core_version()
-    written = Version(saved or UNRECORDED_CHECKPOINT_VERSION)
-    if written.release[:2] <= current.release[:2]:
+
+def unreadable_checkpoint(path: str) -> Optional[str]:
+    """One line refusing a dist_checkpointing directory whose format this megatron-core cannot read, else None.
+
+    Up to 0.16.1 dist_checkpointing writes the common (non-tensor) state to ``common.pt``; 0.19 stores it as a
+    ``common_state`` object inside the torch_dist files and writes no ``common.pt`` (it still reads the old
+    layout). A release without the reader of the new layout (``serialization._legacy_common_state_exists``
+    marks it) would fail deep inside torch on such a checkpoint."""
+    from megatron.core.dist_checkpointing import serialization
+
+    if hasattr(serialization, "_legacy_common_state_exists"):
         return None
-    return (f"{path}: written by megatron-core {written}, which is newer than this environment's {current}; "
-            f"load it where megatron-core >= {written.major}.{written.minor} is installed (make test-next's "
-            f".venv-next), or carry the model over with tools/convert_checkpoint.py export-hf there and import-hf here")
+    if os.path.isfile(os.path.join(path, "common.pt")) or not os.path.isfile(os.path.join(path, "metadata.json")):
+        return None
+    return _refusal(path, ">= 0.19 (common state inside the torch_dist files, no common.pt)")
+
+
+def checkpoint_refusal(saved: Optional[str], path: str) -> Optional[str]:
+    """One line refusing a checkpoint whose recorded megatron-core release is newer than this one, else None.
+
+    ``saved``: the version recorded in its common state (None: written before it was recorded). A newer
+    release may lay out optimizer and RNG state in ways an older one does not know, so a checkpoint is read
+    only by the release (major.minor) that wrote it or a newer one."""
+    written = Version(saved or UNRECORDED_CHECKPOINT_VERSION)
+    if written.release[:2] <= megatron_core_version().release[:2]:
+        return None
+    return _refusal(path, str(written))
 
 
 class _Once(logging.Filter):

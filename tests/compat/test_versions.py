@@ -58,3 +58,22 @@ def test_gpt_deprecation_notice_passes_once(monkeypatch, caplog):
         assert "another warning" in messages
     finally:
         logger.filters[:] = before
+
+
+def _checkpoint_dir(tmp_path, *, common_pt: bool):
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    if common_pt:
+        (tmp_path / "common.pt").write_bytes(b"")
+    return str(tmp_path)
+
+
+def test_checkpoint_without_common_pt_is_refused_where_its_reader_is_missing(tmp_path, monkeypatch):
+    from megatron.core.dist_checkpointing import serialization
+
+    path = _checkpoint_dir(tmp_path, common_pt=False)
+    if hasattr(serialization, "_legacy_common_state_exists"):  # 0.19: reads both layouts
+        assert versions.unreadable_checkpoint(path) is None
+        monkeypatch.delattr(serialization, "_legacy_common_state_exists")  # as 0.16.1
+    msg = versions.unreadable_checkpoint(path)
+    assert msg is not None and "\n" not in msg and "no common.pt" in msg and "import-hf" in msg
+    assert versions.unreadable_checkpoint(_checkpoint_dir(tmp_path, common_pt=True)) is None
