@@ -77,6 +77,16 @@ class _Once(logging.Filter):
 _QUIETED = False
 
 
+def quiet_cuda_runtime_notice() -> None:
+    """Drop torch's "No CUDA runtime is found, using CUDA_HOME=..." line.
+
+    megatron-core 0.19's ``tensor_parallel/random.py`` imports ``torch.utils.cpp_extension`` at module level;
+    with the CUDA build of torch on a machine without a GPU that import logs the line on every process start,
+    ahead of everything else a command prints (its one-line errors included). Logging only: no torch import."""
+    logging.getLogger("torch.utils.cpp_extension").addFilter(
+        lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
+
+
 def quiet_repeated_warnings() -> None:
     """Keep megatron-core's per-construction deprecation notices to one line per process.
 
