@@ -15,7 +15,14 @@ VENV_CUDA   ?= .venv-cuda
 PY_CUDA     := $(VENV_CUDA)/bin/python
 STAMP_CUDA  := $(VENV_CUDA)/.megatron-lev-installed
 
-.PHONY: setup demo test test-fast test-fake-cuda bench clean-venv
+# The newer stack users run (NGC-style): Python 3.12, the CUDA build of torch, the newest megatron-core 0.19.x.
+# make test-next runs the whole suite there (the cuda_build tests included: that torch is a CUDA build).
+VENV_NEXT   ?= .venv-next
+PY_NEXT     := $(VENV_NEXT)/bin/python
+STAMP_NEXT  := $(VENV_NEXT)/.megatron-lev-installed
+MCORE_NEXT  ?= megatron-core>=0.19,<0.20
+
+.PHONY: setup demo test test-next test-fast test-fake-cuda bench clean-venv
 
 setup: $(STAMP)
 
@@ -43,6 +50,18 @@ $(STAMP_CUDA): pyproject.toml
 	$(PY_CUDA) -m pip install -q -e . pytest
 	@touch $(STAMP_CUDA)
 
+test-next: $(STAMP_NEXT)
+	$(PY_NEXT) -m pytest -q -p no:cacheprovider
+
+$(STAMP_NEXT): pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "error: make test-next needs Python 3.12 (python3.12 on PATH or under ~/.pyenv/versions); set PYTHON312=/path/to/python3.12"; exit 2; }
+	@test -x $(PY_NEXT) || $(PYTHON312) -m venv $(VENV_NEXT)
+	@$(PY_NEXT) -c "import torch, sys; sys.exit(torch.version.cuda is None)" 2>/dev/null || $(PY_NEXT) -m pip install -q "torch==2.13.0"
+	@$(PY_NEXT) -c "import torch, sys; sys.exit(torch.version.cuda is None)" || { echo "error: $(VENV_NEXT) got a CPU-only torch; install a CUDA build of torch 2.13.0 there"; exit 2; }
+	$(PY_NEXT) -m pip install -q -U "$(MCORE_NEXT)"
+	$(PY_NEXT) -m pip install -q -e ".[dev]"
+	@touch $(STAMP_NEXT)
+
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
@@ -50,4 +69,4 @@ bench: setup
 	$(PY) bench/lev_layer.py
 
 clean-venv:
-	rm -rf $(VENV) $(VENV_CUDA)
+	rm -rf $(VENV) $(VENV_CUDA) $(VENV_NEXT)

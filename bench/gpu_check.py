@@ -75,6 +75,7 @@ SHARED = REPO.parent / "shared" / "data"
 
 # What a bare GPU image (torch, triton, transformers, tokenizers, sentencepiece, safetensors) may lack.
 WHEELS = ("megatron-core==0.16.1", "tiktoken", "zstandard", "psutil", "pyyaml")
+NEXT_MCORE = "megatron-core>=0.19,<0.20"  # the newer release pyproject admits and make test-next tests
 MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml"}
 LAYER_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max |error| / max |reference|; LEV's GEMMs are true fp32 (no TF32)
 GRAD_NORM_TOLERANCE = 0.1  # relative gap of the first grad norm, table+distopt+overlap vs unique
@@ -777,8 +778,9 @@ def prepare_wheels(dest: str) -> int:
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
             "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
             "--platform", "manylinux2014_x86_64", "-d"]
-    # The newest megatron-core (Python >= 3.12 only) goes to DIR/next for the next_mcore check.
-    for spec, where in [(w, dest) for w in WHEELS] + [("megatron-core", os.path.join(dest, "next"))]:
+    # The newest megatron-core 0.19.x (Python >= 3.12 only; the release make test-next tests, the Makefile's
+    # MCORE_NEXT) goes to DIR/next for the next_mcore check.
+    for spec, where in [(w, dest) for w in WHEELS] + [(NEXT_MCORE, os.path.join(dest, "next"))]:
         r = subprocess.run(base + [where, spec], capture_output=True, text=True)
         print(f"{spec}: {'ok' if r.returncode == 0 else 'FAILED ' + _tail(r.stderr, 300)}")
         if r.returncode != 0:

@@ -1,3 +1,7 @@
 """megatron-lev: Leviathan (LEV) continuous token embeddings on Megatron-core."""
 
 __version__ = "0.1.0"
+
+from megatron_lev.compat.versions import quiet_cuda_runtime_notice as _quiet_cuda_runtime_notice
+
+_quiet_cuda_runtime_notice()  # before megatron-core is imported (see compat/versions.py)

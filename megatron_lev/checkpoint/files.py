@@ -17,6 +17,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, tokenizer_mismatch
 
+from megatron_lev.compat.versions import checkpoint_refusal, unreadable_checkpoint
+
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_NAME = "config.yaml"
 # Saved arguments that fix the model's tensors: a resumed run and a config.yaml must agree on them.
@@ -151,7 +153,7 @@ def find_damage(path: str) -> Optional[Tuple[str, str]]:
     """(file, what is wrong) for the first damaged file of the dist_checkpointing directory ``path``, else None.
 
     Checks that ``.metadata`` reads, that every shard file it names exists and is as long as the
-    byte ranges it records there, and that ``common.pt`` reads.
+    byte ranges it records there, and that ``common.pt`` reads (where the layout has one).
     """
     import torch
     from torch.distributed.checkpoint import FileSystemReader
@@ -175,6 +177,11 @@ def find_damage(path: str) -> Optional[Tuple[str, str]]:
             return shard, f"truncated ({size:,} of {end:,} bytes)"
     common = os.path.join(path, "common.pt")
     if not os.path.isfile(common):
+        # megatron-core >= 0.19 keeps the common state as a "common_state" object inside the torch_dist
+        # files (checked above) and writes no common.pt; a release that cannot read that layout refuses
+        # it in one line when the common state is loaded.
+        if any(str(k).startswith("common_state") for k in getattr(metadata, "state_dict_metadata", {})):
+            return None
         return common, "missing"
     try:
         torch.load(common, map_location="cpu", weights_only=False)
@@ -229,11 +236,18 @@ def load_common(path: str) -> Dict[str, Any]:
     """The non-sharded part of a dist_checkpointing directory (``common.pt``)."""
     from megatron.core import dist_checkpointing
 
+    refusal = unreadable_checkpoint(str(path))
+    if refusal:
+        raise CheckpointError(refusal)
     try:
-        return dist_checkpointing.load_common_state_dict(str(path))
+        common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:  # corrupt or foreign directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: not a readable dist_checkpointing checkpoint ({first})") from None
+    refusal = checkpoint_refusal(common.get("megatron_core_version"), str(path))
+    if refusal:
+        raise CheckpointError(refusal)
+    return common
 
 
 def _locate(path: str, iteration: Optional[int]) -> Tuple[str, int, str]:

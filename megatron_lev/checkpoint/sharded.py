@@ -31,9 +31,11 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from megatron_lev.compat.versions import megatron_core_version
+
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
-    check_intact, checkpoint_dir, damaged_checkpoint_message, find_checkpoint, looks_like_one_checkpoint, \
-    read_tracker, write_tracker
+    check_intact, checkpoint_dir, damaged_checkpoint_message, find_checkpoint, load_common, \
+    looks_like_one_checkpoint, read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -348,6 +350,7 @@ def save_checkpoint(
     state.update(
         optim_sharding_type=sharding,
         checkpoint_version=CHECKPOINT_VERSION,
+        megatron_core_version=str(megatron_core_version()),
         iteration=iteration,
         consumed_train_samples=consumed_train_samples,
         counters=dict(counters),
@@ -499,7 +502,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         return None
     iteration, path = found
     check_intact(root, iteration, path, _ckpt_step_hint)
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = load_common(path)  # refuses, in one line, a checkpoint of a newer megatron-core
     saved_args = common.get("args", {})
     check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),
                                path, allow_mismatch=bool(run_args.get("allow_tokenizer_mismatch")), log=log)

@@ -1,4 +1,4 @@
-"""CPU backend for megatron-core 0.16.1.
+"""CPU backend for megatron-core (0.16.1 and 0.19.x).
 
 megatron-core assumes CUDA throughout: it asks ``torch.cuda.current_device()`` for buffer
 devices, builds tensors with ``device="cuda"``, synchronises streams, keeps its RNG tracker in
@@ -115,6 +115,10 @@ def _patch_cuda_module() -> None:
         "current_device": lambda: "cpu",
         "synchronize": lambda device=None: None,
         "set_device": lambda device: None,
+        # megatron-core 0.19: DDP's bucket group start_grad_sync/finish_grad_sync ask
+        # torch.cuda.current_stream() (to wait on CUDA-graph wgrad events) on every sync, even
+        # without overlap; the CPU stream's wait_event/wait_stream are no-ops.
+        "current_stream": lambda device=None: torch.cpu.current_stream(),
         # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator
         # directly and make the "all devices" variant a no-op to avoid recursion.
         "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),

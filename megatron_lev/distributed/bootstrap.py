@@ -94,9 +94,10 @@ def _resolve_backend(backend: Optional[str], cuda: bool) -> str:
 
 
 def _apply_cpu_backend() -> None:
-    if not torch.cuda.is_available():
-        from megatron_lev import compat
+    from megatron_lev import compat
 
+    compat.quiet_repeated_warnings()
+    if not torch.cuda.is_available():
         compat.apply()
 
 

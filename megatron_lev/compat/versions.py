@@ -1,0 +1,100 @@
+"""What differs between the megatron-core releases this project supports.
+
+Python 3.11 gets megatron-core 0.16.1 (the newest that installs there); Python 3.12 gets 0.19.x. Every
+behaviour that depends on the release is decided here, from the installed version or by feature
+detection, so the rest of the package is written once.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+from typing import Optional
+
+from packaging.version import Version
+
+# Checkpoints written before the version was recorded were all written by the one release then pinned.
+UNRECORDED_CHECKPOINT_VERSION = "0.16.1"
+
+
+@functools.lru_cache(maxsize=None)
+def megatron_core_version() -> Version:
+    return Version(importlib.metadata.version("megatron-core"))
+
+
+def _refusal(path: str, written: str) -> str:
+    return (f"{path}: written by megatron-core {written}, newer than this environment's {megatron_core_version()}; "
+            f"load it where that release is installed (make test-next's .venv-next), or carry the model over "
+            f"with tools/convert_checkpoint.py export-hf there and import-hf here")
+
+
+def unreadable_checkpoint(path: str) -> Optional[str]:
+    """One line refusing a dist_checkpointing directory whose format this megatron-core cannot read, else None.
+
+    Up to 0.16.1 dist_checkpointing writes the common (non-tensor) state to ``common.pt``; 0.19 stores it as a
+    ``common_state`` object inside the torch_dist files and writes no ``common.pt`` (it still reads the old
+    layout). A release without the reader of the new layout (``serialization._legacy_common_state_exists``
+    marks it) would fail deep inside torch on such a checkpoint."""
+    from megatron.core.dist_checkpointing import serialization
+
+    if hasattr(serialization, "_legacy_common_state_exists"):
+        return None
+    if os.path.isfile(os.path.join(path, "common.pt")) or not os.path.isfile(os.path.join(path, "metadata.json")):
+        return None
+    return _refusal(path, ">= 0.19 (common state inside the torch_dist files, no common.pt)")
+
+
+def checkpoint_refusal(saved: Optional[str], path: str) -> Optional[str]:
+    """One line refusing a checkpoint whose recorded megatron-core release is newer than this one, else None.
+
+    ``saved``: the version recorded in its common state (None: written before it was recorded). A newer
+    release may lay out optimizer and RNG state in ways an older one does not know, so a checkpoint is read
+    only by the release (major.minor) that wrote it or a newer one."""
+    written = Version(saved or UNRECORDED_CHECKPOINT_VERSION)
+    if written.release[:2] <= megatron_core_version().release[:2]:
+        return None
+    return _refusal(path, str(written))
+
+
+class _Once(logging.Filter):
+    """Pass the first record whose message starts with ``prefix``; drop the repeats."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix, self.seen = prefix, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.prefix):
+            return True
+        if self.seen:
+            return False
+        self.seen = True
+        return True
+
+
+_QUIETED = False
+
+
+def quiet_cuda_runtime_notice() -> None:
+    """Drop torch's "No CUDA runtime is found, using CUDA_HOME=..." line.
+
+    megatron-core 0.19's ``tensor_parallel/random.py`` imports ``torch.utils.cpp_extension`` at module level;
+    with the CUDA build of torch on a machine without a GPU that import logs the line on every process start,
+    ahead of everything else a command prints (its one-line errors included). Logging only: no torch import."""
+    logging.getLogger("torch.utils.cpp_extension").addFilter(
+        lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
+
+
+def quiet_repeated_warnings() -> None:
+    """Keep megatron-core's per-construction deprecation notices to one line per process.
+
+    megatron-core 0.19 logs "GPTModel IS DEPRECATED ..." (in favour of HybridModel) from every
+    ``GPTModel.__init__``: once per model chunk, per evaluation model and per rebuild. Idempotent; on
+    releases that do not log it the filter never matches."""
+    global _QUIETED
+    if _QUIETED:
+        return
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_Once("GPTModel IS DEPRECATED"))
+    _QUIETED = True

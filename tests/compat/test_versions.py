@@ -1,0 +1,79 @@
+"""What differs between megatron-core releases (megatron_lev.compat.versions): checkpoint refusal and the
+once-per-process deprecation notice."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from packaging.version import Version
+
+from megatron_lev.compat import versions
+
+
+@pytest.fixture
+def running(monkeypatch):
+    def set_version(v: str) -> None:
+        monkeypatch.setattr(versions, "megatron_core_version", lambda: Version(v))
+
+    return set_version
+
+
+def test_checkpoint_from_an_older_or_same_release_is_read(running):
+    running("0.19.2")
+    assert versions.checkpoint_refusal("0.16.1", "ckpt/iter_0000005") is None
+    assert versions.checkpoint_refusal(None, "ckpt/iter_0000005") is None  # written before the field existed
+    assert versions.checkpoint_refusal("0.19.0", "ckpt/iter_0000005") is None
+    running("0.16.1")
+    assert versions.checkpoint_refusal(None, "ckpt/iter_0000005") is None
+
+
+def test_checkpoint_from_a_newer_release_is_refused_in_one_line(running):
+    running("0.16.1")
+    msg = versions.checkpoint_refusal("0.19.2", "ckpt/iter_0000005")
+    assert msg is not None and "\n" not in msg
+    assert msg.startswith("ckpt/iter_0000005: written by megatron-core 0.19.2")
+    assert "0.16.1" in msg and "convert_checkpoint.py" in msg
+
+
+def test_installed_version_is_one_of_the_supported():
+    v = versions.megatron_core_version()
+    assert Version("0.16.1") <= v < Version("0.20"), v
+
+
+def test_gpt_deprecation_notice_passes_once(monkeypatch, caplog):
+    monkeypatch.setattr(versions, "_QUIETED", False)
+    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    before = list(logger.filters)
+    try:
+        versions.quiet_repeated_warnings()
+        versions.quiet_repeated_warnings()  # idempotent: one filter
+        assert len(logger.filters) == len(before) + 1
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            for _ in range(3):
+                logger.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes")
+            logger.warning("another warning")
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum(m.startswith("GPTModel IS DEPRECATED") for m in messages) == 1
+        assert "another warning" in messages
+    finally:
+        logger.filters[:] = before
+
+
+def _checkpoint_dir(tmp_path, *, common_pt: bool):
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    if common_pt:
+        (tmp_path / "common.pt").write_bytes(b"")
+    return str(tmp_path)
+
+
+def test_checkpoint_without_common_pt_is_refused_where_its_reader_is_missing(tmp_path, monkeypatch):
+    from megatron.core.dist_checkpointing import serialization
+
+    path = _checkpoint_dir(tmp_path, common_pt=False)
+    if hasattr(serialization, "_legacy_common_state_exists"):  # 0.19: reads both layouts
+        assert versions.unreadable_checkpoint(path) is None
+        monkeypatch.delattr(serialization, "_legacy_common_state_exists")  # as 0.16.1
+    msg = versions.unreadable_checkpoint(path)
+    assert msg is not None and "\n" not in msg and "no common.pt" in msg and "import-hf" in msg
+    assert versions.unreadable_checkpoint(_checkpoint_dir(tmp_path, common_pt=True)) is None
