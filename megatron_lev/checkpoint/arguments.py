@@ -293,6 +293,9 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         raise ConfigError(f"--config {path}: expected a mapping of argument names to values")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     out: Dict[str, Any] = {}
+    # Derived values (a saved config.yaml holds them) are dropped before nested mappings are flattened:
+    # the tokenizer fingerprint is a mapping whose fields are no flags.
+    data = {k: v for k, v in data.items() if k not in _DERIVED}
     for key, value in _flatten(data).items():
         if key in _DERIVED:
             continue

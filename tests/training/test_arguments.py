@@ -57,6 +57,11 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     again = resolved_config(parse_args(["--config", str(path)], world_size=4))
     assert again == first
     assert yaml.safe_load(path.read_text()) == first
+    # A checkpoint's config.yaml also holds derived values, the tokenizer fingerprint a mapping among them.
+    saved = dict(first, tokenizer_fingerprint={"type": "GPT2BPETokenizer", "vocab_size": 4000,
+                                               "files": ["vocab.json", "merges.txt"], "sha256": "00"})
+    path.write_text(config_to_yaml(saved))
+    assert resolved_config(parse_args(["--config", str(path)], world_size=4)) == first
 
 
 @pytest.mark.parametrize("extra, world, flag", [
