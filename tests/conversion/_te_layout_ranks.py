@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import pickle
 import sys
@@ -83,7 +84,12 @@ def te_block_keys(config, model_config) -> Tuple[Set[str], Set[str]]:
     params, extra = set(), set()
 
     def walk(spec, prefix: str, keys_map: Dict[str, str]) -> None:
-        module, sub = (spec.module, spec.submodules) if isinstance(spec, ModuleSpec) else (spec, None)
+        if isinstance(spec, functools.partial):
+            # megatron-core 0.19 gives the MLP as partial(MLP.as_mlp_submodule, submodules=...)
+            module = getattr(spec.func, "__self__", spec.func)
+            sub = spec.keywords.get("submodules")
+        else:
+            module, sub = (spec.module, spec.submodules) if isinstance(spec, ModuleSpec) else (spec, None)
         if not isinstance(module, type) or issubclass(module, (IdentityOp, IdentityFuncOp)):
             return  # bias-dropout-add functions, disabled norms and cross-attention
         if getattr(module, "te_placeholder", False):
@@ -97,7 +103,7 @@ def te_block_keys(config, model_config) -> Tuple[Set[str], Set[str]]:
         assert sub is not None, f"{prefix}: {module.__name__} is not a Transformer Engine module"
         for f in dataclasses.fields(sub):
             value = getattr(sub, f.name)
-            if isinstance(value, (ModuleSpec, type)):
+            if isinstance(value, (ModuleSpec, type, functools.partial)):
                 walk(value, f"{prefix}{f.name}.", keys_map)
 
     assert len({id(s) for s in block.layer_specs}) == 1
