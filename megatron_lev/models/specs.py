@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -123,3 +124,29 @@ def get_block_spec(
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[specs[x] for x in pattern[offset:offset + n]],
                                       layer_norm=final_norm)
+
+
+def get_mtp_block_spec(config, model_config: Optional[LevModelConfig], block_spec: TransformerBlockSubmodules,
+                       vp_stage: Optional[int] = None):
+    """megatron-core's multi-token-prediction block spec for this stage (None where the stage holds no
+    MTP layers, or without ``config.mtp_num_layers``): each MTP layer's transformer layer is the block's
+    last layer spec; its norms are TE's, or on the local spec ``SequenceParallelNorm`` as everywhere."""
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+
+    impl = model_config.transformer_impl if model_config is not None else "auto"
+    if use_transformer_engine(impl):
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+    else:
+        backend = _LocalBackend()
+    return get_gpt_mtp_block_spec_for_backend(config=config, spec=block_spec, backend=backend, vp_stage=vp_stage)
+
+
+class _LocalBackend(LocalSpecProvider):
+    """megatron-core's local modules with the project's sequence-parallel-capable norm."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return SequenceParallelNorm

@@ -16,9 +16,12 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from tests.models._harness import load_weights, save_weights
+
 VOCAB, SEQ, MBS, GLOBAL_MICRO, STEPS = 512, 16, 2, 4, 3
 HIDDEN, HEADS, LAYERS, EXPERTS, TOPK = 64, 4, 4, 4, 2
 MOE_PATTERN = [1, 0, 1, 1]
+MTP = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
 ALL_ARMS = ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev")
 
 
@@ -91,26 +94,6 @@ def my_batches(step: int) -> List[Dict[str, torch.Tensor]]:
     return global_batches(step)[r * per:(r + 1) * per]
 
 
-def _sharded(chunks) -> Dict[str, Any]:
-    return {f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-
-
-def save_weights(chunks, path: str) -> None:
-    from megatron.core import dist_checkpointing
-
-    os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save(_sharded(chunks), path)
-
-
-def load_weights(chunks, path: str) -> None:
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load(_sharded(chunks), path)
-    for i, c in enumerate(chunks):
-        missing, unexpected = c.load_state_dict(state[f"chunk{i}"], strict=False)
-        assert not [k for k in missing if not k.endswith("_extra_state")], missing
-
-
 def reinit(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None):
     """Megatron's groups for another layout inside a running launch, through the bootstrap."""
     from megatron.core import parallel_state as ps
@@ -122,20 +105,27 @@ def reinit(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None):
     return init_distributed(tp=tp, pp=pp, ep=ep, etp=etp, seed=1234)
 
 
-def train_layout(root: str, tag: str, *, arm: str = "lev", save: bool = False, sp: bool = False,
+def train_layout(root: str, tag: str, *, arm: str = "lev", weights: Optional[str] = None, save: bool = False,
+                 sp: bool = False,
                  dispatcher: str = "allgather", distributed_optimizer: bool = False, overlap: bool = False,
                  **config_extra) -> Dict[str, Any]:
     """STEPS training steps of this layout; the reference (``save``) writes the initial weights."""
     from megatron.core import parallel_state as ps
 
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
     from megatron_lev.checkpoint.build import build_model_chunks
     from megatron_lev.training import loop
     from megatron_lev.training.moe_metrics import step_aux_losses
 
+    # megatron's trackers are sized by the first model that writes them; each layout has its own
+    get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
     mc = model_config(arm)
     config = transformer_config(mc, sp=sp, dispatcher=dispatcher, **config_extra)
     chunks = build_model_chunks(config, mc)
-    weights = os.path.join(root, arm, "initial")
+    weights = os.path.join(root, weights or arm, "initial")
     if save:
         save_weights(chunks, weights)
     else:
@@ -194,6 +184,70 @@ def arms_check() -> Dict[str, Any]:
     return out
 
 
+def build_refusal(**config_extra) -> Optional[str]:
+    """The ConfigError message of building this rank's LEV chunks with these settings (None: built)."""
+    from megatron_lev.checkpoint.build import build_model_chunks
+    from megatron_lev.lev.config import ConfigError
+
+    mc = model_config("lev")
+    try:
+        build_model_chunks(transformer_config(mc, **config_extra), mc)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def mtp_check() -> Dict[str, Any]:
+    """LEV with a multi-token-prediction layer (an MoE layer, like the decoder's last) at TP=1: the same
+    weights with the MTP loss scaled by 0.5, by 0, and without MTP (router losses off, so that only the
+    two cross-entropies send gradients into the input arm)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    from megatron_lev.models import build_gpt_model, lev_modules
+    from megatron_lev.models.params import parameter_breakdown
+
+    mc = model_config("lev")
+    batch = global_batches(0)[0]
+    no_router_loss = dict(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+    models, grads = {}, {}
+    for name, extra in (("mtp", dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.5)),
+                        ("mtp_scale0", dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.0)), ("plain", {})):
+        config = transformer_config(mc, **no_router_loss, **extra)
+        model = build_gpt_model(config=config, model_config=mc)
+        if models:
+            missing, unexpected = model.load_state_dict(models["mtp"][0].state_dict(), strict=False)
+            assert not unexpected or name == "plain", unexpected
+            assert not [k for k in missing if not k.endswith("_extra_state")], missing
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))  # as the schedule sets them, one micro-batch
+        MTPLossAutoScaler.set_loss_scale(torch.ones(1))
+        model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean().backward()
+        models[name] = (model, config)
+        grads[name] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if n.startswith("embedding.")}
+    clear_aux_losses_tracker()
+    MTPLossLoggingHelper.tracker.clear()
+    model, config = models["mtp"]
+    named = dict(model.named_parameters())
+
+    def max_diff(a, b):
+        return max(float((grads[a][k] - grads[b][k]).abs().max()) for k in grads[a])
+
+    return {
+        "lev_modules": len(list(lev_modules(model))),
+        "embedding_params": sorted(n for n in named if n.startswith("embedding.")),
+        "plain_embedding_params": sorted(n for n, _ in models["plain"][0].named_parameters()
+                                         if n.startswith("embedding.")),
+        "mtp_params_with_embedding": [n for n in named if n.startswith("mtp.") and "embedding" in n],
+        "children": list(model._modules),
+        "numel": sum(p.numel() for p in named.values()),
+        "mtp_numel": sum(p.numel() for n, p in named.items() if n.startswith("mtp.")),
+        "breakdown": parameter_breakdown(mc, config),
+        "grad_scale0_vs_plain": max_diff("mtp_scale0", "plain"),
+        "grad_scale_vs_scale0": max_diff("mtp", "mtp_scale0"),
+        "grad_scale0_size": max(float(g.abs().max()) for g in grads["mtp_scale0"].values()),
+    }
+
+
 def two_rank_run(root: str) -> Dict[str, Any]:
     """The TP=1/EP=1 reference (data-parallel 2), EP=2 (allgather dispatcher) and PP=2 with MoE layers on
     both stages, with the distributed optimizer and overlapped grad reduce / param gather (EP=2 also
@@ -203,16 +257,20 @@ def two_rank_run(root: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     setup = reinit()
     out["arms"] = arms_check()
+    out["mtp"] = mtp_check()
     out["ref"] = train_layout(root, "ref", save=True)
     out["ref_tied"] = train_layout(root, "ref_tied", arm="tied", save=True)
+    out["ref_mtp"] = train_layout(root, "ref_mtp", weights="lev_mtp", save=True, **MTP)
     destroy_distributed(setup)
     setup = reinit(ep=2)
     out["ep2"] = train_layout(root, "ep2", distributed_optimizer=True, overlap=True)
     out["ep2_plain"] = train_layout(root, "ep2_plain")
+    out["ep2_mtp"] = train_layout(root, "ep2_mtp", weights="lev_mtp", distributed_optimizer=True, overlap=True, **MTP)
     destroy_distributed(setup)
     setup = reinit(pp=2)
     out["pp2"] = train_layout(root, "pp2", distributed_optimizer=True, overlap=True)
     out["pp2_tied"] = train_layout(root, "pp2_tied", arm="tied", distributed_optimizer=True, overlap=True)
+    out["pp2_mtp_refusal"] = build_refusal(mtp_num_layers=1)
     destroy_distributed(setup)
     return out
 

@@ -112,6 +112,50 @@ def test_tp2_ep2_matches_reference(two_rank, four_rank):
     _assert_matches(_per_rank(two_rank, "ref"), rows, "tp2 x ep2")
 
 
+# ------------------------------------------------------------------------------- multi-token prediction
+
+
+def test_mtp_uses_the_one_lev_module(two_rank):
+    r = two_rank[0]["mtp"]
+    assert r["lev_modules"] == 1
+    assert r["embedding_params"] == r["plain_embedding_params"]  # no second copy of the arm
+    assert r["mtp_params_with_embedding"] == []
+    # megatron's child order (embedding first, MTP before the head): DDP's buffer layout
+    assert r["children"] == ["embedding", "rotary_pos_emb", "decoder", "mtp", "output_layer"]
+
+
+def test_mtp_parameter_report(two_rank):
+    r = two_rank[0]["mtp"]
+    b = r["breakdown"]
+    assert b["total"] == r["numel"] and b["mtp"] == r["mtp_numel"] > 0
+    assert b["dense"] + b["experts"] == b["transformer"] + b["mtp"]
+
+
+def test_both_losses_send_gradients_into_the_lev_module(two_rank):
+    r = two_rank[0]["mtp"]
+    # MTP loss scale 0: exactly the gradient of the model without MTP; scale > 0: another gradient
+    assert r["grad_scale0_vs_plain"] == 0.0
+    assert r["grad_scale_vs_scale0"] > 1e-3 * r["grad_scale0_size"], r
+
+
+def test_mtp_trains_at_ep2_like_the_reference_and_logs_its_loss(two_rank):
+    ref, rows = _per_rank(two_rank, "ref_mtp"), _per_rank(two_rank, "ep2_mtp")
+    _assert_matches(ref, rows, "ep2 + mtp")
+    for got, want in zip(rows[0]["aux"], ref[0]["aux"]):
+        assert math.isclose(got["mtp_1 loss"], want["mtp_1 loss"], rel_tol=LOSS_RTOL)
+        assert 0 < want["mtp_1 loss"] < 10
+    # the MTP loss changes what is trained: its losses differ from the plain reference's
+    assert ref[0]["grad_norms"] != _per_rank(two_rank, "ref")[0]["grad_norms"]
+
+
+def test_mtp_with_an_own_arm_under_pipeline_parallelism_is_refused(two_rank):
+    msgs = [r["pp2_mtp_refusal"] for r in two_rank]
+    # the first stage builds (no MTP there); the last stage holds the MTP block and no input arm
+    assert sorted(msgs, key=str) == sorted([None, msgs[1] or msgs[0]], key=str)
+    msg = next(m for m in msgs if m)
+    assert msg.startswith("--mtp-num-layers with --input-embedding lev needs the MTP block on the first") and "\n" not in msg
+
+
 # ------------------------------------------------------------------------------- refusals (no ranks)
 
 
