@@ -105,19 +105,17 @@ def reinit(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None):
     return init_distributed(tp=tp, pp=pp, ep=ep, etp=etp, seed=1234)
 
 
-def train_layout(root: str, tag: str, *, arm: str = "lev", weights: Optional[str] = None, save: bool = False,
-                 sp: bool = False,
-                 dispatcher: str = "allgather", distributed_optimizer: bool = False, overlap: bool = False,
-                 **config_extra) -> Dict[str, Any]:
-    """STEPS training steps of this layout; the reference (``save``) writes the initial weights."""
+def _setup(root: str, *, arm: str = "lev", weights: Optional[str] = None, save: bool = False, sp: bool = False,
+           dispatcher: str = "allgather", distributed_optimizer: bool = False, overlap: bool = False,
+           **config_extra) -> SimpleNamespace:
+    """This layout's chunks, from the reference's initial weights (the reference, ``save``, writes them),
+    wrapped, with optimizer, scheduler and hooks as the loop sets them up."""
     from megatron.core import parallel_state as ps
-
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     from megatron_lev.checkpoint.build import build_model_chunks
     from megatron_lev.training import loop
-    from megatron_lev.training.moe_metrics import step_aux_losses
 
     # megatron's trackers are sized by the first model that writes them; each layout has its own
     get_moe_layer_wise_logging_tracker().clear()
@@ -125,31 +123,75 @@ def train_layout(root: str, tag: str, *, arm: str = "lev", weights: Optional[str
     mc = model_config(arm)
     config = transformer_config(mc, sp=sp, dispatcher=dispatcher, **config_extra)
     chunks = build_model_chunks(config, mc)
-    weights = os.path.join(root, weights or arm, "initial")
+    path = os.path.join(root, weights or arm, "initial")
     if save:
-        save_weights(chunks, weights)
+        save_weights(chunks, path)
     else:
-        load_weights(chunks, weights)
+        load_weights(chunks, path)
     num_micro = GLOBAL_MICRO // ps.get_data_parallel_world_size()
     args = loop_args(distributed_optimizer=distributed_optimizer, overlap=overlap, num_microbatches=num_micro)
     model = loop._wrap_model(args, config, chunks)
     optimizer, scheduler = loop._build_optimizer(args, config, model)
     loop._configure_hooks(args, config, model, optimizer, [])
-    state = loop._State()
+    return SimpleNamespace(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
+                           args=args, num_micro=num_micro, state=loop._State())
+
+
+def _step(run: SimpleNamespace, tag: str):
+    """One training step on this rank's share of the step's global batch: (loss, grad norm, aux losses)."""
+    from megatron_lev.training import loop
+    from megatron_lev.training.moe_metrics import step_aux_losses
+
+    it = iter(my_batches(run.state.iteration))
+    loss, grad_norm, ok, _ = loop._train_step(run.args, run.state, run.model, run.optimizer, run.scheduler, it, [])
+    assert ok, f"{tag}: step {run.state.iteration} was not applied"
+    run.state.iteration += 1
+    return loss, grad_norm, step_aux_losses(run.config, run.num_micro, iteration=run.state.iteration)
+
+
+def train_layout(root: str, tag: str, **kw) -> Dict[str, Any]:
+    """STEPS training steps of this layout (keywords: ``_setup``'s)."""
+    from megatron.core import parallel_state as ps
+
+    run = _setup(root, **kw)
     losses, norms, aux = [], [], []
-    for step in range(STEPS):
-        it = iter(my_batches(step))
-        loss, grad_norm, ok, _ = loop._train_step(args, state, model, optimizer, scheduler, it, [])
-        assert ok, f"{tag}: step {step} was not applied"
-        state.iteration += 1
+    for _ in range(STEPS):
+        loss, grad_norm, step_aux = _step(run, tag)
         losses.append(loss)
         norms.append(grad_norm)
-        aux.append(step_aux_losses(config, num_micro, iteration=state.iteration))
-    expert_params = {n: tuple(p.shape) for c in chunks for n, p in c.named_parameters() if ".experts." in n}
+        aux.append(step_aux)
+    expert_params = {n: tuple(p.shape) for c in run.chunks for n, p in c.named_parameters() if ".experts." in n}
     return {"tag": tag, "losses": losses, "grad_norms": norms, "aux": aux,
             "rank": torch.distributed.get_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "ep_rank": ps.get_expert_model_parallel_rank(), "expert_params": expert_params,
-            "mlp_types": [type(layer.mlp).__name__ for c in chunks for layer in c.decoder.layers]}
+            "mlp_types": [type(layer.mlp).__name__ for c in run.chunks for layer in c.decoder.layers]}
+
+
+def resume_check(root: str, overlap: bool = False) -> Dict[str, Any]:
+    """Train 2 steps at this layout (distributed optimizer), save a full checkpoint (model, optimizer,
+    scheduler, RNG) through ``checkpoint.sharded``, train a third step; then rebuild everything, load the
+    checkpoint and train the third step again. ``overlap``: grad reduce and param gather overlapped; the
+    parameters' all-gather of the last update then waits for the next forward, so it is forced before the
+    save (as Megatron-LM's ``disable_forward_pre_hook(param_sync=True)`` does around its saves)."""
+    from megatron_lev.checkpoint.sharded import load_checkpoint, save_checkpoint
+
+    kw = dict(distributed_optimizer=True, overlap=overlap)
+    ckpt = os.path.join(root, f"resume_ckpt_overlap{int(overlap)}")
+    args = {"num_layers": LAYERS, "hidden_size": HIDDEN, "input_embedding": "lev", "padded_vocab_size": VOCAB}
+    run = _setup(root, **kw)
+    for _ in range(2):
+        _step(run, "resume: before the save")
+    if overlap:
+        for chunk in run.model:
+            chunk.start_param_sync(force_sync=True)
+    save_checkpoint(ckpt, run.state.iteration, run.model, run.optimizer, run.scheduler,
+                    consumed_train_samples=2 * GLOBAL_MICRO * MBS, counters={}, config=args, log=lambda *a: None)
+    straight = _step(run, "resume: uninterrupted")[:2]
+    run = _setup(root, **kw)  # fresh model and optimizer from the initial weights
+    common = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run_args=args, log=lambda *a: None)
+    run.state.iteration = int(common["iteration"])
+    resumed = _step(run, "resume: resumed")[:2]
+    return {"iteration": run.state.iteration, "straight": straight, "resumed": resumed}
 
 
 def arms_check() -> Dict[str, Any]:
@@ -265,6 +307,7 @@ def two_rank_run(root: str) -> Dict[str, Any]:
     setup = reinit(ep=2)
     out["ep2"] = train_layout(root, "ep2", distributed_optimizer=True, overlap=True)
     out["ep2_plain"] = train_layout(root, "ep2_plain")
+    out["ep2_resume"] = [resume_check(root), resume_check(root, overlap=True)]
     out["ep2_mtp"] = train_layout(root, "ep2_mtp", weights="lev_mtp", distributed_optimizer=True, overlap=True, **MTP)
     destroy_distributed(setup)
     setup = reinit(pp=2)

@@ -99,6 +99,15 @@ def test_ep2_matches_reference(two_rank):
             assert len(row["expert_params"]) == 3 * (H.EXPERTS // 2) * 2, sorted(row["expert_params"])
 
 
+def test_ep2_resume_is_bit_exact(two_rank):
+    """Model, distributed-optimizer state (expert parameters in their expert-parallel shards), scheduler
+    and RNG saved at EP=2 and loaded into a fresh EP=2 model: the next step is the uninterrupted one."""
+    for r in two_rank:
+        for res in r["ep2_resume"]:  # without, and with overlapped grad reduce and param gather
+            assert res["iteration"] == 3
+            assert res["resumed"] == res["straight"], res
+
+
 def test_pp2_with_moe_on_both_stages_matches_reference(two_rank):
     for arm_ref, layout in (("ref", "pp2"), ("ref_tied", "pp2_tied")):
         rows = _per_rank(two_rank, layout)
