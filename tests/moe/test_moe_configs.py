@@ -43,3 +43,18 @@ def test_breakdown_table_matches_the_model_counts(arm):
     want += ([] if arm == "tied" else [b["output_head"]]) + [b["total"], b["active"]]
     assert _rows()[arm] == want
     assert 390e6 < b["dense"] + b["experts_active"] < 410e6  # ~400M active transformer parameters
+
+
+def test_megatron_lm_moe_arguments_reach_the_transformer_config():
+    from megatron_lev.checkpoint.build import transformer_config_kwargs
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert not any(k.startswith(("moe_", "num_moe", "expert_", "mtp_")) for k in transformer_config_kwargs(base))
+    kw = transformer_config_kwargs(dict(base, num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                                        moe_token_dispatcher_type="allgather", moe_layer_freq=[1, 0],
+                                        expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                                        mtp_num_layers=1, mtp_loss_scaling_factor=0.1, moe_grouped_gemm=None))
+    assert kw["num_moe_experts"] == 8 and kw["moe_router_topk"] == 2 and kw["moe_layer_freq"] == [1, 0]
+    assert kw["expert_model_parallel_size"] == 2 and kw["expert_tensor_parallel_size"] == 1
+    assert kw["mtp_num_layers"] == 1 and kw["mtp_loss_scaling_factor"] == 0.1
+    assert "moe_grouped_gemm" not in kw
