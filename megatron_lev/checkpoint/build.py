@@ -86,7 +86,28 @@ def transformer_config_kwargs(a: Mapping[str, Any]) -> Dict[str, Any]:
     kw.update(overlap_p2p_comm=overlap_p2p, batch_p2p_comm=not overlap_p2p)
     if a.get("fp8_format") is not None:
         kw.update(fp8=a["fp8_format"], fp8_recipe=a.get("fp8_recipe") or "delayed")
+    kw.update(moe_config_kwargs(a))
     return {k: v for k, v in kw.items() if v is not None}
+
+
+# Megatron-LM's argument names -> megatron-core TransformerConfig fields, for MoE and MTP.
+MOE_ARGS = {
+    "num_experts": "num_moe_experts", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_router_topk": "moe_router_topk", "moe_router_load_balancing_type": "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff": "moe_aux_loss_coeff", "moe_z_loss_coeff": "moe_z_loss_coeff",
+    "moe_token_dispatcher_type": "moe_token_dispatcher_type", "moe_layer_freq": "moe_layer_freq",
+    "moe_router_dtype": "moe_router_dtype", "moe_grouped_gemm": "moe_grouped_gemm",
+    "moe_permute_fusion": "moe_permute_fusion", "moe_per_layer_logging": "moe_per_layer_logging",
+    "expert_model_parallel_size": "expert_model_parallel_size",
+    "expert_tensor_parallel_size": "expert_tensor_parallel_size",
+    "mtp_num_layers": "mtp_num_layers", "mtp_loss_scaling_factor": "mtp_loss_scaling_factor",
+}
+
+
+def moe_config_kwargs(a: Mapping[str, Any]) -> Dict[str, Any]:
+    """The TransformerConfig fields of the MoE / MTP arguments that are set (absent or None: megatron's
+    defaults; arguments saved before MoE existed have none)."""
+    return {field: a[name] for name, field in MOE_ARGS.items() if a.get(name) is not None}
 
 
 def build_configs(a: Mapping[str, Any], *, for_loading: bool = False, **overrides: Any) -> Tuple[Any, LevModelConfig]:

@@ -71,14 +71,25 @@ class DistributedSetup:
         destroy_distributed(self)
 
 
-def check_layout(world_size: int, tp: int, pp: int) -> None:
-    """One-line error unless ``tp x pp`` model-parallel ranks tile ``world_size`` processes."""
+def check_layout(world_size: int, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> None:
+    """One-line error unless ``tp x pp`` model-parallel ranks tile ``world_size`` processes, and the
+    expert layout (``ep`` expert-parallel x ``etp`` expert-tensor-parallel ranks per pipeline stage,
+    ``etp`` defaulting to ``tp`` as in megatron-core) tiles the ranks of one pipeline stage."""
     if tp < 1 or pp < 1:
         raise DistributedConfigError(f"tensor parallel size {tp} and pipeline parallel size {pp} must be >= 1")
     if world_size % (tp * pp):
         raise DistributedConfigError(
             f"tensor parallel {tp} x pipeline parallel {pp} = {tp * pp} does not divide the world size "
             f"{world_size}; start a multiple of {tp * pp} processes or change the parallel sizes")
+    etp = tp if etp is None else etp
+    if ep < 1 or etp < 1:
+        raise DistributedConfigError(
+            f"--expert-model-parallel-size {ep} and --expert-tensor-parallel-size {etp} must be >= 1")
+    if (world_size // pp) % (ep * etp):
+        raise DistributedConfigError(
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} does not "
+            f"divide the {world_size // pp} ranks of a pipeline stage (world {world_size} / PP {pp}); "
+            "change the expert parallel sizes or the number of processes")
 
 
 def _resolve_backend(backend: Optional[str], cuda: bool) -> str:
@@ -95,8 +106,10 @@ def _resolve_backend(backend: Optional[str], cuda: bool) -> str:
 
 def _apply_cpu_backend() -> None:
     from megatron_lev import compat
+    from megatron_lev.compat.without_te import define_missing_te_names
 
     compat.quiet_repeated_warnings()
+    define_missing_te_names()  # megatron's MoE router without Transformer Engine
     if not torch.cuda.is_available():
         compat.apply()
 
@@ -138,21 +151,26 @@ def _init_process_group(backend: Optional[str], timeout: timedelta, init_method:
     dist.init_process_group(backend, **kw)
 
 
-def _init_parallel_state(tp: int, pp: int, vpp: Optional[int], timeout_minutes: float) -> bool:
-    """megatron's model-parallel groups, unless they exist with this layout; True if created here."""
+def _init_parallel_state(tp: int, pp: int, vpp: Optional[int], timeout_minutes: float, ep: int = 1,
+                         etp: Optional[int] = None) -> bool:
+    """megatron's model-parallel groups (expert groups included), unless they exist with this layout;
+    True if created here."""
     from megatron.core import parallel_state as ps
 
+    etp = tp if etp is None else etp
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size())
-        if have != (tp, pp, vpp):
+                ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size())
+        if have != (tp, pp, vpp, ep, etp):
             raise DistributedConfigError(
-                f"model parallelism is already initialised with TP={have[0]} PP={have[1]} VPP={have[2]}, "
-                f"not TP={tp} PP={pp} VPP={vpp}")
+                f"model parallelism is already initialised with TP={have[0]} PP={have[1]} VPP={have[2]} "
+                f"EP={have[3]} ETP={have[4]}, not TP={tp} PP={pp} VPP={vpp} EP={ep} ETP={etp}")
         return False
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, distributed_timeout_minutes=timeout_minutes)
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, distributed_timeout_minutes=timeout_minutes)
     return True
 
 
@@ -165,11 +183,14 @@ def init_distributed(
     timeout_minutes: float = 30.0,
     init_method: Optional[str] = None,
     seed: Optional[int] = None,
+    ep: int = 1,
+    etp: Optional[int] = None,
 ) -> DistributedSetup:
     """Start distributed work in this process (see the module docstring); pass the result to
     :func:`destroy_distributed`.
 
-    ``tp``/``pp``/``vpp``: megatron's tensor, pipeline and virtual-pipeline sizes. ``backend``: nccl or
+    ``tp``/``pp``/``vpp``: megatron's tensor, pipeline and virtual-pipeline sizes; ``ep``/``etp``: its
+    expert-parallel and expert-tensor-parallel sizes (``etp`` None = ``tp``, megatron's default). ``backend``: nccl or
     gloo (default: nccl with CUDA, else gloo). ``timeout_minutes``: collective timeout of every group
     created here. ``init_method``: rendezvous URL instead of the environment (rank and world size still
     come from ``RANK``/``WORLD_SIZE``). ``seed``: also seed torch and megatron's model-parallel RNG
@@ -185,8 +206,8 @@ def init_distributed(
                              created_process_group=created_pg, created_parallel_state=False,
                              groups_before=groups_before)
     try:
-        check_layout(setup.world_size, tp, pp)
-        setup.created_parallel_state = _init_parallel_state(tp, pp, vpp, timeout_minutes)
+        check_layout(setup.world_size, tp, pp, ep, etp)
+        setup.created_parallel_state = _init_parallel_state(tp, pp, vpp, timeout_minutes, ep, etp)
         if seed is not None:
             set_seed(seed, per_pipeline_stage=False)
     except BaseException:

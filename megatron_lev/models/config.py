@@ -24,6 +24,7 @@ import torch
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
 
+from .moe import check_moe_settings, check_te_only_moe_flags
 from .params import ARMS_MATCHED, match_flat_mlp_hidden, matched_widths
 
 # The input arms, in the order of the paper's tables; the flag's choices and the check use this tuple.
@@ -316,6 +317,7 @@ class LevModelConfig:
             check_fp8_widths(config)
         elif self.transformer_impl == "transformer_engine":
             use_transformer_engine("transformer_engine")  # raises when TE/CUDA are missing
+        check_moe_settings(config, use_transformer_engine=self.use_transformer_engine())
 
         # Consistency between the two configs (build_transformer_config keeps them in step).
         if config.normalization != self.normalization:
@@ -585,6 +587,7 @@ def build_transformer_config(model_config: Optional[LevModelConfig] = None, *, m
     )
     if kw.get("fp8"):
         check_fp8(kw["fp8"], mc.transformer_impl if mc else "auto", kw.get("fp8_recipe", "delayed"))
+    check_te_only_moe_flags(kw, use_transformer_engine=use_transformer_engine(mc.transformer_impl if mc else "auto"))
     try:
         config = TransformerConfig(**kw)
     except (ValueError, AssertionError) as e:

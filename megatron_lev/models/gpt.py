@@ -19,6 +19,16 @@ embedding only where ``pre_process`` and the head only where ``post_process``;
 unless weights are shared (or MTP is on); ``finalize_model_grads`` reduces the embedding group only
 for ``share_embeddings_and_output_weights`` (``_get_shared_word_embedding_weight`` returns None
 otherwise). So no dead copy exists and the embedding group carries no traffic for untied arms.
+
+Multi-token prediction (``config.mtp_num_layers``, megatron-core's ``MultiTokenPredictionBlock``): GPTModel
+builds a ``LanguageModelEmbedding`` wherever the MTP block is (``pre_process or mtp_process``) and passes
+``embedding=self.embedding`` to the block, which embeds the shifted tokens with it. For megatron's arms
+this is megatron's own path (under PP a V x D copy on the last stage, tied to the first stage's through
+the sharded state dict). For the other arms the MTP block is added by ``_set_mtp_block`` beside the one
+input arm, so both losses train the same arm parameters. The block sits on the last stage; an arm of
+ours lives on the first, so MTP with such an arm needs PP=1 (refused otherwise: a copy of the arm on
+the last stage would need its parameters all-reduced over the embedding group each step, as megatron
+does for the tied table).
 """
 
 from __future__ import annotations
@@ -29,12 +39,15 @@ import torch
 from torch import Tensor
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+from megatron_lev.lev.config import ConfigError
 
 from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
 
 from .config import LevModelConfig
 from .embedding import InputArmEmbedding
-from .specs import get_block_spec
+from .specs import get_block_spec, get_mtp_block_spec
 
 MEGATRON_ARMS = ("tied", "untied")
 
@@ -70,6 +83,12 @@ class LevGPTModel(GPTModel):
             transformer_layer_spec = get_block_spec(config, model_config, vp_stage=vp_stage)
         arm = model_config.input_embedding
         own_input = arm not in MEGATRON_ARMS
+        mtp_spec = get_mtp_block_spec(config, model_config, transformer_layer_spec, vp_stage=vp_stage)
+        if own_input and mtp_spec is not None and not pre_process:
+            raise ConfigError(
+                f"--mtp-num-layers with --input-embedding {arm} needs the MTP block on the first pipeline "
+                "stage (it embeds the shifted tokens with the input arm, which lives there); use "
+                "--pipeline-model-parallel-size 1 or --input-embedding tied/untied")
         super().__init__(
             config=config,
             transformer_layer_spec=transformer_layer_spec,
@@ -86,6 +105,8 @@ class LevGPTModel(GPTModel):
             rotary_base=model_config.rotary_base,
             pg_collection=pg_collection,
             vp_stage=vp_stage,
+            # An arm of ours: megatron would build a LanguageModelEmbedding for the MTP block.
+            mtp_block_spec=None if own_input else mtp_spec,
         )
         if own_input and pre_process:
             self._set_input_module(InputArmEmbedding(
@@ -96,6 +117,24 @@ class LevGPTModel(GPTModel):
                 position_embedding_type=model_config.position_embedding_type,
                 tp_group=self.pg_collection.tp,
             ))
+        if own_input and mtp_spec is not None:
+            self._set_mtp_block(mtp_spec, vp_stage)
+
+    def _set_mtp_block(self, spec, vp_stage: Optional[int]) -> None:
+        """Give this chunk (the first and last stage) megatron's MTP block, as GPTModel builds it from
+        ``mtp_block_spec``, without the second input layer GPTModel would build for it: the block is called
+        with ``embedding=self.embedding`` (GPTModel's ``_postprocess``), so the shifted tokens go through
+        this chunk's one input arm and both losses' gradients reach the same parameters."""
+        self.mtp_block_spec = spec
+        self.mtp_process = True
+        self.mtp = MultiTokenPredictionBlock(config=self.config, spec=spec, vp_stage=vp_stage)
+        # Registered where megatron registers it (before the head): the parameter order fixes DDP's buffers.
+        modules = dict(self._modules)
+        mtp = modules.pop("mtp")
+        order = list(modules)
+        at = order.index("output_layer") if "output_layer" in order else len(order)
+        order.insert(at, "mtp")
+        self._modules = {name: (mtp if name == "mtp" else modules[name]) for name in order}
 
     def _set_input_module(self, embedding: InputArmEmbedding) -> None:
         """Make this chunk, built by GPTModel without an input layer, the first pipeline stage with

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
 from megatron_lev.lev.config import ConfigError, LEVConfig, lev_param_count
 
+from .moe import is_moe, moe_layer_pattern
+
 if TYPE_CHECKING:  # models/config.py imports this module (the matching), not the other way round
     from .config import LevModelConfig
 
@@ -151,8 +153,16 @@ def input_side_params(model_config: LevModelConfig, hidden_size: int) -> int:
     raise ConfigError(f"--input-embedding {arm!r}: not an input arm (LevModelConfig.validate lists them)")
 
 
-def transformer_params(config: Any) -> int:
-    """Decoder parameters (all layers and the final norm) of a GPT built from ``config`` at TP=1."""
+def _mlp_params(hidden_size: int, ffn: int, gated: bool, bias: bool) -> int:
+    fc1_out = ffn * (2 if gated else 1)
+    return hidden_size * fc1_out + (fc1_out if bias else 0) + ffn * hidden_size + (hidden_size if bias else 0)
+
+
+def transformer_layer_params(config: Any) -> Dict[str, int]:
+    """Parameters of one decoder layer at TP=1: ``attention`` (QKV, projection, q/k norms), ``norms``
+    (input and pre-MLP), ``dense_mlp`` (a dense layer's MLP), and for MoE configs ``router`` (E x D, a
+    bias with biases), ``expert`` (one routed expert), ``shared_experts`` (with ``moe_shared_expert_gate``
+    its 1 x D gate)."""
     D = config.hidden_size
     norm = D * (2 if config.normalization == "LayerNorm" else 1)
     kv_ch = config.kv_channels
@@ -162,15 +172,59 @@ def transformer_params(config: Any) -> int:
     qkv_bias = bias or bool(getattr(config, "add_qkv_bias", False))
     qkv = D * (q + 2 * kv) + (q + 2 * kv if qkv_bias else 0)
     proj = q * D + (D if bias else 0)
-    ffn = config.ffn_hidden_size
-    fc1_out = ffn * (2 if config.gated_linear_unit else 1)
-    fc1 = D * fc1_out + (fc1_out if bias else 0)
-    fc2 = ffn * D + (D if bias else 0)
     qk_norm = 0
     if getattr(config, "qk_layernorm", False):
         qk_norm = 2 * kv_ch * (2 if config.normalization == "LayerNorm" else 1)
-    per_layer = 2 * norm + qkv + proj + fc1 + fc2 + qk_norm
-    return config.num_layers * per_layer + norm
+    gated = bool(config.gated_linear_unit)
+    out = {"attention": qkv + proj + qk_norm, "norms": 2 * norm,
+           "dense_mlp": _mlp_params(D, config.ffn_hidden_size, gated, bias)}
+    experts = getattr(config, "num_moe_experts", None)
+    if experts:
+        out["router"] = experts * D + (experts if bias else 0)
+        out["expert"] = _mlp_params(D, config.moe_ffn_hidden_size, gated, bias)
+        shared = getattr(config, "moe_shared_expert_intermediate_size", None)
+        out["shared_experts"] = (_mlp_params(D, shared, gated, bias) if shared else 0) + (
+            D if shared and getattr(config, "moe_shared_expert_gate", False) else 0)
+    return out
+
+
+def _decoder_counts(config: Any, pattern) -> Dict[str, int]:
+    """dense (attention, norms, dense MLPs, routers, shared experts) and routed-expert parameters of the
+    layers in ``pattern`` (1 = MoE layer, 0 = dense)."""
+    layer = transformer_layer_params(config)
+    dense = experts = 0
+    for is_moe_layer in pattern:
+        dense += layer["attention"] + layer["norms"]
+        if is_moe_layer:
+            dense += layer["router"] + layer["shared_experts"]
+            experts += config.num_moe_experts * layer["expert"]
+        else:
+            dense += layer["dense_mlp"]
+    return {"dense": dense, "experts": experts}
+
+
+def _moe_pattern(config: Any):
+    return moe_layer_pattern(config.num_layers, config.moe_layer_freq) if is_moe(config) else [0] * config.num_layers
+
+
+def transformer_params(config: Any) -> int:
+    """Decoder parameters (all layers and the final norm) of a GPT built from ``config`` at TP=1, routed
+    experts included."""
+    counts = _decoder_counts(config, _moe_pattern(config))
+    return counts["dense"] + counts["experts"] + config.hidden_size * (2 if config.normalization == "LayerNorm" else 1)
+
+
+def mtp_params(config: Any) -> Dict[str, int]:
+    """Parameters of megatron-core's multi-token-prediction block (``mtp_num_layers`` layers, each: the
+    embedding and hidden-state norms, the 2D -> D projection, one transformer layer like the decoder's
+    last, a final norm; the embedding and output head are the model's own): ``dense`` and ``experts``."""
+    n = getattr(config, "mtp_num_layers", None) or 0
+    if not n:
+        return {"dense": 0, "experts": 0}
+    D = config.hidden_size
+    norm = D * (2 if config.normalization == "LayerNorm" else 1)
+    layer = _decoder_counts(config, _moe_pattern(config)[-1:])
+    return {"dense": n * (3 * norm + 2 * D * D + layer["dense"]), "experts": n * layer["experts"]}
 
 
 def parameter_breakdown(model_config: LevModelConfig, config: Any) -> Dict[str, Any]:
@@ -178,24 +232,42 @@ def parameter_breakdown(model_config: LevModelConfig, config: Any) -> Dict[str, 
 
     Keys: ``arm``, ``input_side`` (the arm; for tied the shared V x D table),
     ``position_embeddings`` (learned absolute only, else 0), ``transformer`` (layers + final
-    norm), ``output_head`` (V x D; 0 for tied, whose head is the input table), ``total``,
-    ``lev_reference`` (P_LEV for the same V, D, knobs), ``dense_table`` (V x D), and
-    ``widths`` (the arm's resolved widths).
+    norm, routed experts included), ``output_head`` (V x D; 0 for tied, whose head is the input
+    table), ``mtp`` (the multi-token-prediction block, 0 without), ``total``, ``lev_reference`` (P_LEV
+    for the same V, D, knobs), ``dense_table`` (V x D), and ``widths`` (the arm's resolved widths).
+
+    Mixture of experts: ``experts`` (the routed experts of the decoder and the MTP block), ``dense``
+    (every other parameter of the decoder and the MTP block: attention, norms, dense MLPs, routers,
+    shared experts), ``experts_active`` (the experts one token passes through: top-k of E per MoE
+    layer) and ``active`` (the parameters one token uses: ``total`` with ``experts_active`` in place
+    of ``experts``; the input side counts in full, although a table arm reads one row of it).
     """
     D = config.hidden_size
     V = model_config.vocab_size
     arm = model_config.input_embedding
     inp = input_side_params(model_config, D)
     pos = model_config.max_sequence_length * D if model_config.position_embedding_type == "learned_absolute" else 0
-    trans = transformer_params(config)
+    decoder = _decoder_counts(config, _moe_pattern(config))
+    final_norm = D * (2 if config.normalization == "LayerNorm" else 1)
+    trans = decoder["dense"] + decoder["experts"] + final_norm
+    mtp = mtp_params(config)
     head = 0 if arm == "tied" else V * D
+    total = inp + pos + trans + mtp["dense"] + mtp["experts"] + head
+    experts = decoder["experts"] + mtp["experts"]
+    num_experts = getattr(config, "num_moe_experts", None)
+    active_experts = experts * config.moe_router_topk // num_experts if num_experts else 0
     return {
         "arm": arm,
         "input_side": inp,
         "position_embeddings": pos,
         "transformer": trans,
         "output_head": head,
-        "total": inp + pos + trans + head,
+        "mtp": mtp["dense"] + mtp["experts"],
+        "total": total,
+        "dense": decoder["dense"] + final_norm + mtp["dense"],
+        "experts": experts,
+        "experts_active": active_experts,
+        "active": total - experts + active_experts,
         "lev_reference": lev_param_count(V, D, model_config.lev),
         "dense_table": V * D,
         "widths": model_config.resolved_widths(D),
@@ -216,12 +288,20 @@ def format_parameter_breakdown(breakdown: Dict[str, Any]) -> str:
         ("transformer", breakdown["transformer"]),
         ("output head", breakdown["output_head"]),
     ]
+    if breakdown.get("mtp"):
+        rows.append(("multi-token pred.", breakdown["mtp"]))
+    if breakdown.get("experts"):
+        rows += [("  of which experts", breakdown["experts"]), ("  dense (no experts)", breakdown["dense"])]
     for name, n in rows:
         extra = ""
         if name == "output head" and breakdown["arm"] == "tied":
             extra = "  (shared with the input table)"
         lines.append(f"  {name:<20}{fmt(n)}  {100.0 * n / total:5.1f}%{extra}")
     lines.append(f"  {'total':<20}{fmt(breakdown['total'])}")
+    if breakdown.get("experts"):
+        lines.append(f"  {'active per token':<20}{fmt(breakdown['active'])}  "
+                     f"{100.0 * breakdown['active'] / total:5.1f}%  (experts {breakdown['experts_active']:,} "
+                     f"of {breakdown['experts']:,})")
     ref = breakdown["lev_reference"]
     lines.append(
         f"  input side vs LEV: {breakdown['input_side'] / ref:.4f}x of {ref:,}; "
