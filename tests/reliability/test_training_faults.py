@@ -225,22 +225,28 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_p
     assert not (ck2 / "iter_0000004").exists() and (ck2 / TRACKER).read_text().strip() == "2"
 
 
-def test_ctrl_c_is_one_line_naming_the_iteration_and_the_last_checkpoint(tmp_path):
-    ck, log = tmp_path / "ck", tmp_path / "run.log"
-    # A save every iteration: the interrupt most likely lands inside one (held until the save ends; an
-    # interrupt during dist_checkpointing's fork of its writers used to be dropped, training went on).
+def signal_mid_run(ck, log, sig):
+    """One process saving to ``ck`` every iteration, sent ``sig`` after iteration 5; (exit code, output).
+
+    A save every iteration: the signal most likely lands inside one (held until the save ends; an
+    interrupt during dist_checkpointing's fork of its writers used to be dropped, training went on)."""
     cmd = [sys.executable, PRETRAIN] + tiny_args(100000, ["--save", str(ck), "--save-interval", "1"])
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO),
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for_text(log, " iteration        5/", proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = log.read_text()
+    return code, Path(log).read_text()
+
+
+def test_ctrl_c_is_one_line_naming_the_iteration_and_the_last_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    code, text = signal_mid_run(ck, tmp_path / "run.log", signal.SIGINT)
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert code == 130 and len(errors) == 1 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     last = int((ck / TRACKER).read_text())
