@@ -172,7 +172,8 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
 
     cases = [(shard, truncate, "truncated ("), (shard, os.remove, "missing"),
              (it2 / ".metadata", os.remove, "missing"), (it2 / ".metadata", truncate, "unreadable ("),
-             (it2 / "common.pt", truncate, "unreadable ("), (it2 / "common.pt", os.remove, "missing")]
+             (it2 / "common.pt", truncate, "unreadable ("), (it2 / "common.pt", os.remove, "missing"),
+             (it2 / "metadata.json", os.remove, "missing"), (it2 / "config.yaml", os.remove, "missing")]
     for path, damage, what in cases:
         damage(path)
         with pytest.raises(CheckpointError) as e:
@@ -187,13 +188,16 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
     open_checkpoint(str(ck))  # restored
 
     # Training: refused at start-up with the flag that loads the older one; that flag resumes from it.
-    truncate(shard)
     args = tiny_args(6, ["--save", str(ck), "--load", str(ck), "--save-interval", "1"])
-    r = run_single(args)
-    errors = _error_lines(r)
-    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert errors[0].startswith(f"error: {shard}: truncated (") and "nothing was loaded" in errors[0], errors
-    assert errors[0].endswith(f"the newest complete older checkpoint is {it1}: resume from it with --ckpt-step 1")
+    for path, damage, what in [(it2 / "metadata.json", os.remove, "missing"), (shard, truncate, "truncated (")]:
+        shutil.rmtree(it2)
+        shutil.copytree(keep, it2)
+        damage(path)
+        r = run_single(args)
+        errors = _error_lines(r)
+        assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert errors[0].startswith(f"error: {path}: {what}") and "nothing was loaded" in errors[0], errors
+        assert errors[0].endswith(f"the newest complete older checkpoint is {it1}: resume from it with --ckpt-step 1")
     r = run_single(args + ["--ckpt-step", "1"])
     assert r.returncode == 0 and "at iteration 1" in r.stdout, r.stderr[-3000:]
     assert (ck / TRACKER).read_text().strip() == "6"
