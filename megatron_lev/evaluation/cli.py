@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_lev.distributed import destroy_distributed, init_distributed
+from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
 from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, open_checkpoint
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, TokenizerSpec, tokenizer_fingerprint
@@ -258,9 +258,8 @@ def _log(msg: str) -> None:
 
 
 def _fail(msg: str) -> int:
-    """One error line (first rank) and the exit status."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+    """One error line (first rank; every rank's line goes to torchrun's failure summary) and the exit status."""
+    report_error(msg, show=os.environ.get("RANK", "0") == "0")
     return EXIT_ERROR
 
 

@@ -123,6 +123,7 @@ class _StopOnSigterm:
         self.grace_s = grace_s
         self.received = False
         self.deadline: Optional[float] = None
+        self._timer: Optional[threading.Timer] = None
         self.stopping = False
         """The run is already stopping on another failure, whose line a SIGTERM must not cut off."""
         self._prev = signal.signal(signal.SIGTERM, self._handle)
@@ -132,21 +133,29 @@ class _StopOnSigterm:
         if self.stopping:
             return
         if self.state.saving is None or (self.deadline is not None and time.monotonic() >= self.deadline):
-            raise Terminated(EXIT_TERMINATED)
+            self._stop()
         if self.deadline is None:
             self.deadline = time.monotonic() + self.grace_s
             # Sent again at the deadline, to the main thread: a real signal interrupts a blocking wait there.
-            timer = threading.Timer(self.grace_s, signal.pthread_kill,
-                                    args=(threading.main_thread().ident, signal.SIGTERM))
-            timer.daemon = True
-            timer.start()
+            self._timer = threading.Timer(self.grace_s, signal.pthread_kill,
+                                          args=(threading.main_thread().ident, signal.SIGTERM))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _stop(self) -> None:
+        self.stopping = True  # later signals (the deadline's, a second SIGTERM) leave the stop alone
+        if self._timer is not None:
+            self._timer.cancel()
+        raise Terminated(EXIT_TERMINATED)
 
     def check(self) -> None:
-        """Raise a SIGTERM that was held (or dropped by a library) once the save is over."""
-        if self.received and not self.stopping:
-            raise Terminated(EXIT_TERMINATED)
+        """Raise a SIGTERM that was held, or raised and dropped by a library, once the save is over."""
+        if self.received:
+            self._stop()
 
     def release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         signal.signal(signal.SIGTERM, self._prev)
 
 
