@@ -100,14 +100,14 @@ def write_tracker(root: str, iteration: int) -> None:
 
 
 def find_checkpoint(root: str) -> Optional[Tuple[int, str]]:
-    """(iteration, directory) of the newest complete checkpoint under ``root``, or None."""
+    """(iteration, directory) that the tracker under ``root`` names, or None without a tracker.
+
+    Whether its files are all there is :func:`check_intact`'s question (a missing ``metadata.json`` is
+    reported like any damaged file, with the newest complete older checkpoint)."""
     it = read_tracker(root)
     if it is None:
         return None
-    path = checkpoint_dir(root, it)
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"{path}: named by {os.path.join(root, TRACKER)} but incomplete (no metadata.json)")
-    return it, path
+    return it, checkpoint_dir(root, it)
 
 
 def looks_like_one_checkpoint(path: str) -> bool:
@@ -152,12 +152,18 @@ def _read_yaml(path: str) -> Dict[str, Any]:
 def find_damage(path: str) -> Optional[Tuple[str, str]]:
     """(file, what is wrong) for the first damaged file of the dist_checkpointing directory ``path``, else None.
 
-    Checks that ``.metadata`` reads, that every shard file it names exists and is as long as the
-    byte ranges it records there, and that ``common.pt`` reads (where the layout has one).
+    Checks that the folder, ``metadata.json`` and ``config.yaml`` (written by rank 0 once every rank's
+    shards are on disk) exist, that ``.metadata`` reads, that every shard file it names exists and is as
+    long as the byte ranges it records there, and that ``common.pt`` reads (where the layout has one).
     """
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
+    if not os.path.isdir(path):
+        return path, "missing"
+    for name in ("metadata.json", CONFIG_NAME):
+        if not os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name), "missing"
     meta = os.path.join(path, ".metadata")
     if not os.path.isfile(meta):
         return meta, "missing"
@@ -286,11 +292,11 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
     With ``read_common`` its files are checked first (:func:`check_intact`); a damaged one names the
     newest complete older checkpoint with ``older_hint(iteration, directory)``, the way to load it."""
     root, it, iter_path = _locate(path, iteration)
-    if not os.path.isfile(os.path.join(iter_path, "metadata.json")):
-        raise CheckpointError(f"{iter_path}: incomplete checkpoint (no metadata.json)")
+    for name in ("metadata.json", CONFIG_NAME):  # the save's last files: without them it did not complete
+        if not os.path.isfile(os.path.join(iter_path, name)):
+            raise CheckpointError(damaged_checkpoint_message(root, int(it), iter_path, os.path.join(iter_path, name),
+                                                             "missing", older_hint))
     cfg_path = os.path.join(iter_path, CONFIG_NAME)
-    if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"{iter_path}: no {CONFIG_NAME} (the save did not complete)")
     cfg = _read_yaml(cfg_path)
     common: Dict[str, Any] = {}
     args = dict(cfg)

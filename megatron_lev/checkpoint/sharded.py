@@ -290,7 +290,11 @@ def _any_rank_failed(failed: bool) -> bool:
 
 
 def _save_failed(root: str, iteration: int, path: str, error: Optional[BaseException]) -> CheckpointSaveError:
-    """Remove the partial ``path`` (rank 0) and describe the failure in one line (on every rank)."""
+    """Remove the partial ``path`` (rank 0) and describe the failure in one line (on every rank).
+
+    A full disk on any rank is named as such on all: a rank whose peer failed may only hold
+    dist_checkpointing's exception without the cause (``CheckpointException ranks:dict_keys([])``)."""
+    no_space = _any_rank_failed(error is not None and _no_space(error))
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
     torch.distributed.barrier()
@@ -298,10 +302,10 @@ def _save_failed(root: str, iteration: int, path: str, error: Optional[BaseExcep
         free = _human_bytes(shutil.disk_usage(root).free)
     except OSError:
         free = "unknown"
-    if error is None:
-        reason = "another rank failed to write its part"
-    elif _no_space(error):
+    if no_space:
         reason = "no space left on device"
+    elif error is None:
+        reason = "another rank failed to write its part"
     else:
         reason = _first_line(error)
     try:

@@ -46,7 +46,7 @@ from megatron_lev.distributed import set_seed
 from megatron_lev.kernels import register_default_kernels
 from megatron_lev.lev import ConfigError, LEVConfig, LEVEmbedding, lev_param_count
 
-from .source import ConversionError, open_checkpoint, save_target
+from .source import ConversionError, disk_full_is_one_line, open_checkpoint, save_target
 
 
 @dataclass
@@ -369,29 +369,30 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
                  **lev_cfg.to_args())
     log(f"converting {source.path} ({a['input_embedding']}, V={V}, D={D}, iteration {source.iteration}) to lev "
         f"-> {dst}")
-    os.makedirs(dst, exist_ok=True)
-    work = tempfile.mkdtemp(prefix=".to-lev-", dir=dst)
-    try:
-        table_file = os.path.join(work, "table.safetensors")
-        run_ranks(_read_table_rank, tp=1, pp=1, args=(source.path, layout_args(a, 1, 1), table_file))
-        from safetensors.torch import load_file, save_file
+    with disk_full_is_one_line(dst, "the LEV checkpoint"):
+        os.makedirs(dst, exist_ok=True)
+        work = tempfile.mkdtemp(prefix=".to-lev-", dir=dst)
+        try:
+            table_file = os.path.join(work, "table.safetensors")
+            run_ranks(_read_table_rank, tp=1, pp=1, args=(source.path, layout_args(a, 1, 1), table_file))
+            from safetensors.torch import load_file, save_file
 
-        table = load_file(table_file)["table"]
-        emb, report = fit_lev(table, lev_cfg, init_method_std=float(a.get("init_method_std", 0.02)),
-                              counts=counts, fit=fit)
-        log(report.format())
-        lev_file = os.path.join(work, "lev.safetensors")
-        save_file({k: v.detach().cpu().contiguous() for k, v in emb.state_dict().items()}, lev_file)
-        common = {k: source.common.get(k) for k in ("consumed_train_samples", "counters", "opt_param_scheduler")}
-        direct = tp == 1 and pp == 1
-        first = dst if direct else os.path.join(work, "tp1")
-        run_ranks(_write_lev_rank, tp=1, pp=1,
-                  args=(source.path, layout_args(a, 1, 1), first, source.iteration, layout_args(lev_a, 1, 1),
-                        common, lev_file, progress))
-        if not direct:
-            reshard_checkpoint(first, dst, tp=tp, pp=pp, progress=progress)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+            table = load_file(table_file)["table"]
+            emb, report = fit_lev(table, lev_cfg, init_method_std=float(a.get("init_method_std", 0.02)),
+                                  counts=counts, fit=fit)
+            log(report.format())
+            lev_file = os.path.join(work, "lev.safetensors")
+            save_file({k: v.detach().cpu().contiguous() for k, v in emb.state_dict().items()}, lev_file)
+            common = {k: source.common.get(k) for k in ("consumed_train_samples", "counters", "opt_param_scheduler")}
+            direct = tp == 1 and pp == 1
+            first = dst if direct else os.path.join(work, "tp1")
+            run_ranks(_write_lev_rank, tp=1, pp=1,
+                      args=(source.path, layout_args(a, 1, 1), first, source.iteration, layout_args(lev_a, 1, 1),
+                            common, lev_file, progress))
+            if not direct:
+                reshard_checkpoint(first, dst, tp=tp, pp=pp, progress=progress)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     if report_file:
         with open(report_file, "w", encoding="utf-8") as f:
             json.dump(report.as_dict(), f, indent=2)

@@ -57,6 +57,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
+from megatron_lev.tokenizer.fingerprint import MODEL_DIR_SIDECAR, write_sidecar
 
 from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint
 
@@ -543,6 +544,10 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
             GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out_dir)
             result["tokenizer_files"] = export_tokenizer(a, out_dir, log=print if progress else (lambda m: None)) \
                 if tokenizer else []
+            if result["tokenizer_files"] and a.get("tokenizer_fingerprint"):
+                # What evaluation compares an indexed set with (re-saved files hash differently).
+                write_sidecar(os.path.join(out_dir, MODEL_DIR_SIDECAR), a["tokenizer_fingerprint"])
+                result["tokenizer_files"].append(MODEL_DIR_SIDECAR)
     result.update(vocab_size=vocab, padded_vocab_size=padded, dtype=dt, out_dir=out_dir,
                   tokenizer_vocab_size=tok["vocab_size"] if tok else None)
     if progress:

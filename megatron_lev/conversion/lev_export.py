@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any, Dict, Optional
 
-from .source import ConversionError, check_writable, open_checkpoint
+from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint
 
 CONFIG_FILE = "lev_config.json"
 WEIGHTS_FILE = "lev_embedding.safetensors"
@@ -109,9 +109,10 @@ def export_lev(src: str, out_dir: str, *, iteration: Optional[int] = None, progr
                               "not lev: there are no LEV parameters to export")
     if os.path.isfile(os.path.join(out_dir, WEIGHTS_FILE)):
         raise ConversionError(f"{out_dir}: already holds {WEIGHTS_FILE}; choose another --save")
-    os.makedirs(out_dir, exist_ok=True)
     a = dict(layout_args(source.args, 1, 1), _iteration=source.iteration)
-    run_ranks(_export_lev_rank, tp=1, pp=1, args=(source.path, out_dir, a, progress))
+    with disk_full_is_one_line(out_dir, "the LEV parameters"):
+        os.makedirs(out_dir, exist_ok=True)
+        run_ranks(_export_lev_rank, tp=1, pp=1, args=(source.path, out_dir, a, progress))
     if progress:
         print(f"done: {out_dir} ({CONFIG_FILE}, {WEIGHTS_FILE})", flush=True)
     return out_dir

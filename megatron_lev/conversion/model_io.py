@@ -71,7 +71,10 @@ def save_model_checkpoint(chunks, dst_root: str, iteration: int, a: Dict[str, An
     optimizer state; the consumed samples, counters and scheduler state of ``common`` carried over), so
     that ``pretrain_lev.py --load dst_root`` continues from it."""
     sched = common.get("opt_param_scheduler")
-    checkpoint.save_checkpoint(
-        dst_root, iteration, chunks, None, _SchedulerState(sched) if sched is not None else None,
-        consumed_train_samples=int(common.get("consumed_train_samples", 0) or 0),
-        counters=dict(common.get("counters") or {}), config=a, log=log)
+    try:
+        checkpoint.save_checkpoint(
+            dst_root, iteration, chunks, None, _SchedulerState(sched) if sched is not None else None,
+            consumed_train_samples=int(common.get("consumed_train_samples", 0) or 0),
+            counters=dict(common.get("counters") or {}), config=a, log=log)
+    except checkpoint.CheckpointSaveError as e:  # a full disk: one line, the partial folder already removed
+        raise ConversionError(f"{str(e).rsplit('; make room', 1)[0]}; make room and run the conversion again") from None

@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional
 from megatron_lev.distributed import set_seed
 
 from .launch import run_ranks
-from .source import ConversionError, open_checkpoint, save_target
+from .source import ConversionError, disk_full_is_one_line, open_checkpoint, save_target
 
 
 def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],
@@ -68,9 +68,10 @@ def reshard_checkpoint(src: str, dst: str, *, tp: int, pp: int = 1, vpp: Optiona
         print(f"resharding {source.path} (TP={lay['tp']} PP={lay['pp']}, iteration {source.iteration}) "
               f"-> {dst} (TP={tp} PP={pp}{f' VPP={vpp}' if vpp else ''})", flush=True)
     common = {k: source.common.get(k) for k in ("consumed_train_samples", "counters", "opt_param_scheduler")}
-    os.makedirs(dst, exist_ok=True)
-    run_ranks(_reshard_rank, tp=tp, pp=pp, vpp=a["virtual_pipeline_model_parallel_size"],
-              args=(source.path, dst, source.iteration, a, common, progress))
+    with disk_full_is_one_line(dst, "the resharded checkpoint"):
+        os.makedirs(dst, exist_ok=True)
+        run_ranks(_reshard_rank, tp=tp, pp=pp, vpp=a["virtual_pipeline_model_parallel_size"],
+                  args=(source.path, dst, source.iteration, a, common, progress))
     out = os.path.join(dst, f"iter_{source.iteration:07d}")
     if progress:
         print(f"done: {out} (model weights, iteration {source.iteration}; no optimizer state). Resume with "

@@ -53,9 +53,12 @@ def _no_space(error: BaseException) -> bool:
 
 
 @contextmanager
-def disk_full_is_one_line(save: str, what: str):
+def disk_full_is_one_line(save: str, what: str, again: str = "run again"):
     """A full disk while writing ``what`` into ``save`` (here or on a conversion rank) becomes one
-    :class:`ConversionError` line naming ``--save``, the free space and the incomplete files."""
+    :class:`ConversionError` line naming ``--save``, the free space and what became of the partial
+    output: what the block added to ``save`` is removed (named where it cannot be), so that ``again``
+    (how to rerun) finds the folder as it was."""
+    before = set(os.listdir(save)) if os.path.isdir(save) else None
     try:
         yield
     except ConversionError:
@@ -68,8 +71,29 @@ def disk_full_is_one_line(save: str, what: str):
         except OSError:
             free = "unknown"
         raise ConversionError(f"--save {save}: no space left on device while writing {what} ({free} free there); "
-                              f"the files in {save} are incomplete: make room and run again with --overwrite "
-                              "(or an empty --save)") from None
+                              f"{_remove_new(save, before)}; make room and {again}") from None
+
+
+def _remove_new(save: str, before: Optional[set]) -> str:
+    """Remove what was added to ``save`` since ``before`` (all of it when it did not exist); say what."""
+    if not os.path.isdir(save):
+        return "nothing was written"
+    new = sorted(set(os.listdir(save)) - (before or set()))
+    for name in new:
+        path = os.path.join(save, name)
+        try:
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        except OSError:
+            pass
+    left = [n for n in new if os.path.lexists(os.path.join(save, n))]
+    if before is None and not left:
+        try:
+            os.rmdir(save)
+        except OSError:
+            pass
+    if left:
+        return f"its partial files are left in {save} ({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}): remove them"
+    return f"its partial files were removed ({len(new)} written)" if new else "nothing was left in it"
 
 
 def save_target(save: str, source_root: Optional[str] = None) -> str:

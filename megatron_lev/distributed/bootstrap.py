@@ -29,7 +29,10 @@ Design:
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -41,7 +44,7 @@ import torch.distributed as dist
 from megatron_lev.lev.config import ConfigError
 
 __all__ = ["BACKENDS", "DistributedConfigError", "DistributedSetup", "check_layout", "destroy_distributed",
-           "init_distributed", "set_seed"]
+           "init_distributed", "report_error", "set_seed"]
 
 BACKENDS = ("nccl", "gloo")
 
@@ -90,6 +93,31 @@ def check_layout(world_size: int, tp: int, pp: int, ep: int = 1, etp: Optional[i
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} does not "
             f"divide the {world_size // pp} ranks of a pipeline stage (world {world_size} / PP {pp}); "
             "change the expert parallel sizes or the number of processes")
+
+
+def report_error(line: str, *, show: bool = True) -> None:
+    """Print ``error: line`` on stderr (where ``show``: usually rank 0 only) and, under torchrun, record
+    it as this worker's failure.
+
+    torchrun's agent reads a failed worker's ``TORCHELASTIC_ERROR_FILE`` (the JSON that
+    ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler`` writes) and shows its message as
+    that worker's "traceback" in the ``ChildFailedError`` summary it prints last; without the file the
+    field says "To enable traceback see ...". Every failing rank records its line, since the summary's
+    root cause is the earliest failure, on whichever rank. No ``py_callstack`` is recorded: the summary
+    then shows the message itself.
+    """
+    text = f"error: {line}"
+    if show:
+        print(text, file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": text, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+    except OSError:  # the summary then falls back to its generic text; the line itself is out
+        pass
 
 
 def _resolve_backend(backend: Optional[str], cuda: bool) -> str:

@@ -25,11 +25,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_lev.distributed import destroy_distributed, init_distributed
+from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
 from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, open_checkpoint
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, TokenizerSpec, tokenizer_fingerprint
-from megatron_lev.tokenizer.fingerprint import check_dataset_tokenizer
+from megatron_lev.tokenizer.fingerprint import check_dataset_tokenizer, directory_fingerprints, read_sidecar, \
+    same_tokenizer, sidecar_path
 
 from .hf_scorer import HFScorer
 from .megatron_scorer import EvalSetupError, MegatronScorer
@@ -257,9 +258,8 @@ def _log(msg: str) -> None:
 
 
 def _fail(msg: str) -> int:
-    """One error line (first rank) and the exit status."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+    """One error line (first rank; every rank's line goes to torchrun's failure summary) and the exit status."""
+    report_error(msg, show=os.environ.get("RANK", "0") == "0")
     return EXIT_ERROR
 
 
@@ -278,23 +278,54 @@ def _compare(args) -> int:
 
 def _hf_model(args, meta: Dict[str, Any]):
     """The scorer and tokenizer of ``--hf-model`` (its own tokenizer unless --tokenizer-type is given)."""
+    if args.tokenizer_type is None:
+        _check_hf_model_tokenizer(args)
     scorer = HFScorer(args.hf_model, batch_size=args.micro_batch_size, device=args.device, dtype=args.hf_dtype,
                       max_length=args.seq_length)
     tokenizer = scorer.tokenizer() if args.tokenizer_type is None else _tokenizer_for_checkpoint(args, {})
-    if args.tokenizer_type is not None:  # the model's own tokenizer has no fingerprint to compare
+    if args.tokenizer_type is not None:
         check_tokenizer(args, tokenizer)
     meta.update(model=scorer.description, hf_model=os.path.abspath(args.hf_model))
     return scorer, tokenizer
 
 
+def _check_hf_model_tokenizer(args) -> None:
+    """``--hf-model`` with its own tokenizer: the indexed sets must have been made with it (the
+    fingerprint its export recorded, or one of its tokenizer files'), checked before the model loads."""
+    sets = [p for _, p in _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot")
+            if is_indexed_prefix(p)]
+    if not sets:
+        return  # text is tokenized by the model's own tokenizer
+    try:
+        fps = directory_fingerprints(args.hf_model)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not fps:
+        _log(f"WARNING: --hf-model {args.hf_model}: no tokenizer file to fingerprint (tokenizer.json, vocab.json + "
+             f"merges.txt or tokenizer.model), so the tokenizer of {', '.join(sets)} is not checked; pass "
+             "--tokenizer-type and its files to check it")
+        return
+    allow = bool(getattr(args, "allow_tokenizer_mismatch", False))
+    for path in sets:
+        try:
+            recorded = read_sidecar(sidecar_path(path))
+            current = next((fp for fp in fps if recorded and same_tokenizer(recorded, fp)), fps[0])
+            check_dataset_tokenizer(path, current, allow_mismatch=allow, warn=_log)
+        except ValueError as e:
+            raise UsageError(f"{e} (the tokenizer of --hf-model {args.hf_model})") from None
+
+
 def _checkpoint_tokenizer(args):
     """The tokenizer of ``--load`` (flags over its saved arguments), checked against the checkpoint's
     and the indexed sets' before any model is built; then the checkpoint's files are checked."""
+    def older(it, path):
+        return f"evaluate it with --load {path}"
+
     try:
-        saved = open_checkpoint(args.load, read_common=False)
+        saved = open_checkpoint(args.load, read_common=False, older_hint=older)
         tokenizer = _tokenizer_for_checkpoint(args, saved.args)
         check_tokenizer(args, tokenizer, saved.args, saved.path)
-        check_intact(saved.root, saved.iteration, saved.path, lambda it, path: f"evaluate it with --load {path}")
+        check_intact(saved.root, saved.iteration, saved.path, older)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     return tokenizer

@@ -4,8 +4,9 @@ A fingerprint is a small dict ``{"type", "vocab_size", "files", "sha256"}``: the
 its vocabulary size, the names of its files and a hash of their bytes together with the options
 that change the ids (TikToken pattern, EOD token). Preprocessing writes it beside every ``.bin/.idx``
 (``{prefix}.tokenizer.json``); training saves it with every checkpoint (``tokenizer_fingerprint``
-in the saved arguments); resuming, training on a dataset and evaluating a checkpoint compare it
-with the tokenizer of the run (:func:`tokenizer_mismatch`).
+in the saved arguments) and export-hf beside the exported tokenizer files (:data:`MODEL_DIR_SIDECAR`);
+resuming, training on a dataset and evaluating a checkpoint or a Hugging Face model compare it with
+the tokenizer of the run (:func:`tokenizer_mismatch`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 ALLOW_FLAG = "--allow-tokenizer-mismatch"
 
@@ -53,6 +54,41 @@ def tokenizer_mismatch(recorded: Optional[Dict[str, Any]], current: Optional[Dic
         return None
     return (f"{where} was {made} with {describe(recorded)} but this run's tokenizer is {describe(current)}; "
             f"give the same tokenizer files, or pass {ALLOW_FLAG} if this is deliberate")
+
+
+MODEL_DIR_SIDECAR = "tokenizer_fingerprint.json"
+"""A Hugging Face export's record of its checkpoint's tokenizer fingerprint (beside tokenizer.json)."""
+
+
+def directory_fingerprints(path: str) -> List[Dict[str, Any]]:
+    """The fingerprints a Hugging Face model directory's tokenizer can have.
+
+    The one an export recorded (:data:`MODEL_DIR_SIDECAR`) when it is there; else one per tokenizer
+    format whose files the directory holds (``tokenizer.json``; ``vocab.json`` + ``merges.txt``;
+    ``tokenizer.model``), as preprocessing with that format would have recorded it. Files that do
+    not build are left out; an empty list means nothing could be fingerprinted."""
+    from .tokenizers import build_tokenizer
+
+    recorded = read_sidecar(os.path.join(path, MODEL_DIR_SIDECAR))
+    if recorded is not None:
+        return [recorded]
+    files = {n: os.path.join(path, n) for n in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")}
+    have = {n for n, p in files.items() if os.path.isfile(p)}
+    candidates = []
+    if "tokenizer.json" in have:
+        candidates.append(dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=files["tokenizer.json"]))
+    if {"vocab.json", "merges.txt"} <= have:
+        candidates.append(dict(tokenizer_type="GPT2BPETokenizer", vocab_file=files["vocab.json"],
+                               merge_file=files["merges.txt"]))
+    if "tokenizer.model" in have:
+        candidates.append(dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=files["tokenizer.model"]))
+    fps = []
+    for kw in candidates:
+        try:
+            fps.append(fingerprint(build_tokenizer(**kw)))
+        except Exception:  # a file of another flavour (e.g. a tokenizer.model that is not SentencePiece)
+            continue
+    return fps
 
 
 def sidecar_path(ds_prefix: str) -> str:

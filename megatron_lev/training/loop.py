@@ -23,18 +23,18 @@ import contextlib
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from megatron_lev import checkpoint
 from megatron_lev.checkpoint.arguments import format_config, parse_args, resolved_config
-from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, set_seed
+from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
+    set_seed
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.parallel.collectives import all_reduce_
 from megatron_lev.tokenizer import tokenizer_fingerprint
@@ -45,6 +45,8 @@ EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
 EXIT_SAVE_FAILED = 4
 EXIT_INTERRUPTED = 130
+EXIT_RANK_LOST = 5
+EXIT_TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a process that SIGTERM ended
 
 
 class NanDetected(RuntimeError):
@@ -60,6 +62,8 @@ class _State:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     last_saved: Optional[int] = None
+    saving: Optional[int] = None
+    """The iteration whose checkpoint is being written (None between saves)."""
 
     def counters(self) -> Dict[str, int]:
         return {"skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations}
@@ -98,6 +102,61 @@ class SignalHandler:
 
     def release(self) -> None:
         signal.signal(self.sig, self._prev)
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived without --exit-signal-handler (a SystemExit: code 143 should it ever go uncaught)."""
+
+
+class _StopOnSigterm:
+    """SIGTERM without --exit-signal-handler stops the run where it stands, in one line.
+
+    Megatron-LM dies silently there; torchrun sends SIGTERM to the surviving ranks when one dies, Slurm to
+    all at the end of a job. Between saves the handler raises :class:`Terminated` in the main thread. During
+    a save it is held: a save that completes is kept and the run stops right after it; a save that is
+    still running ``grace_s`` later is cut short (both launchers kill 30 s after their SIGTERM), leaving
+    that checkpoint incomplete while the tracker, written last, still names the previous one. Holding also
+    keeps the raise out of the fork hooks of dist_checkpointing's writers, which would drop it."""
+
+    def __init__(self, state: _State, grace_s: float = 15.0) -> None:
+        self.state = state
+        self.grace_s = grace_s
+        self.received = False
+        self.deadline: Optional[float] = None
+        self._timer: Optional[threading.Timer] = None
+        self.stopping = False
+        """The run is already stopping on another failure, whose line a SIGTERM must not cut off."""
+        self._prev = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        if self.stopping:
+            return
+        if self.state.saving is None or (self.deadline is not None and time.monotonic() >= self.deadline):
+            self._stop()
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace_s
+            # Sent again at the deadline, to the main thread: a real signal interrupts a blocking wait there.
+            self._timer = threading.Timer(self.grace_s, signal.pthread_kill,
+                                          args=(threading.main_thread().ident, signal.SIGTERM))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _stop(self) -> None:
+        self.stopping = True  # later signals (the deadline's, a second SIGTERM) leave the stop alone
+        if self._timer is not None:
+            self._timer.cancel()
+        raise Terminated(EXIT_TERMINATED)
+
+    def check(self) -> None:
+        """Raise a SIGTERM that was held, or raised and dropped by a library, once the save is over."""
+        if self.received:
+            self._stop()
+
+    def release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        signal.signal(signal.SIGTERM, self._prev)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,18 +438,15 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
             vpp=args.virtual_pipeline_model_parallel_size, backend=args.distributed_backend,
             timeout_minutes=args.distributed_timeout_minutes)
     except (_StartupError, DistributedConfigError) as e:
-        if rank_env == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e), show=rank_env == 0)
         return EXIT_CONFIG_ERROR
     try:
         return _run(args, tokenizer, config, model_config)
     except _StartupError as e:
-        if torch.distributed.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e), show=rank_is0())
         return EXIT_CONFIG_ERROR
     except checkpoint.CheckpointSaveError as e:
-        if torch.distributed.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e), show=rank_is0())
         torch.distributed.barrier()  # no rank exits (and gets the others killed) before the line is out
         return EXIT_SAVE_FAILED
     finally:
@@ -448,6 +504,7 @@ class _Run:
     flops_iter: float = 0.0
     peak: Optional[float] = None
     handler: Optional[SignalHandler] = None
+    stop_on_sigterm: Optional[_StopOnSigterm] = None
 
 
 def _run(args, tokenizer, config, model_config) -> int:
@@ -458,25 +515,73 @@ def _run(args, tokenizer, config, model_config) -> int:
     try:
         return _train(run, state)
     except KeyboardInterrupt:
-        if rank_is0():
-            print(f"error: {_interrupted(args, state)}", file=sys.stderr, flush=True)
+        report_error(_interrupted(args, state), show=rank_is0())
         return EXIT_INTERRUPTED
+    except Terminated:
+        report_error(_terminated(args, state), show=rank_is0())
+        return EXIT_TERMINATED
+    except Exception as e:
+        lost = _lost_rank(e)
+        if lost is None:
+            raise
+        sigterm = run.stop_on_sigterm
+        if sigterm is not None:
+            sigterm.stopping = True  # torchrun's SIGTERM to the survivors follows
+            if sigterm.received:  # held during a save that the other ranks, stopping too, left unfinished
+                report_error(_terminated(args, state), show=rank_is0())
+                return EXIT_TERMINATED
+        report_error(f"lost another rank ({lost}) at iteration {state.iteration}{_cut_save(args, state)}; "
+                     f"{_last_checkpoint(args)[1]}", show=rank_is0())
+        return EXIT_RANK_LOST
     finally:
-        if run.handler is not None:
-            run.handler.release()
+        for handler in (run.handler, run.stop_on_sigterm):
+            if handler is not None:
+                handler.release()
         run.logger.close()
 
 
-def _interrupted(args, state: _State) -> str:
-    """The line for Ctrl-C: where training stood and the checkpoint a rerun resumes from."""
+def _last_checkpoint(args) -> Tuple[Optional[int], str]:
+    """(iteration, words) of the checkpoint a rerun resumes from, read from the tracker now."""
     root = args.save or args.load
     try:
         last = checkpoint.read_tracker(root) if root and os.path.isdir(root) else None
     except checkpoint.CheckpointError:
         last = None
-    where = (f"the last checkpoint is iteration {last} ({checkpoint.checkpoint_dir(root, last)}; resume with "
-             f"--load {root})") if last is not None else "no checkpoint was saved"
-    return f"interrupted at iteration {state.iteration}; {where}"
+    if last is None:
+        return None, "no checkpoint was saved"
+    return last, (f"the last checkpoint is iteration {last} ({checkpoint.checkpoint_dir(root, last)}; resume with "
+                  f"--load {root})")
+
+
+def _interrupted(args, state: _State) -> str:
+    """The line for Ctrl-C: where training stood and the checkpoint a rerun resumes from."""
+    return f"interrupted at iteration {state.iteration}; {_last_checkpoint(args)[1]}"
+
+
+def _cut_save(args, state: _State) -> str:
+    """Words for the save a stop cut short (never loaded: the tracker, written last, does not name it)."""
+    if state.saving is None or state.saving == _last_checkpoint(args)[0]:
+        return ""
+    return (f", during the save of iteration {state.saving} (incomplete, not loaded: "
+            f"{checkpoint.checkpoint_dir(args.save, state.saving)})")
+
+
+def _terminated(args, state: _State) -> str:
+    """The line for SIGTERM without --exit-signal-handler: where training stood, the save it cut short
+    and the checkpoint a rerun resumes from."""
+    return (f"terminated by SIGTERM at iteration {state.iteration}{_cut_save(args, state)}; "
+            f"{_last_checkpoint(args)[1]}; pass --exit-signal-handler to save a checkpoint before stopping")
+
+
+# How gloo and NCCL report a peer process that went away (killed, crashed) in a collective.
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe",
+              "remote process exited", "socket closed")
+
+
+def _lost_rank(error: BaseException) -> Optional[str]:
+    """The words of a collective's error that say another rank went away, else None."""
+    text = str(error).lower()
+    return next((w for w in _LOST_PEER if w in text), None)
 
 
 def _start(args, config, model_config) -> _Run:
@@ -539,6 +644,8 @@ def _start_data(run: _Run, state: _State, tokenizer) -> None:
                                          seq_length=args.seq_length, data_parallel_size=args.data_parallel_size)
     run.peak = peak_tflops_per_device(args.peak_tflops_per_device)
     run.handler = SignalHandler() if args.exit_signal_handler else None
+    if not args.exit_signal_handler and threading.current_thread() is threading.main_thread():
+        run.stop_on_sigterm = _StopOnSigterm(state)
     run.logger.log(
         f"[after start-up] {time.time() - run.t_start:.1f} s; training from iteration {state.iteration} "
         f"to {args.train_iters} ({args.num_microbatches} micro-batches of {args.micro_batch_size} per "
@@ -554,9 +661,9 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
                f"stays {state.last_saved if state.last_saved is not None else 'none'}); lower --lr or keep the "
                "NaN check on")
         run.logger.log(f"ERROR: {msg}")
-        if rank_is0():
-            print(f"error: {msg}", file=sys.stderr, flush=True)
+        report_error(msg, show=rank_is0())
         return False
+    state.saving = iteration
     with _ctrl_c_held():
         checkpoint.save_checkpoint(
             args.save, iteration, run.model, run.optimizer, run.scheduler,
@@ -565,6 +672,7 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
             optim_fully_reshardable=args.dist_ckpt_optim_fully_reshardable, kill_at=args.debug_kill_during_save,
             stall_at=args.debug_stall_during_save, enospc_at=args.debug_enospc_during_save, log=run.logger.log)
         state.last_saved = iteration
+    state.saving = None
     return True
 
 
@@ -659,8 +767,7 @@ def _train(run: _Run, state: _State) -> int:
                                                        run.train_iter, run.table_modules)
         except NanDetected as e:
             run.logger.log(f"ERROR: {e}; stopping")
-            if rank_is0():
-                print(f"error: {e}", file=sys.stderr, flush=True)
+            report_error(str(e), show=rank_is0())
             if args.nan_action == "save-and-stop" and args.save and state.last_saved != state.iteration:
                 # The failed step was not applied: this is the state after the last good iteration.
                 _save(run, state, state.iteration)
@@ -683,6 +790,8 @@ def _train(run: _Run, state: _State) -> int:
             if not _save(run, state, state.iteration):
                 return EXIT_NAN
         interval.start += time.time() - t_side
+        if run.stop_on_sigterm is not None:
+            run.stop_on_sigterm.check()
         if stop:
             break
     if args.skip_train or state.iteration >= args.train_iters:

@@ -495,3 +495,38 @@ def test_no_evaluation_builds_no_validation_or_test_split(dataset):
     args, tok, _, _ = _setup_configs(argv + ["--eval-iters", "1"])  # the test part of 60 documents is empty
     with pytest.raises(DatasetValidationError, match="the test part of --split 969,30,1 gets 0 of its 60 documents"):
         build_datasets(args, tok)
+
+
+def test_evaluating_a_hugging_face_model_on_another_tokenizer_s_set_is_refused(tmp_path, capsys, dataset, monkeypatch):
+    from tokenizers import Tokenizer, models
+
+    from megatron_lev.evaluation import cli
+    from megatron_lev.tokenizer import build_tokenizer, tokenizer_fingerprint
+    from megatron_lev.tokenizer.fingerprint import MODEL_DIR_SIDECAR, write_sidecar
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "HFScorer", no_model)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2}, unk_token="a")).save(str(hf / "tokenizer.json"))
+    base = ["--hf-model", str(hf), "--valid-data", dataset, "--output-dir", str(tmp_path / "out")]
+    # The model's own tokenizer (no --tokenizer-type) against a set made with NullTokenizer: refused first.
+    code = cli.main(base)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: {dataset}.bin was preprocessed with NullTokenizer (1001 ids"), err
+    assert "this run's tokenizer is HuggingFaceTokenizer (3 ids, tokenizer.json" in err[0], err
+    assert err[0].endswith(f"--allow-tokenizer-mismatch if this is deliberate (the tokenizer of --hf-model {hf})"), err
+    # The fingerprint an export recorded is what counts (its re-saved files hash differently).
+    write_sidecar(str(hf / MODEL_DIR_SIDECAR), tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=1000)))
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        cli.main(base)
+    # Nothing to fingerprint: one warning, not a silent pass.
+    for name in ("tokenizer.json", MODEL_DIR_SIDECAR):
+        os.remove(hf / name)
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        cli.main(base)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"WARNING: --hf-model {hf}: no tokenizer file to fingerprint"), out

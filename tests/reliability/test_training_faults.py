@@ -172,7 +172,8 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
 
     cases = [(shard, truncate, "truncated ("), (shard, os.remove, "missing"),
              (it2 / ".metadata", os.remove, "missing"), (it2 / ".metadata", truncate, "unreadable ("),
-             (it2 / "common.pt", truncate, "unreadable ("), (it2 / "common.pt", os.remove, "missing")]
+             (it2 / "common.pt", truncate, "unreadable ("), (it2 / "common.pt", os.remove, "missing"),
+             (it2 / "metadata.json", os.remove, "missing"), (it2 / "config.yaml", os.remove, "missing")]
     for path, damage, what in cases:
         damage(path)
         with pytest.raises(CheckpointError) as e:
@@ -187,13 +188,16 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
     open_checkpoint(str(ck))  # restored
 
     # Training: refused at start-up with the flag that loads the older one; that flag resumes from it.
-    truncate(shard)
     args = tiny_args(6, ["--save", str(ck), "--load", str(ck), "--save-interval", "1"])
-    r = run_single(args)
-    errors = _error_lines(r)
-    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert errors[0].startswith(f"error: {shard}: truncated (") and "nothing was loaded" in errors[0], errors
-    assert errors[0].endswith(f"the newest complete older checkpoint is {it1}: resume from it with --ckpt-step 1")
+    for path, damage, what in [(it2 / "metadata.json", os.remove, "missing"), (shard, truncate, "truncated (")]:
+        shutil.rmtree(it2)
+        shutil.copytree(keep, it2)
+        damage(path)
+        r = run_single(args)
+        errors = _error_lines(r)
+        assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert errors[0].startswith(f"error: {path}: {what}") and "nothing was loaded" in errors[0], errors
+        assert errors[0].endswith(f"the newest complete older checkpoint is {it1}: resume from it with --ckpt-step 1")
     r = run_single(args + ["--ckpt-step", "1"])
     assert r.returncode == 0 and "at iteration 1" in r.stdout, r.stderr[-3000:]
     assert (ck / TRACKER).read_text().strip() == "6"
@@ -225,22 +229,28 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_p
     assert not (ck2 / "iter_0000004").exists() and (ck2 / TRACKER).read_text().strip() == "2"
 
 
-def test_ctrl_c_is_one_line_naming_the_iteration_and_the_last_checkpoint(tmp_path):
-    ck, log = tmp_path / "ck", tmp_path / "run.log"
-    # A save every iteration: the interrupt most likely lands inside one (held until the save ends; an
-    # interrupt during dist_checkpointing's fork of its writers used to be dropped, training went on).
+def signal_mid_run(ck, log, sig):
+    """One process saving to ``ck`` every iteration, sent ``sig`` after iteration 5; (exit code, output).
+
+    A save every iteration: the signal most likely lands inside one (held until the save ends; an
+    interrupt during dist_checkpointing's fork of its writers used to be dropped, training went on)."""
     cmd = [sys.executable, PRETRAIN] + tiny_args(100000, ["--save", str(ck), "--save-interval", "1"])
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO),
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for_text(log, " iteration        5/", proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = log.read_text()
+    return code, Path(log).read_text()
+
+
+def test_ctrl_c_is_one_line_naming_the_iteration_and_the_last_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    code, text = signal_mid_run(ck, tmp_path / "run.log", signal.SIGINT)
     errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
     assert code == 130 and len(errors) == 1 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     last = int((ck / TRACKER).read_text())
