@@ -22,6 +22,7 @@ A leftover incomplete ``iter_*`` directory is removed before the same iteration 
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import shutil
@@ -216,6 +217,27 @@ def _install_write_queue() -> None:
     manager.start(initializer=rank_helper_init)
     _WRITE_MANAGER = manager
     fa._results_queue = manager.Queue()
+    # Registered after multiprocessing's own exit hook, so it runs first (atexit is last in, first out).
+    atexit.register(_stop_write_queue, manager)
+
+
+def _stop_write_queue(manager, wait_s: float = 30.0) -> None:
+    """Stop the result-queue server at exit, whatever the load.
+
+    multiprocessing's exit hook asks a manager to shut down, waits 1 s, sends SIGTERM (which this server
+    ignores) and then joins every child without a limit: on a loaded machine, a server slower than 1 s
+    to stop kept the rank from ever exiting. Here it gets ``wait_s`` seconds, then SIGKILL."""
+    process = getattr(manager, "_process", None)
+    if process is None or not process.is_alive():
+        return
+    try:
+        manager.shutdown()
+    except Exception:  # the server is already going away: the join below decides
+        pass
+    process.join(timeout=wait_s)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=5.0)
 
 
 def _stall_writers() -> None:

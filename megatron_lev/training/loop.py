@@ -664,7 +664,7 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
         report_error(msg, show=rank_is0())
         return False
     state.saving = iteration
-    with _ctrl_c_held():
+    with _ctrl_c_held(), _params_gathered(run):
         checkpoint.save_checkpoint(
             args.save, iteration, run.model, run.optimizer, run.scheduler,
             consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
@@ -674,6 +674,26 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
         state.last_saved = iteration
     state.saving = None
     return True
+
+
+@contextlib.contextmanager
+def _params_gathered(run: _Run):
+    """The parameters as the last optimizer step left them, for a save.
+
+    With the distributed optimizer and ``--overlap-param-gather``, the all-gather of the step's updated
+    shards waits for the next forward's pre-hooks: a checkpoint written before it holds the other ranks'
+    shards of the previous iteration, and a run resumed from it diverges. As Megatron-LM does around its
+    saves, the hooks are taken off with a synchronous gather and put back after."""
+    hooked = run.args.use_distributed_optimizer and run.args.overlap_param_gather
+    if hooked:
+        for chunk in run.model:
+            chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        if hooked:
+            for chunk in run.model:
+                chunk.enable_forward_pre_hook()
 
 
 @contextlib.contextmanager

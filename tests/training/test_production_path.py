@@ -4,8 +4,9 @@ One 4-rank torchrun job (TP=2 x DP=2, gloo) runs, in one process group:
 - each shipped ``examples/pile/configs/*.yaml`` as a user runs it (bf16, LEV unique mode, distributed
   optimizer, overlapped grad reduce), with only the sizes scaled down (layers, widths, vocabulary,
   batch, iterations), and the same run with ``--no-overlap-grad-reduce``: losses and grad norms equal;
-- LEV at TP=2 with the distributed optimizer in unique and table mode: an uninterrupted run and a run
-  stopped after iteration 2 and resumed give bit-identical losses and grad norms;
+- LEV at TP=2 with the distributed optimizer in unique and table mode, and with overlapped param
+  gather: an uninterrupted run and a run stopped after iteration 2 and resumed give bit-identical
+  losses and grad norms;
 - LEV in table mode at PP=2 with two virtual stages per rank (the interleaved schedule, which starts
   each chunk's grad sync before finalize) x DP=2, distributed optimizer: overlapped grad reduce on and
   off give identical losses and grad norms, in fp32 and in bf16.
@@ -64,8 +65,11 @@ def runs(tmp_path_factory):
             if overlap == "off":
                 argv.append("--no-overlap-grad-reduce")
             plan.append({"name": name, "argv": argv})
-    for mode in ("unique", "table"):
-        extra = ["--lev-compute-mode", mode] + (["--overlap-grad-reduce"] if mode == "table" else [])
+    for mode in ("unique", "table", "param-gather"):
+        extra = {"unique": ["--lev-compute-mode", "unique"],
+                 "table": ["--lev-compute-mode", "table", "--overlap-grad-reduce"],
+                 # the last update's all-gather is still pending when the save starts
+                 "param-gather": ["--overlap-grad-reduce", "--overlap-param-gather"]}[mode]
         ck = str(tmp / f"resume-{mode}")
         plan.append({"name": f"{mode}-full", "argv": LEV_TINY + extra + [
             "--metrics-file", str(tmp / f"{mode}-full.jsonl")]})
@@ -100,7 +104,7 @@ def test_shipped_pile_config_trains_with_overlap_like_without(runs, config):
         assert setting in cfg.splitlines(), setting
 
 
-@pytest.mark.parametrize("mode", ["unique", "table"])
+@pytest.mark.parametrize("mode", ["unique", "table", "param-gather"])
 def test_lev_resume_is_bit_exact_at_tp2_with_distributed_optimizer(runs, mode):
     tmp = runs
     full = _metrics(tmp / f"{mode}-full.jsonl")
