@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_lev import checkpoint
-from megatron_lev.checkpoint.arguments import format_config, parse_args, resolved_config
+from megatron_lev.arguments import format_config, parse_args, resolved_config
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, set_seed
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.parallel.collectives import all_reduce_

@@ -177,7 +177,7 @@ def test_training_preprocessing_evaluation_and_export_build_the_same_tokenizer(t
     from megatron_lev.data import PreprocessConfig
     from megatron_lev.evaluation.cli import _tokenizer_for_checkpoint
     from megatron_lev.evaluation.cli import build_parser as eval_parser
-    from megatron_lev.checkpoint.arguments import build_parser as train_parser
+    from megatron_lev.arguments import build_parser as train_parser
     from megatron_lev.training.data import build_tokenizer_from_args
     from tests.conftest import tokenizer_flags
 
@@ -206,7 +206,7 @@ def _tokenizer_actions(parser: argparse.ArgumentParser):
 
 
 def test_every_tool_takes_its_tokenizer_flags_from_tokenizer_spec():
-    from megatron_lev.checkpoint.arguments import build_parser
+    from megatron_lev.arguments import build_parser
     from megatron_lev.evaluation.cli import build_parser as eval_parser
 
     sys.path.insert(0, str(REPO_ROOT / "tools"))
