@@ -34,7 +34,9 @@ def build_datasets(args, tokenizer):
     from megatron_lev.data.datasets import build_train_valid_test_datasets
 
     gbs = args.global_batch_size
-    num_samples = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]  # 0: not built
+    # As Megatron-LM: --train-samples when given (a ramped-up run takes fewer than train_iters x gbs).
+    train = args.train_samples if args.train_samples is not None else args.train_iters * gbs
+    num_samples = [train, args.eval_iters * gbs, args.eval_iters * gbs]  # 0: not built
     join = lambda v: " ".join(v) if v else None  # noqa: E731
     return build_train_valid_test_datasets(
         tokenizer, args.seq_length, num_samples,
