@@ -10,6 +10,7 @@ One module per flag group, in ``--help`` order:
 - ``data``: datasets, loader, tokenizer (``TokenizerSpec.add_flags``).
 - ``checkpointing``: save/load/resume.
 - ``run``: seed, exit conditions, NaN handling, logging and evaluation.
+- ``megatron_lm``: the Megatron-LM flags refused here (one line naming the feature) and the no-ops.
 
 ``validate`` checks the combination and derives what Megatron-LM derives; ``config_file`` reads
 ``--config FILE.yaml`` and writes the resolved config (``config.yaml`` beside every checkpoint).
@@ -34,6 +35,7 @@ from .checkpointing import add_checkpointing_flags
 from .config_file import config_to_yaml, format_config, load_yaml_config, resolved_config
 from .data import add_data_flags
 from .lev import add_lev_flags
+from .megatron_lm import add_megatron_lm_flags, refusal
 from .model import add_model_flags
 from .parallel import add_parallel_flags
 from .precision import add_precision_flags
@@ -46,7 +48,7 @@ __all__ = ["ConfigError", "build_parser", "config_to_yaml", "format_config", "lo
 
 # The flag groups, in --help order.
 _GROUPS = (add_model_flags, add_lev_flags, add_parallel_flags, add_precision_flags, add_schedule_flags,
-           add_data_flags, add_checkpointing_flags, add_run_flags)
+           add_data_flags, add_checkpointing_flags, add_run_flags, add_megatron_lm_flags)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +56,14 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise ConfigError(message)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse, but a Megatron-LM flag of a feature not implemented here is refused by name."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            reason = next((refusal(a) for a in extra if a.startswith("--") and refusal(a)), None)
+            self.error(reason or f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,8 @@ from typing import Any, Dict
 
 from megatron_lev.lev.config import ConfigError
 
+from .megatron_lm import refusal
+
 # Arguments that describe the run rather than the model/optimisation: not compared on resume.
 _DERIVED = ("data_parallel_size", "world_size", "num_microbatches", "padded_vocab_size", "params_dtype_name",
             "tokenizer_fingerprint")
@@ -70,7 +72,8 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         if key in _DERIVED:
             continue
         if key not in actions:
-            raise ConfigError(f"--config {path}: unknown argument {key!r} (flag --{key.replace('_', '-')})")
+            reason = refusal(key) or f"unknown argument {key!r} (flag --{key.replace('_', '-')})"
+            raise ConfigError(f"--config {path}: {reason}")
         action = actions[key]
         flag = action.option_strings[0]
         try:

@@ -20,6 +20,8 @@ def add_data_flags(p) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read the .bin files with file reads instead of memory-mapping them")
     TokenizerSpec.add_flags(g)  # --vocab-size also sizes --mock-data
     g.add_argument(ALLOW_TOKENIZER_MISMATCH_FLAG, action="store_true",
                    help="train on datasets, or resume a checkpoint, made with another tokenizer (warns instead "

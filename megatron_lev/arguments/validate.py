@@ -11,6 +11,10 @@ from typing import List
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models.config import check_parallel_settings
 
+from .model import check_model_flags
+from .parallel import check_parallel_flags
+from .precision import check_precision_flags
+
 
 def _require(args, name: str) -> None:
     if getattr(args, name) is None:
@@ -240,10 +244,13 @@ def _check_checkpointing(args) -> None:
 _CHECKS = (
     _check_required_and_ranges,
     _check_parallel_sizes,
+    check_parallel_flags,
     _check_batch_sizes,
     _check_model_shape,
+    check_model_flags,
     _check_input_arm,
     _check_precision,
+    check_precision_flags,
     _check_lr_schedule,
     _check_data,
     _check_checkpointing,
