@@ -16,6 +16,8 @@ from typing import Optional
 NO_OPS = {
     "--use-mcore-models": "megatron-core models are the only models here (deprecated in Megatron-LM too)",
     "--log-throughput": "throughput and TFLOP/s are always logged",
+    "--group-query-attention": "implied by --num-query-groups here (Megatron-LM ignores --num-query-groups "
+                               "without it)",
     "--no-create-attention-mask-in-dataloader": "the loader never builds a dense attention mask here (attention "
                                                 "is causal in the kernel): already the behaviour",
 }

@@ -194,7 +194,8 @@ def _check_data(args) -> None:
     split_paths = any(getattr(args, n) for n in ("train_data_path", "valid_data_path", "test_data_path"))
     if args.mock_data:
         if args.data_path or split_paths:
-            raise ConfigError("--mock-data cannot be combined with --data-path/--train-data-path")
+            raise ConfigError("--mock-data cannot be combined with --data-path/--train-data-path/--valid-data-path/"
+                              "--test-data-path")
         if args.tokenizer_type is None:
             if args.vocab_size is None:
                 raise ConfigError("--mock-data needs --vocab-size N (or a --tokenizer-type)")
