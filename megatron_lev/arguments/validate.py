@@ -14,6 +14,8 @@ from megatron_lev.models.config import check_parallel_settings
 from .model import check_model_flags
 from .parallel import check_parallel_flags
 from .precision import check_precision_flags
+from .run import check_run
+from .schedule import check_batch_sizes, check_loss, check_lr_schedule, check_training_length
 
 
 def _require(args, name: str) -> None:
@@ -31,8 +33,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
 
 def _check_required_and_ranges(args) -> None:
     """Required flags, and the ranges of single values."""
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "lr"):
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr"):
         _require(args, name)
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "log_interval", "eval_interval",
@@ -40,7 +41,7 @@ def _check_required_and_ranges(args) -> None:
     for name in positive:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
-    for name in ("train_iters", "eval_iters", "lr_warmup_iters", "num_workers"):
+    for name in ("eval_iters", "num_workers"):
         if getattr(args, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
     if args.lr < 0 or args.min_lr < 0:
@@ -100,26 +101,6 @@ def _check_parallel_sizes(args) -> None:
         args.virtual_pipeline_model_parallel_size = None
 
 
-def _check_batch_sizes(args) -> None:
-    """Batch sizes."""
-    dp = args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size < 1 or args.global_batch_size % (args.micro_batch_size * dp) != 0:
-        raise ConfigError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {dp}"
-        )
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-    pp = args.pipeline_model_parallel_size
-    if args.virtual_pipeline_model_parallel_size is not None and args.num_microbatches % pp != 0:
-        raise ConfigError(
-            f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches} = "
-            f"--global-batch-size / (--micro-batch-size x data-parallel size)) divisible by "
-            f"--pipeline-model-parallel-size {pp}"
-        )
-
-
 def _check_model_shape(args) -> None:
     """Model shape."""
     if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
@@ -163,30 +144,6 @@ def _check_precision(args) -> None:
         args.accumulate_allreduce_grads_in_fp32 = True if args.bf16 else args.accumulate_allreduce_grads_in_fp32
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
-
-
-def _check_lr_schedule(args) -> None:
-    """Learning-rate schedule."""
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = max(1, args.train_iters)
-    if args.lr_decay_iters < 1:
-        raise ConfigError(f"--lr-decay-iters must be >= 1 (got {args.lr_decay_iters})")
-    if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise ConfigError("give only one of --lr-warmup-fraction and --lr-warmup-iters")
-        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
-            raise ConfigError(f"--lr-warmup-fraction must be in [0, 1] (got {args.lr_warmup_fraction})")
-    elif args.lr_warmup_iters > 0 and args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ConfigError(
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters {args.lr_decay_iters} "
-            "(default: --train-iters)"
-        )
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
-        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters")
-    if args.start_weight_decay is None:
-        args.start_weight_decay = args.weight_decay
-    if args.end_weight_decay is None:
-        args.end_weight_decay = args.weight_decay
 
 
 def _check_data(args) -> None:
@@ -246,15 +203,18 @@ _CHECKS = (
     _check_required_and_ranges,
     _check_parallel_sizes,
     check_parallel_flags,
-    _check_batch_sizes,
+    check_batch_sizes,
     _check_model_shape,
     check_model_flags,
     _check_input_arm,
     _check_precision,
     check_precision_flags,
-    _check_lr_schedule,
+    check_training_length,
+    check_lr_schedule,
+    check_loss,
     _check_data,
     _check_checkpointing,
+    check_run,
 )
 
 

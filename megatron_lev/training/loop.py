@@ -782,7 +782,8 @@ class _Profiler:
                 schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
                                                  active=end - start, repeat=1),
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(args.tensorboard_dir),
-                record_shapes=True, with_stack=True)
+                # No Python stacks: on the CPU path they make a two-step trace a gigabyte.
+                record_shapes=True, with_stack=False)
             self.prof.start()
 
     def before_step(self, iteration: int) -> None:
