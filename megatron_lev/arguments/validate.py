@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import List
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models.config import check_parallel_settings
+from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS
 
 from .model import check_model_flags
 from .parallel import check_parallel_flags
@@ -168,13 +170,15 @@ def _check_data(args) -> None:
             raise ConfigError("--tokenizer-type is required with --data-path")
     _validate_tokenizer_files(args)
     if args.split is not None:
-        parts = str(args.split).replace("/", ",").split(",")
+        # The numbers megatron-core's parse_and_normalize_split reads (it takes every run of digits and dots,
+        # so "'99,1,0'" with the quotes a shell script left in is 99,1,0 there too).
         try:
-            weights = [float(x) for x in parts]
+            weights = [float(x) for x in re.findall(r"[.0-9]+", str(args.split))]
         except ValueError:
             raise ConfigError(f"--split {args.split!r}: expected comma-separated weights like 969,30,1") from None
-        if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ConfigError(f"--split {args.split!r}: expected up to 3 non-negative weights with a positive sum")
+        if not weights or len(weights) > 3 or sum(weights) <= 0:
+            raise ConfigError(f"--split {args.split!r}: expected up to 3 non-negative weights with a positive sum, "
+                              "like 969,30,1")
 
 
 def _check_checkpointing(args) -> None:
@@ -236,7 +240,12 @@ def _validate_tokenizer_files(args) -> None:
             raise ConfigError(f"{flag} {path}: no such file")
     if args.vocab_size is not None and args.vocab_size < 2:
         raise ConfigError(f"--vocab-size must be >= 2 (got {args.vocab_size})")
-    if args.vocab_size is not None and t != "NullTokenizer":
-        raise ConfigError(f"--vocab-size {args.vocab_size} applies to NullTokenizer only; {t} takes its vocabulary "
-                          "from its files: drop --vocab-size")
+    megatron_tiktoken = t == "TikTokenizer" and args.tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS
+    if args.vocab_size is not None and t != "NullTokenizer" and not megatron_tiktoken:
+        raise ConfigError(f"--vocab-size {args.vocab_size} applies to NullTokenizer (and TikTokenizer with "
+                          f"--tiktoken-pattern v1/v2) only; {t} takes its vocabulary from its files: drop --vocab-size")
+    if (t == "TikTokenizer" and not megatron_tiktoken
+            and args.tiktoken_num_special_tokens != MEGATRON_NUM_SPECIAL_TOKENS):
+        raise ConfigError(f"--tiktoken-num-special-tokens applies to --tiktoken-pattern v1/v2 (Megatron-LM's id "
+                          f"layout); with --tiktoken-pattern {args.tiktoken_pattern} the special tokens follow the file")
 

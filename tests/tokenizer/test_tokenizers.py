@@ -164,7 +164,7 @@ def test_tokenizer_spec_takes_each_setting_from_the_first_source_that_gives_it()
     assert spec == TokenizerSpec(tokenizer_type="TikTokenizer", tokenizer_model="flag.tiktoken",
                                  vocab_file="saved.json", tiktoken_pattern="gpt2")
     assert spec.kwargs() == dict(vocab_file="saved.json", merge_file=None, tokenizer_model="flag.tiktoken",
-                                 vocab_size=None, tiktoken_pattern="gpt2")
+                                 vocab_size=None, tiktoken_pattern="gpt2", tiktoken_num_special_tokens=1000)
     # a setting no source gives keeps its default; no tokenizer type at all is no spec
     assert TokenizerSpec.from_args({"tokenizer_type": "NullTokenizer", "tiktoken_pattern": None}).tiktoken_pattern == "o200k"
     assert TokenizerSpec.from_args(flags, {}) is None
