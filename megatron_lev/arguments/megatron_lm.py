@@ -40,8 +40,6 @@ REFUSED = {
     "--expert-model-parallel-size": _MOE,
     "--expert-tensor-parallel-size": _MOE,
     "--no-position-embedding": "deprecated in Megatron-LM; use --position-embedding-type none",
-    "--use-precision-aware-optimizer": "megatron-core's precision-aware optimizer (Transformer Engine's FusedAdam) "
-                                      "is not wired into this fork's optimizer; drop the flag",
     "--use-flash-attn": "deprecated in Megatron-LM; use --attention-backend flash",
     "--checkpoint-activations": "deprecated in Megatron-LM; use --recompute-activations or --recompute-granularity",
     "--spec": "layer specs are chosen by --transformer-impl (transformer_engine or local)",

@@ -159,6 +159,9 @@ def check_batch_sizes(args) -> None:
         args.global_batch_size = max(bs for _, bs in calc.schedule)
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
+    if steps is not None and args.global_batch_size % (mbs * dp) != 0:
+        raise ConfigError(f"--step-batch-size-schedule {steps!r}: its largest batch {args.global_batch_size} is not "
+                          f"divisible by --micro-batch-size {mbs} x data-parallel size {dp}")
     if args.global_batch_size < 1 or args.global_batch_size % (mbs * dp) != 0:
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "

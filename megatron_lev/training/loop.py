@@ -145,20 +145,33 @@ def _wrap_model(args, config, chunks):
     ]
 
 
-def _build_optimizer(args, config, model):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def optimizer_config(args, params_dtype: torch.dtype):
+    """megatron-core's OptimizerConfig of the run, as Megatron-LM fills it from its arguments (the
+    precision-aware optimizer's state dtypes by their Megatron-LM names, fp8 as uint8)."""
+    from megatron.core.optimizer import OptimizerConfig
 
-    opt_config = OptimizerConfig(
+    from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
+
+    dtypes = {f: getattr(torch, OPTIMIZER_DTYPES[getattr(args, f)]) for f in OPTIMIZER_DTYPE_FIELDS}
+    return OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=config.params_dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        params_dtype=params_dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer, **dtypes,
     )
+
+
+def _build_optimizer(args, config, model):
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from megatron_lev.parallel.weight_decay import weight_decay_overrides
+
+    opt_config = optimizer_config(args, config.params_dtype)
 
     # Megatron's rule (no decay on 1-D params and biases) plus LEV's: decay Delta, A, W and the
     # codebooks; never its LayerNorm parameters, biases or the offset. With --decoupled-lr, megatron's
@@ -190,25 +203,6 @@ def _scheduler_steps(args) -> Dict[str, Any]:
               else args.lr_warmup_samples)
     return dict(lr_decay_steps=decay, lr_warmup_steps=warmup, wd_incr_steps=args.train_samples,
                 wsd_decay_steps=args.lr_wsd_decay_samples)
-
-
-def mark_input_embedding_parameters(chunks) -> None:
-    """Mark the input arm's parameters as megatron marks its word embedding
-    (``is_embedding_or_output_parameter``, which --decoupled-lr selects).
-
-    megatron's tied and untied arms mark their own word embedding (not the learned positions) and the
-    output layer. For the other arms the input embedding is the whole input module that stands in for
-    the V x D table (``InputArmEmbedding.arm``): with LEV its codebooks, spline heads and projections;
-    with albert/flat_mlp/factored_mlp their table and projection. The learned position embedding is
-    left out, as megatron leaves its own out."""
-    from megatron_lev.models.gpt import MEGATRON_ARMS
-
-    for chunk in chunks:
-        embedding = getattr(chunk, "embedding", None)
-        if chunk.input_embedding in MEGATRON_ARMS or not getattr(chunk, "pre_process", False) or embedding is None:
-            continue
-        for p in embedding.arm.parameters():
-            p.is_embedding_or_output_parameter = True
 
 
 def _grad_sync_with_tables(chunk, tables):
@@ -567,7 +561,6 @@ def _start(args, config, model_config) -> _Run:
     # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
     model_config.weights_from_checkpoint = _will_load_checkpoint(args)
     chunks = checkpoint.build_model_chunks(config, model_config)
-    mark_input_embedding_parameters(chunks)
     logger.log(format_parameter_breakdown(parameter_breakdown(model_config, config)))
     logger.log(f" > number of parameters on (tensor, pipeline) model parallel rank "
                f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): "

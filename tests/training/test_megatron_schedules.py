@@ -1,8 +1,9 @@
 """Megatron-LM's schedule, loss and run-hygiene flags through ``pretrain_lev.py``:
 
 - ``--train-samples N`` trains exactly as ``--train-iters N/B`` (bit for bit), the sample-based LR
-  schedule included; a batch-size ramp-up (megatron-core's calculator) resumes bit-exactly from a
-  checkpoint in the middle of the ramp;
+  schedule included; a growing batch size (megatron-core's calculator: ``--rampup-batch-size`` up to
+  0.17, ``--step-batch-size-schedule`` from 0.18) resumes bit-exactly from a checkpoint in the middle of
+  the schedule;
 - ``--decoupled-lr``/``--decoupled-min-lr`` reach the LEV input arm and the output layer, nothing else;
 - ``--calculate-per-token-loss`` normalises by the global token count: with unequal loss-mask counts per
   micro-batch the step no longer depends on how the batch is split (the default does), and with full
@@ -57,23 +58,39 @@ def test_train_samples_derive_iterations_and_sample_schedule():
     assert _parse(["--train-samples", "87", "--global-batch-size", "8"]).train_iters == 10
 
 
-def test_rampup_iterations_are_megatron_lms():
-    # Ramp 2 -> 8 by 2 over 12 samples (4 samples per increment): batches 2, 2, 4, 6 (the ramp phase
-    # ends past 12 samples, at 14), then whole batches of 8 up to 60 samples.
-    a = _parse(["--train-samples", "60", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12"])
+def _has_calculator(name: str) -> bool:
+    from megatron.core import num_microbatches_calculator as nmc
+
+    return hasattr(nmc, name)
+
+
+# megatron-core 0.16/0.17 ramp up the batch size, 0.18 on step it (the ramp-up calculator is gone): the
+# batch-size schedule tests take the one the installed megatron-core has.
+HAS_RAMPUP = _has_calculator("RampupBatchsizeNumMicroBatchesCalculator")
+
+
+def test_batch_size_schedule_iterations_are_megatron_lms():
+    """Batches 2, 2, 4, 6 (up to 14 samples), then 8: the ramp-up 2 -> 8 by 2 over 12 samples (4 samples
+    per increment; the ramp phase ends past 12 samples), or the step schedule of the same batches."""
     from megatron_lev.arguments.schedule import batch_sizes
 
+    if HAS_RAMPUP:
+        a = _parse(["--train-samples", "60", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12"])
+        # Megatron-LM's update_train_iters: the ramp phase, then whole batches of 8 (a partial one dropped).
+        iterations = 4 + (60 - 14) // 8
+    else:
+        a = _parse(["--train-samples", "60", "--step-batch-size-schedule", "0:2 128:4 256:6 384:8"])  # seq 32
+        # Megatron-LM's update_train_iters: steps while fewer than --train-samples are consumed.
+        iterations = 4 + -(-(60 - 14) // 8)
     got = [bs for _, bs in batch_sizes(a, iterations=a.train_iters)]
     assert got[:4] == [2, 2, 4, 6] and set(got[4:]) == {8}
-    assert a.train_iters == 4 + (60 - 14) // 8 and a.num_microbatches == 4
+    assert a.global_batch_size == 8 and a.train_iters == iterations and a.num_microbatches == 4
 
 
 @pytest.mark.parametrize("extra, flag", [
     (["--train-iters", "5", "--rampup-batch-size", "2", "2", "12"], "--rampup-batch-size needs --train-samples"),
-    (["--train-samples", "64", "--global-batch-size", "8", "--rampup-batch-size", "2", "4", "12"],
-     "must be START plus a positive multiple of INCREMENT"),
-    (["--train-samples", "64", "--global-batch-size", "8", "--rampup-batch-size", "1", "1", "12"],
-     "the batch size 1 of the ramp is not divisible"),
+    (["--train-samples", "64", "--rampup-batch-size", "2", "2", "12", "--step-batch-size-schedule", "0:8"],
+     "give only one of --rampup-batch-size and --step-batch-size-schedule"),
     (["--train-iters", "5", "--lr-warmup-samples", "8"], "--lr-warmup-samples goes with --train-samples"),
     (["--train-samples", "64", "--lr-decay-iters", "3"], "--lr-decay-iters goes with --train-iters"),
     (["--train-samples", "64", "--lr-wsd-decay-iters", "3"], "--lr-wsd-decay-iters goes with --train-iters"),
@@ -90,6 +107,26 @@ def test_rampup_iterations_are_megatron_lms():
     (["--train-iters", "5", "--profile", "--profile-ranks", "4"], "--profile-ranks 4 is not a rank"),
 ])
 def test_refusals_are_one_line_naming_the_flag(extra, flag):
+    with pytest.raises(ConfigError) as e:
+        _parse(extra)
+    assert flag in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--train-samples", "64", "--global-batch-size", "8", "--rampup-batch-size", "2", "4", "12"],
+     "must be START plus a positive multiple of INCREMENT"),
+    (["--train-samples", "64", "--global-batch-size", "8", "--rampup-batch-size", "1", "1", "12"],
+     "the batch size 1 of the ramp is not divisible"),
+] if HAS_RAMPUP else [
+    (["--train-samples", "64", "--global-batch-size", "8", "--step-batch-size-schedule", "0:4 256:8"],
+     "give only one of --step-batch-size-schedule and --global-batch-size"),
+    (["--train-samples", "64", "--step-batch-size-schedule", "64:4 256:8"],
+     "--step-batch-size-schedule '64:4 256:8': first schedule entry must have threshold 0"),
+    (["--train-samples", "64", "--step-batch-size-schedule", "0:4 256:x"], "--step-batch-size-schedule '0:4 256:x'"),
+    (["--train-samples", "64", "--step-batch-size-schedule", "0:4 256:5"],
+     "--step-batch-size-schedule '0:4 256:5': its largest batch 5 is not divisible by --micro-batch-size 2"),
+])
+def test_batch_size_schedule_refusals_are_one_line(extra, flag):
     with pytest.raises(ConfigError) as e:
         _parse(extra)
     assert flag in str(e.value) and "\n" not in str(e.value)
@@ -126,7 +163,6 @@ def decoupled_lr_groups(argv):
 
     args, _tok, config, model_config = loop._setup_configs(argv)
     chunks = checkpoint.build_model_chunks(config, model_config)
-    loop.mark_input_embedding_parameters(chunks)
     names = {id(p): n for c in chunks for n, p in c.named_parameters()}
     model = loop._wrap_model(args, config, chunks)
     optimizer, scheduler = loop._build_optimizer(args, config, model)
@@ -162,8 +198,11 @@ def runs(tokenizer_files, tmp_path_factory):
     m = lambda name: ["--metrics-file", str(root / f"{name}.jsonl")]  # noqa: E731
     iters = LEV + MOCK + ["--micro-batch-size", "2", "--global-batch-size", "8", "--lr-decay-style", "WSD",
                           "--lr-wsd-decay-style", "linear"]
-    ramp = LEV + MOCK + ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "64",
-                         "--rampup-batch-size", "4", "2", "16", "--save-interval", "3"]
+    # Batches 4, 4, 6, 6, then 8 (from sample 20): the ramp-up 4 -> 8 by 2 over 16 samples, or the step
+    # schedule of the same batches (thresholds in tokens, seq 32) where megatron-core has no ramp-up.
+    ramp = LEV + MOCK + ["--micro-batch-size", "1", "--train-samples", "60", "--save-interval", "3"] + (
+        ["--global-batch-size", "8", "--rampup-batch-size", "4", "2", "16"] if HAS_RAMPUP
+        else ["--step-batch-size-schedule", "0:4 256:6 512:8"])
     tok = LEV + real + ["--global-batch-size", "8", "--train-iters", "3", "--lr-warmup-iters", "1"]
     plan = [
         {"name": "iters", "argv": iters + ["--train-iters", "6", "--lr-warmup-iters", "2", "--lr-wsd-decay-iters", "3"]
@@ -211,7 +250,7 @@ def test_train_samples_is_train_iters_bit_for_bit(runs):
     assert len({a[i]["lr"] for i in a}) > 3  # warmup, stable and decay phases all taken
 
 
-def test_rampup_follows_the_calculator_and_resumes_bit_exactly(runs):
+def test_batch_size_schedule_follows_the_calculator_and_resumes_bit_exactly(runs):
     _ok(runs["runs"], "ramp", "ramp-resumed")
     a = _metrics(runs["root"] / "ramp.jsonl")
     assert [a[i]["global_batch_size"] for i in sorted(a)] == [4, 4, 6, 6, 8, 8, 8, 8, 8]
