@@ -10,13 +10,15 @@ Changing batch sizes come from megatron-core's micro-batch calculator
 (``megatron.core.num_microbatches_calculator``): ``--rampup-batch-size`` (megatron-core 0.16/0.17's
 ``RampupBatchsizeNumMicroBatchesCalculator``; 0.18 removed it and ignores the argument) and
 ``--step-batch-size-schedule`` (``StepBatchsizeNumMicroBatchesCalculator``, megatron-core >= 0.18). Each
-is refused in one line where the installed megatron-core lacks its calculator.
+is refused in one line where the installed megatron-core lacks its calculator
+(``compat.versions.batch_size_calculator``).
 """
 
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+from megatron_lev.compat.versions import batch_size_calculator
 from megatron_lev.lev.config import ConfigError
 
 
@@ -94,13 +96,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _calculator_class(name: str):
-    """megatron-core's micro-batch calculator ``name``, or None where the installed release lacks it."""
-    from megatron.core import num_microbatches_calculator as nmc
-
-    return getattr(nmc, name, None)
-
-
 def batch_calculator(args, rank: int = -1):
     """A micro-batch calculator of megatron-core for these arguments (constant, ramp-up or step
     schedule); ``rank`` 0 logs its schedule, as Megatron-LM's does."""
@@ -108,12 +103,12 @@ def batch_calculator(args, rank: int = -1):
 
     dp = args.data_parallel_size
     if args.step_batch_size_schedule is not None:
-        return nmc.StepBatchsizeNumMicroBatchesCalculator(
+        return batch_size_calculator("step")(
             micro_batch_size=args.micro_batch_size, data_parallel_size=dp, decrease_batch_size_if_needed=False,
             rank=rank, schedule=args.step_batch_size_schedule, seq_length=args.seq_length)
     if args.rampup_batch_size is not None:
         start, incr, samples = args.rampup_batch_size
-        return nmc.RampupBatchsizeNumMicroBatchesCalculator(
+        return batch_size_calculator("rampup")(
             global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
             data_parallel_size=dp, decrease_batch_size_if_needed=False, rank=rank,
             start_global_batch_size=start, batch_size_increment=incr, ramup_samples=samples)
@@ -146,7 +141,7 @@ def check_batch_sizes(args) -> None:
         raise ConfigError("--rampup-batch-size needs --train-samples (a ramp is counted in samples), not "
                           "--train-iters")
     if steps is not None:
-        if _calculator_class("StepBatchsizeNumMicroBatchesCalculator") is None:
+        if batch_size_calculator("step") is None:
             raise ConfigError("--step-batch-size-schedule needs megatron-core >= 0.18 (the installed one has no "
                               "step-schedule calculator); use --rampup-batch-size START INCREMENT SAMPLES")
         if args.global_batch_size is not None:
@@ -168,7 +163,7 @@ def check_batch_sizes(args) -> None:
             f"{mbs} x data-parallel size {dp}"
         )
     if ramp is not None:
-        if _calculator_class("RampupBatchsizeNumMicroBatchesCalculator") is None:
+        if batch_size_calculator("rampup") is None:
             raise ConfigError("--rampup-batch-size: the installed megatron-core (>= 0.18) has no ramp-up calculator "
                               "(Megatron-LM ignores the flag there); use --step-batch-size-schedule")
         start, incr, samples = ramp

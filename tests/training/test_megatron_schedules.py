@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lev.arguments import parse_args
+from megatron_lev.compat.versions import batch_size_calculator
 from megatron_lev.lev.config import ConfigError
 from tests.training._multi_run import launch_plan
 
@@ -58,15 +59,9 @@ def test_train_samples_derive_iterations_and_sample_schedule():
     assert _parse(["--train-samples", "87", "--global-batch-size", "8"]).train_iters == 10
 
 
-def _has_calculator(name: str) -> bool:
-    from megatron.core import num_microbatches_calculator as nmc
-
-    return hasattr(nmc, name)
-
-
 # megatron-core 0.16/0.17 ramp up the batch size, 0.18 on step it (the ramp-up calculator is gone): the
 # batch-size schedule tests take the one the installed megatron-core has.
-HAS_RAMPUP = _has_calculator("RampupBatchsizeNumMicroBatchesCalculator")
+HAS_RAMPUP = batch_size_calculator("rampup") is not None
 
 
 def test_batch_size_schedule_iterations_are_megatron_lms():
@@ -137,6 +132,8 @@ def test_step_batch_size_schedule_follows_the_installed_calculator():
     one: each flag works where its calculator exists and is refused in one line where it does not."""
     from megatron.core import num_microbatches_calculator as nmc
 
+    assert batch_size_calculator("step") is getattr(nmc, "StepBatchsizeNumMicroBatchesCalculator", None)
+    assert batch_size_calculator("rampup") is getattr(nmc, "RampupBatchsizeNumMicroBatchesCalculator", None)
     steps = ["--train-samples", "64", "--step-batch-size-schedule", "0:4 256:8"]  # tokens (seq 32): 8 samples
     ramp = ["--train-samples", "64", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "12"]
     if hasattr(nmc, "StepBatchsizeNumMicroBatchesCalculator"):
