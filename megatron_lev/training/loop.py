@@ -162,6 +162,8 @@ def optimizer_config(args, params_dtype: torch.dtype):
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         use_precision_aware_optimizer=args.use_precision_aware_optimizer, **dtypes,
+        # The distributed optimizer and the precision-aware one treat FP8 parameters by recipe.
+        fp8_recipe=args.fp8_recipe if args.fp8_format is not None else None,
     )
 
 

@@ -99,6 +99,9 @@ def test_default_optimizer_config_keeps_every_state_in_fp32():
     cfg = optimizer_config(args, torch.bfloat16)
     assert not cfg.use_precision_aware_optimizer and cfg.use_distributed_optimizer and cfg.bf16
     assert {cfg.main_grads_dtype, cfg.main_params_dtype, cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype} == {torch.float32}
+    assert cfg.fp8_recipe is None  # no FP8
+    fp8 = _parse(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
+    assert optimizer_config(fp8, torch.bfloat16).fp8_recipe == "tensorwise"
     assert args.accumulate_allreduce_grads_in_fp32  # bf16: fp32 gradient buffers, as Megatron-LM
 
 
