@@ -10,13 +10,14 @@ Used by the training arguments (``LEVConfig``, ``LevModelConfig``) and the token
 from __future__ import annotations
 
 import ast
+import enum
 import functools
 import inspect
 import textwrap
 import threading
 import typing
 from dataclasses import MISSING, fields
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 # CPython 3.11's AST construction is not safe from several threads at once (parsers built in a thread
 # pool fail with "AST constructor recursion depth mismatch"): read each class's source once, under a lock.
@@ -37,8 +38,13 @@ def _field_docs(cls) -> Dict[str, str]:
 
 
 def field_docs(cls) -> Dict[str, str]:
-    """The field docstrings of dataclass ``cls`` (the string after each field), read from its source."""
-    return dict(_field_docs(cls))
+    """The field docstrings of dataclass ``cls`` and of its dataclass bases (the string after each field),
+    read from their sources."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if "__dataclass_fields__" in vars(klass):
+            docs.update(_field_docs(klass))
+    return docs
 
 
 def add_config_flags(group, cls, flag_of: Callable[[str], str], names: Optional[Iterable[str]] = None,
@@ -59,10 +65,34 @@ def add_config_flags(group, cls, flag_of: Callable[[str], str], names: Optional[
         typ = hints[f.name]
         if typing.get_origin(typ) is typing.Union:  # Optional[X]: unset is None
             (typ,) = [t for t in typing.get_args(typ) if t is not type(None)]
+        choices = f.metadata.get("choices")
+        default = defaults.get(f.name, f.default)
+        if typing.get_origin(typ) is typing.Literal:  # Literal["a", "b"]: a str flag with those choices
+            choices, typ = typing.get_args(typ), str
+        elif isinstance(typ, type) and issubclass(typ, enum.Enum):  # an Enum: its member names
+            choices, typ = tuple(m.name for m in typ), str
+            default = default.name if isinstance(default, enum.Enum) else default
         if typ not in (int, float, str) or (f.default is MISSING and f.name not in defaults):
             raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for a {typ!r} field without a default")
-        default = defaults.get(f.name, f.default)
-        actions[f.name] = group.add_argument(flag_of(f.name), type=typ, default=default,
-                                             choices=f.metadata.get("choices"),
+        actions[f.name] = group.add_argument(flag_of(f.name), type=typ, default=default, choices=choices,
                                              help=docs.get(f.name, "").replace("%", "%%"))
+    return actions
+
+
+def add_switch_flags(group, cls, switches: Iterable[Tuple[str, str, bool]],
+                     defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """On/off flags of the bool fields of dataclass ``cls``: ``(flag, field, value the flag sets)``, the
+    destination being the field's name and the help its docstring. A switch whose field ``cls`` lacks is
+    left out, so the set follows the installed class. ``defaults``: the value without the flag (a field's
+    own default otherwise; None for one resolved later). Returns the argparse actions by field name."""
+    docs = field_docs(cls)
+    have = {f.name: f for f in fields(cls)}
+    defaults = defaults or {}
+    actions = {}
+    for flag, name, value in switches:
+        if name not in have:
+            continue
+        default = defaults.get(name, have[name].default)
+        actions[name] = group.add_argument(flag, dest=name, action="store_true" if value else "store_false",
+                                           default=default, help=docs.get(name, "").replace("%", "%%"))
     return actions

@@ -29,10 +29,13 @@ ALLOWED: Dict[str, Set[str]] = {
     "tokenizer": {"config_flags", "jsonl"},
     "data": {"jsonl", "tokenizer"},
     "_procutil": set(),
-    "checkpoint": {"_procutil", "compat", "config_flags", "distributed", "lev", "models", "parallel", "tokenizer"},
+    "checkpoint": {"_procutil", "compat", "distributed", "lev", "models", "parallel", "tokenizer"},
+    "arguments": {"compat", "config_flags", "lev", "models", "tokenizer"},
     "evaluation": {"checkpoint", "distributed", "jsonl", "lev", "models", "parallel", "tokenizer"},
-    "conversion": {"checkpoint", "distributed", "evaluation", "kernels", "lev", "models", "parallel", "tokenizer"},
-    "training": {"_procutil", "checkpoint", "data", "distributed", "lev", "models", "parallel", "tokenizer"},
+    "conversion": {"arguments", "checkpoint", "distributed", "evaluation", "kernels", "lev", "models", "parallel",
+                   "tokenizer"},
+    "training": {"_procutil", "arguments", "checkpoint", "data", "distributed", "lev", "models", "parallel",
+                 "tokenizer"},
     "testing": {"distributed"},
 }
 

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from megatron_lev.checkpoint import build_configs
-    from megatron_lev.checkpoint.arguments import parse_args
+    from megatron_lev.arguments import parse_args
     from megatron_lev.lev.config import ConfigError, LEVConfig
     from megatron_lev.models import parameter_breakdown
     from megatron_lev.tokenizer import padded_vocab_size

@@ -18,7 +18,8 @@ import torch
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models import LevModelConfig, build_gpt_model, build_transformer_config, lev_modules
-from megatron_lev.models.config import check_cuda_device_max_connections, check_fp8_tokens, settings_for_loading
+from megatron_lev.models.config import TRANSFORMER_FLAG_FIELDS, check_cuda_device_max_connections, check_fp8_tokens, \
+    settings_for_loading
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -85,7 +86,9 @@ def transformer_config_kwargs(a: Mapping[str, Any]) -> Dict[str, Any]:
         "no_overlap_p2p_communication")
     kw.update(overlap_p2p_comm=overlap_p2p, batch_p2p_comm=not overlap_p2p)
     if a.get("fp8_format") is not None:
-        kw.update(fp8=a["fp8_format"], fp8_recipe=a.get("fp8_recipe") or "delayed")
+        kw.update(fp8=a["fp8_format"], fp8_recipe=a.get("fp8_recipe") or "delayed",
+                  fp8_param=bool(a.get("fp8_param_gather")))
+    kw.update(_transformer_flag_kwargs(a))
     kw.update(moe_config_kwargs(a))
     return {k: v for k, v in kw.items() if v is not None}
 
@@ -108,6 +111,25 @@ def moe_config_kwargs(a: Mapping[str, Any]) -> Dict[str, Any]:
     """The TransformerConfig fields of the MoE / MTP arguments that are set (absent or None: megatron's
     defaults; arguments saved before MoE existed have none)."""
     return {field: a[name] for name, field in MOE_ARGS.items() if a.get(name) is not None}
+
+
+def _transformer_flag_kwargs(a: Mapping[str, Any]) -> Dict[str, Any]:
+    """The TransformerConfig fields set by the flags generated from it (arguments.model; None = not set:
+    megatron-core's default, or the machine's for the fusions), with Megatron-LM's bias-fusion switches
+    folded into ``bias_activation_fusion`` for the activation in use."""
+    from dataclasses import fields
+
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    have = {f.name for f in fields(TransformerConfig)}
+    kw = {n: a[n] for n in TRANSFORMER_FLAG_FIELDS if n in have and a.get(n) is not None}
+    if isinstance(kw.get("attention_backend"), str):
+        kw["attention_backend"] = AttnBackend[kw["attention_backend"]]
+    off = a.get("bias_swiglu_fusion") is False if a.get("swiglu") else a.get("bias_gelu_fusion") is False
+    if off:
+        kw["bias_activation_fusion"] = False
+    return kw
 
 
 def build_configs(a: Mapping[str, Any], *, for_loading: bool = False, **overrides: Any) -> Tuple[Any, LevModelConfig]:

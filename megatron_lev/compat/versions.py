@@ -98,3 +98,18 @@ def quiet_repeated_warnings() -> None:
         return
     logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_Once("GPTModel IS DEPRECATED"))
     _QUIETED = True
+
+
+def batch_size_calculator(kind: str):
+    """megatron-core's micro-batch calculator class for a changing global batch size, or None where the
+    installed release lacks it. ``kind``: ``"rampup"`` (``--rampup-batch-size``) or ``"step"``
+    (``--step-batch-size-schedule``).
+
+    Up to 0.17 ``num_microbatches_calculator`` has ``RampupBatchsizeNumMicroBatchesCalculator``; 0.18
+    removed it (``init_num_microbatches_calculator`` only warns that ``rampup_batch_size`` is deprecated and
+    builds a constant calculator) and added ``StepBatchsizeNumMicroBatchesCalculator``, whose schedule is
+    ``"T0:B0 T1:B1 ..."`` in tokens (with ``seq_length``) or samples."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    name = {"rampup": "RampupBatchsizeNumMicroBatchesCalculator", "step": "StepBatchsizeNumMicroBatchesCalculator"}
+    return getattr(nmc, name[kind], None)

@@ -229,7 +229,7 @@ def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Opti
     """The resolved training arguments of the imported model at TP x PP (pretrain_lev.py's parser and
     validation), with ``padded_vocab_size`` set. Training hyperparameters and data are left unset."""
     from megatron_lev.tokenizer import padded_vocab_size
-    from megatron_lev.checkpoint.arguments import parse_args, resolved_config
+    from megatron_lev.arguments import parse_args, resolved_config
     from megatron_lev.lev.config import ConfigError
 
     cfg = model.config

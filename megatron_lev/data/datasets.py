@@ -239,6 +239,7 @@ def build_train_valid_test_datasets(
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
     create_attention_mask: bool = True,
+    mmap_bin_files: bool = True,
     vocab_size: Optional[int] = None,
     validate: bool = True,
     check_token_ids: bool = True,
@@ -293,6 +294,7 @@ def build_train_valid_test_datasets(
         reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
+        mmap_bin_files=mmap_bin_files,
         **config_extra,
     )
     # A split asked for no samples is not built (an empty one would make megatron-core loop forever).

@@ -9,20 +9,26 @@ Masking: ``attention_mask`` follows megatron's convention (boolean, True = maske
 broadcastable to ``[b, heads, sq, sk]``); when it is None and the mask type is causal, SDPA's
 ``is_causal`` is used. Grouped-query attention repeats keys/values per partition like megatron.
 Attention dropout uses megatron's RNG tracker outside sequence parallelism, as megatron does.
+
+``config.attention_backend`` picks SDPA's kernels (``torch.nn.attention.sdpa_kernel``): flash -> flash,
+fused -> memory-efficient and cuDNN, unfused and local -> the math kernel, auto -> torch's choice.
+``config.attention_softmax_in_fp32`` with 16-bit activations runs SDPA on fp32 copies of q, k and v.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
@@ -64,6 +70,7 @@ class SDPAttention(MegatronModule):
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.kernels = _sdpa_kernels(getattr(config, "attention_backend", AttnBackend.auto))
 
     def forward(
         self,
@@ -96,14 +103,24 @@ class SDPAttention(MegatronModule):
         elif mask_type == AttnMaskType.causal:
             is_causal = True
         dropout_p = self.dropout_p if self.training else 0.0
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale
-                )
-        else:
+        dtype = q.dtype
+        if self.config.attention_softmax_in_fp32 and dtype in (torch.float16, torch.bfloat16):
+            q, k, v = q.float(), k.float(), v.float()
+        with contextlib.ExitStack() as stack:
+            if self.kernels is not None:
+                stack.enter_context(sdpa_kernel(self.kernels))
+            if dropout_p > 0.0 and not self.config.sequence_parallel:
+                stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale
-            )
+            ).to(dtype)
         # [b, n, s, d] -> [s, b, n*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
+def _sdpa_kernels(backend) -> Optional[List[SDPBackend]]:
+    """SDPA's kernels for megatron's ``AttnBackend`` (None: torch chooses)."""
+    name = getattr(backend, "name", str(backend))
+    return {"flash": [SDPBackend.FLASH_ATTENTION],
+            "fused": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION],
+            "unfused": [SDPBackend.MATH], "local": [SDPBackend.MATH]}.get(name)

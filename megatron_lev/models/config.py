@@ -29,11 +29,17 @@ from .params import ARMS_MATCHED, match_flat_mlp_hidden, matched_widths
 
 # The input arms, in the order of the paper's tables; the flag's choices and the check use this tuple.
 INPUT_EMBEDDINGS = ("tied", "untied") + ARMS_MATCHED + ("lev",)
-POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")
+POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")
+
+# TransformerConfig fields that pretrain_lev.py's flags generated from TransformerConfig set
+# (arguments.model); checkpoint.build passes each one that is set.
+TRANSFORMER_FLAG_FIELDS = ("layernorm_zero_centered_gamma", "attention_softmax_in_fp32", "masked_softmax_fusion",
+                           "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",
+                           "attention_backend", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
 
 # Transformer Engine versions megatron-core 0.16.1's get_fp8_recipe needs per recipe (it raises otherwise).
 FP8_RECIPE_MIN_TE = {"delayed": "1.0", "mxfp8": "2.1.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0"}
@@ -187,7 +193,7 @@ class LevModelConfig:
     """LEV knobs; also used by factored_mlp (seed) and by the parameter matching (flags --lev-*)."""
 
     position_embedding_type: str = "rope"
-    """"rope" (default) or "learned_absolute" (flag --position-embedding-type)."""
+    """"rope" (default), "learned_absolute" or "none" (no positions; flag --position-embedding-type)."""
 
     rotary_percent: float = 1.0
     """Fraction of each head's channels that are rotated by RoPE (flag --rotary-percent)."""

@@ -151,6 +151,8 @@ class LevGPTModel(GPTModel):
         # Registered first, where megatron registers its embedding: the parameter order fixes megatron
         # DDP's buffer layout, which distributed-optimizer checkpoints are saved in.
         self._modules = {"embedding": self._modules.pop("embedding"), **self._modules}
+        # GPTModel ran this hook before the input module existed: mark it now.
+        self.setup_embeddings_and_output_layer()
 
     @property
     def input_embedding(self) -> str:
@@ -158,8 +160,19 @@ class LevGPTModel(GPTModel):
 
     # -- megatron hooks that assume ``embedding.word_embeddings``
     def setup_embeddings_and_output_layer(self) -> None:
+        """megatron's hook; for the arms of this fork it marks the input arm's parameters as megatron
+        marks its word embedding (``is_embedding_or_output_parameter``, which --decoupled-lr selects).
+
+        megatron's tied and untied arms mark their own word embedding (not the learned positions) and the
+        output layer. For the other arms the input embedding is the whole input module that stands in for
+        the V x D table (``InputArmEmbedding.arm``): with LEV its codebooks, spline heads and projections;
+        with albert/flat_mlp/factored_mlp their table and projection. The learned position embedding is
+        left out, as megatron leaves its own out."""
         if self.model_config.input_embedding in MEGATRON_ARMS:
             return super().setup_embeddings_and_output_layer()
+        if self.pre_process and isinstance(getattr(self, "embedding", None), InputArmEmbedding):
+            for p in self.embedding.arm.parameters():
+                p.is_embedding_or_output_parameter = True
         # Untied head, no shared weight: nothing to allocate, copy or all-reduce across stages.
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Sequence
 
 from megatron_lev.config_flags import add_config_flags
-from megatron_lev.tokenizer.tokenizers import TIKTOKEN_PATTERNS, TOKENIZER_TYPES, LevTokenizer, build_tokenizer
+from megatron_lev.tokenizer.tokenizers import (MEGATRON_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS, TOKENIZER_TYPES,
+                                               LevTokenizer, build_tokenizer)
 
 
 @dataclass(kw_only=True)
@@ -33,10 +34,16 @@ class TokenizerSpec:
     """``tokenizer.json`` (or its folder), SentencePiece ``.model`` or ``.tiktoken`` rank file."""
 
     vocab_size: Optional[int] = None
-    """Ids of the NullTokenizer (its EOD is one more)."""
+    """Ids of the NullTokenizer (its EOD is one more); with a TikTokenizer in Megatron-LM's v1/v2 layout, its
+    ids in all, special tokens included (the file is cut to fit; default: the whole file, at most 2**17)."""
 
     tiktoken_pattern: str = field(default="o200k", metadata={"choices": tuple(sorted(TIKTOKEN_PATTERNS))})
-    """Pre-tokenisation pattern of a TikTokenizer."""
+    """Pre-tokenisation pattern of a TikTokenizer: OpenAI's gpt2/r50k/cl100k/o200k over a .tiktoken file, or
+    Megatron-LM's v1/v2 (its id layout: the special tokens first, <s>=1, </s>=2 the EOD)."""
+
+    tiktoken_num_special_tokens: int = MEGATRON_NUM_SPECIAL_TOKENS
+    """Special-token ids before the vocabulary in Megatron-LM's v1/v2 layout (<unk> <s> </s> <mask> <pad> <cls>
+    <sep>, then <SPECIAL_7>, ...)."""
 
     @staticmethod
     def add_flags(group, *, names: Optional[Sequence[str]] = None, required: bool = False,

@@ -42,7 +42,59 @@ O200K_PATTERN = "|".join(
         r"""\s+""",
     ]
 )
-TIKTOKEN_PATTERNS = {"gpt2": GPT2_PATTERN, "r50k": GPT2_PATTERN, "cl100k": CL100K_PATTERN, "o200k": O200K_PATTERN}
+# Megatron-LM's TikTokenizer patterns (``--tiktoken-pattern v1|v2``), read from megatron-core when used (its
+# module imports torch). With them the ids follow Megatron-LM's layout: see ``megatron_special_tokens``.
+MEGATRON_TIKTOKEN_PATTERNS = ("v1", "v2")
+TIKTOKEN_PATTERNS = {"gpt2": GPT2_PATTERN, "r50k": GPT2_PATTERN, "cl100k": CL100K_PATTERN, "o200k": O200K_PATTERN,
+                     **{name: None for name in MEGATRON_TIKTOKEN_PATTERNS}}
+# Megatron-LM's default --tiktoken-num-special-tokens and vocabulary size (its DEFAULT_TIKTOKEN_MAX_VOCAB).
+MEGATRON_NUM_SPECIAL_TOKENS = 1000
+MEGATRON_TIKTOKEN_MAX_VOCAB = 2**17
+
+
+def _pattern_regex(pattern: str) -> str:
+    if pattern not in TIKTOKEN_PATTERNS:
+        raise ValueError(f"unknown tiktoken pattern {pattern!r}; choose one of {sorted(TIKTOKEN_PATTERNS)}")
+    if pattern in MEGATRON_TIKTOKEN_PATTERNS:
+        from megatron.core.tokenizers.text.libraries import tiktoken_tokenizer as mt
+
+        return {"v1": mt._PATTERN_TIKTOKEN_V1, "v2": mt._PATTERN_TIKTOKEN_V2}[pattern]
+    return TIKTOKEN_PATTERNS[pattern]
+
+
+def megatron_special_tokens(num_special_tokens: int) -> List[str]:
+    """Megatron-LM's TikTokenizer special tokens, ids 0..num_special_tokens-1: ``<unk> <s> </s> <mask>
+    <pad> <cls> <sep>`` then ``<SPECIAL_7>``, ... (megatron-core's ``SPECIAL_TOKENS`` and template)."""
+    from megatron.core.tokenizers.text.libraries import tiktoken_tokenizer as mt
+
+    named = list(mt.SPECIAL_TOKENS)
+    if not len(named) <= num_special_tokens:
+        raise ValueError(f"--tiktoken-num-special-tokens {num_special_tokens} is less than Megatron-LM's "
+                         f"{len(named)} named special tokens ({' '.join(named)})")
+    return named + [mt.SPECIAL_TOKEN_TEMPLATE.format(id=i) for i in range(len(named), num_special_tokens)]
+
+
+def load_megatron_vocab(path: str) -> Dict[bytes, int]:
+    """Mergeable ranks of Megatron-LM's TikTokenizer vocabulary file (a JSON list of ``{"rank",
+    "token_bytes" (base64), "token_str"}`` in rank order, the 256 single bytes first), checked as
+    megatron-core's ``reload_mergeable_ranks`` checks it."""
+    with open(path, encoding="utf-8") as f:
+        vocab = json.load(f)
+    if not isinstance(vocab, list):
+        raise ValueError(f"--tokenizer-model {path}: expected Megatron-LM's TikTokenizer vocabulary, a JSON list "
+                         "of {rank, token_bytes, token_str}")
+    ranks: Dict[bytes, int] = {}
+    for i, x in enumerate(vocab):
+        if not isinstance(x, dict) or x.keys() != {"rank", "token_bytes", "token_str"} or x["rank"] != i:
+            raise ValueError(f"--tokenizer-model {path}: entry {i} is not {{rank: {i}, token_bytes, token_str}}")
+        token = base64.b64decode(x["token_bytes"])
+        if i < 256 and token != bytes([i]):
+            raise ValueError(f"--tokenizer-model {path}: entry {i} must be the single byte {i} (the first 256 "
+                             "entries are the bytes)")
+        ranks[token] = i
+    if len(ranks) != len(vocab):
+        raise ValueError(f"--tokenizer-model {path}: repeated tokens")
+    return ranks
 
 
 def _default_special_tokens(pattern: str, n_ranks: int) -> Dict[str, int]:
@@ -136,7 +188,18 @@ class LevTokenizer:
 
 
 class TikTokenizer(LevTokenizer):
-    """A tiktoken ``Encoding`` over either a ``.tiktoken`` rank file or GPT-2 vocab.json + merges.txt."""
+    """A tiktoken ``Encoding`` over a ``.tiktoken`` rank file, GPT-2 vocab.json + merges.txt, or (with
+    Megatron-LM's patterns) Megatron-LM's JSON vocabulary.
+
+    With an OpenAI pattern (gpt2, r50k, cl100k, o200k) the ids are the file's ranks and the special
+    tokens follow them (``<|endoftext|>`` is EOD). With Megatron-LM's ``v1``/``v2`` the ids are laid out
+    as Megatron-LM's TikTokenizer lays them out: ids ``0..num_special_tokens-1`` are the special tokens
+    (:func:`megatron_special_tokens`; ``<s>`` = 1 is BOS, ``</s>`` = 2 is EOD, ``<pad>`` = 4 the pad),
+    the file's ranks follow, shifted by ``num_special_tokens``, cut to ``vocab_size`` ids in all
+    (Megatron-LM's ``--vocab-size``, default 2**17; here at most the file's size, where Megatron-LM
+    requires the file to fill it). Special-token strings in the text are encoded as text, as by every
+    tokenizer here and Megatron-LM's legacy TikTokenizer (megatron-core's encodes them as their ids).
+    """
 
     tokenizer_type = "TikTokenizer"
 
@@ -146,24 +209,45 @@ class TikTokenizer(LevTokenizer):
         *,
         pattern: str = "o200k",
         special_tokens: Optional[Dict[str, int]] = None,
-        eod_token: str = "<|endoftext|>",
+        eod_token: Optional[str] = None,
         vocab_file: Optional[str] = None,
         merge_file: Optional[str] = None,
+        num_special_tokens: int = MEGATRON_NUM_SPECIAL_TOKENS,
+        vocab_size: Optional[int] = None,
     ) -> None:
         import tiktoken
         import tiktoken.load
 
-        if pattern not in TIKTOKEN_PATTERNS:
-            raise ValueError(f"unknown tiktoken pattern {pattern!r}; choose one of {sorted(TIKTOKEN_PATTERNS)}")
+        regex = _pattern_regex(pattern)
+        megatron = pattern in MEGATRON_TIKTOKEN_PATTERNS
         if tokenizer_model is not None:
             _require_file(tokenizer_model, "--tokenizer-model")
-            ranks = tiktoken.load.load_tiktoken_bpe(tokenizer_model)
+            if tokenizer_model.endswith(".json"):
+                if not megatron:
+                    raise ValueError(f"--tokenizer-model {tokenizer_model}: a JSON vocabulary is Megatron-LM's "
+                                     "TikTokenizer format; give --tiktoken-pattern v1 or v2")
+                ranks = load_megatron_vocab(tokenizer_model)
+            else:
+                ranks = tiktoken.load.load_tiktoken_bpe(tokenizer_model)
             paths = (tokenizer_model,)
         else:
             _check_gpt2_files(vocab_file, merge_file)
             ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(merge_file, vocab_file)
             paths = (vocab_file, merge_file)
-        super().__init__(*paths, pattern=pattern)
+        if megatron:
+            if special_tokens is not None:
+                raise ValueError("--tiktoken-pattern v1/v2 lays out Megatron-LM's special tokens; give no others")
+            names = megatron_special_tokens(num_special_tokens)
+            ranks, vocab_size = _megatron_ranks(ranks, num_special_tokens, vocab_size, paths[0])
+            special_tokens = {t: i for i, t in enumerate(names)}
+            eod_token = eod_token or "</s>"
+            super().__init__(*paths, pattern=pattern, num_special_tokens=num_special_tokens, vocab_size=vocab_size)
+        else:
+            if vocab_size is not None:
+                raise ValueError(f"--vocab-size {vocab_size}: a TikTokenizer with pattern {pattern} takes its "
+                                 "vocabulary from its file (only Megatron-LM's v1/v2 layout is cut to --vocab-size)")
+            super().__init__(*paths, pattern=pattern)
+        eod_token = eod_token or "<|endoftext|>"
         if special_tokens is None:
             special_tokens = _default_special_tokens(pattern, len(ranks))
             if vocab_file is not None:  # take the ids of special tokens from vocab.json
@@ -172,7 +256,7 @@ class TikTokenizer(LevTokenizer):
                 special_tokens = {k: vocab[k] for k in special_tokens if k in vocab} or special_tokens
         self._enc = tiktoken.Encoding(
             name=os.path.basename(paths[0]),
-            pat_str=TIKTOKEN_PATTERNS[pattern],
+            pat_str=regex,
             mergeable_ranks=ranks,
             special_tokens=dict(special_tokens),
         )
@@ -181,6 +265,8 @@ class TikTokenizer(LevTokenizer):
         if eod_token not in self._special:
             raise ValueError(f"eod token {eod_token!r} is not a special token of this encoding")
         self._eod = self._special[eod_token]
+        if megatron:
+            self._bos, self._pad = self._special["<s>"], self._special["<pad>"]
         self._core = self._enc._core_bpe
         self._has_buffer = hasattr(self._core, "encode_to_tiktoken_buffer")  # private; not in every tiktoken release
 
@@ -215,6 +301,26 @@ class TikTokenizer(LevTokenizer):
             except KeyError:
                 continue
         return out
+
+
+def _megatron_ranks(ranks: Dict[bytes, int], num_special_tokens: int, vocab_size: Optional[int],
+                    path: str):
+    """The ranks shifted past ``num_special_tokens`` and cut to ``vocab_size`` ids in all, as Megatron-LM's
+    TikTokenizer does; returns (ranks, vocab_size)."""
+    if vocab_size is None:
+        vocab_size = min(MEGATRON_TIKTOKEN_MAX_VOCAB, num_special_tokens + len(ranks))
+    if not num_special_tokens < vocab_size:
+        raise ValueError(f"--vocab-size {vocab_size} leaves no ids after the --tiktoken-num-special-tokens "
+                         f"{num_special_tokens} special tokens")
+    inner = vocab_size - num_special_tokens
+    if inner > len(ranks):
+        raise ValueError(f"--vocab-size {vocab_size} is more than the {num_special_tokens} special tokens plus the "
+                         f"{len(ranks)} tokens of {path}; give --vocab-size {num_special_tokens + len(ranks)} or less")
+    kept = {t: r + num_special_tokens for t, r in ranks.items() if r < inner}
+    if len(kept) != inner or any(bytes([b]) not in kept for b in range(256)):
+        raise ValueError(f"{path}: its first {inner} ranks (--vocab-size {vocab_size} minus the special tokens) "
+                         "must be distinct and include the 256 single bytes")
+    return kept, vocab_size
 
 
 class GPT2BPETokenizer(TikTokenizer):
@@ -433,6 +539,7 @@ def build_tokenizer(
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
     tiktoken_pattern: str = "o200k",
+    tiktoken_num_special_tokens: int = MEGATRON_NUM_SPECIAL_TOKENS,
     tiktoken_special_tokens: Optional[Dict[str, int]] = None,
     eod_token: Optional[str] = None,
     backend: str = "tiktoken",
@@ -442,7 +549,9 @@ def build_tokenizer(
     GPT2BPETokenizer: vocab_file + merge_file (backend "tiktoken" or "hf").
     HuggingFaceTokenizer: tokenizer_model = tokenizer.json (or its directory).
     SentencePieceTokenizer / GPTSentencePieceTokenizer: tokenizer_model = .model.
-    TikTokenizer: tokenizer_model = .tiktoken rank file, tiktoken_pattern in gpt2/cl100k/o200k.
+    TikTokenizer: tokenizer_model = .tiktoken rank file, tiktoken_pattern in gpt2/r50k/cl100k/o200k; or
+    Megatron-LM's v1/v2 over a .tiktoken file or Megatron-LM's JSON vocabulary, with
+    tiktoken_num_special_tokens and vocab_size as Megatron-LM's (see TikTokenizer).
     NullTokenizer: vocab_size.
     """
     if tokenizer_type == "GPT2BPETokenizer":
@@ -456,7 +565,9 @@ def build_tokenizer(
             tokenizer_model,
             pattern=tiktoken_pattern,
             special_tokens=tiktoken_special_tokens,
-            eod_token=eod_token or "<|endoftext|>",
+            eod_token=eod_token,
+            num_special_tokens=tiktoken_num_special_tokens,
+            vocab_size=vocab_size if tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS else None,
         )
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)

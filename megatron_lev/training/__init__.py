@@ -7,7 +7,7 @@ Entry point: ``pretrain(argv)`` (used by ``pretrain_lev.py``).
 
 from megatron_lev.lev.config import ConfigError
 
-from megatron_lev.checkpoint.arguments import build_parser, parse_args, resolved_config
+from megatron_lev.arguments import build_parser, parse_args, resolved_config
 
 
 def pretrain(argv=None) -> int:

@@ -34,7 +34,9 @@ def build_datasets(args, tokenizer):
     from megatron_lev.data.datasets import build_train_valid_test_datasets
 
     gbs = args.global_batch_size
-    num_samples = [args.train_iters * gbs, args.eval_iters * gbs, args.eval_iters * gbs]  # 0: not built
+    # As Megatron-LM: --train-samples when given (a ramped-up run takes fewer than train_iters x gbs).
+    train = args.train_samples if args.train_samples is not None else args.train_iters * gbs
+    num_samples = [train, args.eval_iters * gbs, args.eval_iters * gbs]  # 0: not built
     join = lambda v: " ".join(v) if v else None  # noqa: E731
     return build_train_valid_test_datasets(
         tokenizer, args.seq_length, num_samples,
@@ -43,7 +45,7 @@ def build_datasets(args, tokenizer):
         test_data_path=join(args.test_data_path), mock=args.mock_data, seed=args.seed,
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False, vocab_size=args.padded_vocab_size,
+        create_attention_mask=False, mmap_bin_files=args.mmap_bin_files, vocab_size=args.padded_vocab_size,
         tokenizer_fp=getattr(args, "tokenizer_fingerprint", None),
         allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, warn=_warn_first_rank,
     )

@@ -6,8 +6,15 @@
   gradient clipping), ``finalize_model_grads`` (DP/embedding/sequence-parallel reductions),
 - ``OptimizerParamScheduler`` (warmup, then constant/linear/cosine/inverse-sqrt/WSD decay to --min-lr).
 
-One iteration = one optimizer step over ``global_batch_size`` samples, in
-``num_microbatches = global / (micro x data-parallel)`` micro-batches per data-parallel rank.
+One iteration = one optimizer step over the current global batch, in
+``num_microbatches = global / (micro x data-parallel)`` micro-batches per data-parallel rank. The
+global batch is ``--global-batch-size``, or megatron-core's micro-batch calculator's for the consumed
+samples (``--rampup-batch-size``, ``--step-batch-size-schedule``); as in Megatron-LM, a checkpoint is
+saved (with ``--save``) whenever the number of micro-batches changes.
+
+Loss normalisation (megatron-core's schedules): by default each micro-batch's loss is its mean over
+its tokens, averaged over the micro-batches and data-parallel ranks; ``--calculate-per-token-loss``
+sums over tokens and ``finalize_model_grads`` divides by the step's global token count.
 
 LEV ``table`` compute mode: the first forward of a step evaluates G once over the vocabulary (inside
 the module, so after megatron DDP's forward pre-hooks have finished an overlapped parameter
@@ -20,6 +27,8 @@ that the schedule calls.
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import math
 import os
 import signal
@@ -32,7 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_lev import checkpoint
-from megatron_lev.checkpoint.arguments import format_config, parse_args, resolved_config
+from megatron_lev.arguments import format_config, parse_args, resolved_config
+from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
     set_seed
 from megatron_lev.lev.config import ConfigError
@@ -83,6 +93,8 @@ class _Interval:
 
     start: float
     iters: int = 0
+    samples: int = 0
+    flops: float = 0.0
     losses: List[float] = field(default_factory=list)
 
 
@@ -192,38 +204,66 @@ def _wrap_model(args, config, chunks):
     ]
 
 
-def _build_optimizer(args, config, model):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def optimizer_config(args, params_dtype: torch.dtype):
+    """megatron-core's OptimizerConfig of the run, as Megatron-LM fills it from its arguments (the
+    precision-aware optimizer's state dtypes by their Megatron-LM names, fp8 as uint8)."""
+    from megatron.core.optimizer import OptimizerConfig
 
-    opt_config = OptimizerConfig(
+    from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
+
+    dtypes = {f: getattr(torch, OPTIMIZER_DTYPES[getattr(args, f)]) for f in OPTIMIZER_DTYPE_FIELDS}
+    return OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=config.params_dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        params_dtype=params_dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer, **dtypes,
+        # The distributed optimizer and the precision-aware one treat FP8 parameters by recipe.
+        fp8_recipe=args.fp8_recipe if args.fp8_format is not None else None,
     )
+
+
+def _build_optimizer(args, config, model):
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
+    opt_config = optimizer_config(args, config.params_dtype)
+
     # Megatron's rule (no decay on 1-D params and biases) plus LEV's: decay Delta, A, W and the
-    # codebooks; never its LayerNorm parameters, biases or the offset.
+    # codebooks; never its LayerNorm parameters, biases or the offset. With --decoupled-lr, megatron's
+    # own override gives the parameters marked is_embedding_or_output_parameter their max/min lr.
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=weight_decay_overrides(opt_config))
-    gbs = args.global_batch_size
-    decay_steps = args.lr_decay_iters * gbs
-    warmup_steps = (int(args.lr_warmup_fraction * decay_steps) if args.lr_warmup_fraction is not None
-                    else args.lr_warmup_iters * gbs)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
-        start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
-        wd_incr_steps=max(1, args.train_iters) * gbs, wd_incr_style=args.weight_decay_incr_style,
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if args.lr_wsd_decay_iters else None,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        lr_wsd_decay_style=args.lr_wsd_decay_style, **_scheduler_steps(args),
     )
     return optimizer, scheduler
+
+
+def _scheduler_steps(args) -> Dict[str, Any]:
+    """The scheduler's step counts, in samples, as Megatron-LM's ``get_optimizer_param_scheduler``:
+    the iteration counts times the global batch, or the sample counts (--train-samples)."""
+    if args.train_samples is None:
+        gbs = args.global_batch_size
+        decay = args.lr_decay_iters * gbs
+        warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_iters * gbs)
+        return dict(lr_decay_steps=decay, lr_warmup_steps=warmup, wd_incr_steps=max(1, args.train_iters) * gbs,
+                    wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if args.lr_wsd_decay_iters else None)
+    decay = args.lr_decay_samples
+    warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
+              else args.lr_warmup_samples)
+    return dict(lr_decay_steps=decay, lr_warmup_steps=warmup, wd_incr_steps=args.train_samples,
+                wsd_decay_steps=args.lr_wsd_decay_samples)
 
 
 def _grad_sync_with_tables(chunk, tables):
@@ -347,18 +387,27 @@ def _any_rank(flag: bool) -> bool:
     return bool(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
 
 
-def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modules):
+def _empty_cuda_cache(args, level: int) -> None:
+    """--empty-unused-memory-level: hand the CUDA caching allocator's unused blocks back (as Megatron-LM,
+    level 1 after the backward and each evaluation step, level 2 also after the optimizer step)."""
+    if args.empty_unused_memory_level >= level:
+        torch.cuda.empty_cache()
+
+
+def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modules, num_microbatches=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    num_microbatches = args.num_microbatches if num_microbatches is None else num_microbatches
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     # LEV table mode: the table is built by the step's first forward and consumed in finalize.
     losses_reduced = get_forward_backward_func()(
         forward_step_func=partial(_forward_step, state, args), data_iterator=train_iter, model=model,
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False,
     )
+    _empty_cuda_cache(args, 1)
     loss = _reduce_losses(losses_reduced)
     loss_finite = loss is not None and math.isfinite(loss)
     if args.check_for_nan_in_loss_and_grad:
@@ -371,7 +420,9 @@ def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modu
             return loss, None, False, True
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
-        scheduler.step(increment=args.global_batch_size)
+        # The scheduler counts samples (Megatron-LM): this step's global batch.
+        scheduler.step(increment=num_microbatches * args.micro_batch_size * args.data_parallel_size)
+    _empty_cuda_cache(args, 2)
     grad_norm = float(grad_norm) if grad_norm is not None else None
     return loss, grad_norm, update_successful, not loss_finite
 
@@ -396,6 +447,7 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True,
         )
+        _empty_cuda_cache(args, 1)
     for chunk in model:
         chunk.train()
     return _reduce_losses(collected)
@@ -476,7 +528,11 @@ def _setup_configs(argv):
             raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: {str(e).splitlines()[0]}") from None
         args.padded_vocab_size = padded_vocab(args, tokenizer)
         args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
-        config, model_config = checkpoint.build_configs(vars(args))
+        # The loss flags are TransformerConfig fields that only training reads.
+        config, model_config = checkpoint.build_configs(
+            vars(args), calculate_per_token_loss=args.calculate_per_token_loss,
+            cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+            cross_entropy_fusion_impl=args.cross_entropy_fusion_impl)
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
     return args, tokenizer, config, model_config
@@ -499,12 +555,17 @@ class _Run:
     scheduler: Any
     table_modules: List[Any]
     t_start: float
+    batches: Any = None
+    """megatron-core's micro-batch calculator (constant, ramp-up or step schedule)."""
     train_iter: Any = None
     valid_ds: Any = None
-    flops_iter: float = 0.0
+    flops: Any = None
+    """FLOPs of one iteration, by global batch size."""
     peak: Optional[float] = None
     handler: Optional[SignalHandler] = None
     stop_on_sigterm: Optional[_StopOnSigterm] = None
+    logging_level: Optional[int] = None
+    """The root logger's level before --logging-level (restored at the end)."""
 
 
 def _run(args, tokenizer, config, model_config) -> int:
@@ -537,6 +598,8 @@ def _run(args, tokenizer, config, model_config) -> int:
         for handler in (run.handler, run.stop_on_sigterm):
             if handler is not None:
                 handler.release()
+        if run.logging_level is not None:
+            logging.getLogger().setLevel(run.logging_level)
         run.logger.close()
 
 
@@ -591,6 +654,10 @@ def _start(args, config, model_config) -> _Run:
     from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 
     t_start = time.time()
+    if args.profile and not args.use_pytorch_profiler and not torch.cuda.is_available():
+        raise _StartupError("--profile without --use-pytorch-profiler records nsys ranges (torch.cuda.profiler), "
+                            "which needs CUDA; add --use-pytorch-profiler for a torch.profiler trace")
+    logging_level = _set_logging_level(args)
     logger = TrainingLogger(args)
     cfg = resolved_config(args)
     if not args.quiet_config:
@@ -610,7 +677,26 @@ def _start(args, config, model_config) -> _Run:
     optimizer, scheduler = _build_optimizer(args, config, model)
     _configure_hooks(args, config, model, optimizer, table_modules)
     return _Run(args=args, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
-                optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start)
+                optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start,
+                batches=batch_calculator(args, rank=torch.distributed.get_rank()), logging_level=logging_level)
+
+
+def _set_logging_level(args) -> Optional[int]:
+    """Megatron-LM's --logging-level (else $MEGATRON_LOGGING_LEVEL) on the root logger; the previous
+    level (None when unchanged)."""
+    level = args.logging_level
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
+        try:
+            level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+        except ValueError:
+            raise _StartupError(f"MEGATRON_LOGGING_LEVEL={os.environ['MEGATRON_LOGGING_LEVEL']!r}: expected an "
+                                "integer level (e.g. 20 for INFO)") from None
+    if level is None:
+        return None
+    root = logging.getLogger()
+    previous = root.level
+    root.setLevel(level)
+    return previous
 
 
 def _load(run: _Run, state: _State) -> None:
@@ -640,17 +726,52 @@ def _start_data(run: _Run, state: _State, tokenizer) -> None:
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0]) from None
     run.train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, args)
-    run.flops_iter = flops_per_iteration(run.config, run.model_config, global_batch_size=args.global_batch_size,
-                                         seq_length=args.seq_length, data_parallel_size=args.data_parallel_size)
+    _check_batches_ahead(args, state)
+    run.batches.update(state.consumed_train_samples, consistency_check=False)
+    run.flops = _Memo(lambda gbs: flops_per_iteration(
+        run.config, run.model_config, global_batch_size=gbs, seq_length=args.seq_length,
+        data_parallel_size=args.data_parallel_size))
     run.peak = peak_tflops_per_device(args.peak_tflops_per_device)
     run.handler = SignalHandler() if args.exit_signal_handler else None
     if not args.exit_signal_handler and threading.current_thread() is threading.main_thread():
         run.stop_on_sigterm = _StopOnSigterm(state)
     run.logger.log(
         f"[after start-up] {time.time() - run.t_start:.1f} s; training from iteration {state.iteration} "
-        f"to {args.train_iters} ({args.num_microbatches} micro-batches of {args.micro_batch_size} per "
+        f"to {args.train_iters} ({run.batches.get()} micro-batches of {args.micro_batch_size} per "
         f"data-parallel rank, DP={args.data_parallel_size}, TP={args.tensor_model_parallel_size}, "
         f"PP={args.pipeline_model_parallel_size})")
+
+
+class _Memo(dict):
+    """``fn(key)``, computed once per key."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __missing__(self, key):
+        self[key] = value = self.fn(key)
+        return value
+
+
+def _check_batches_ahead(args, state: _State) -> None:
+    """Every global batch this run will take (from the consumed samples on) splits into whole
+    micro-batches on this layout (megatron's calculator asserts it step by step; refused at start-up
+    instead, naming the batch)."""
+    if args.rampup_batch_size is None and args.step_batch_size_schedule is None:
+        return
+    ahead = batch_sizes(args, state.consumed_train_samples, iterations=max(0, args.train_iters - state.iteration))
+    per_step = args.micro_batch_size * args.data_parallel_size
+    for consumed, gbs in ahead:
+        if gbs % per_step:
+            flag = "--rampup-batch-size" if args.rampup_batch_size is not None else "--step-batch-size-schedule"
+            raise _StartupError(f"{flag}: the global batch {gbs} (from sample {consumed}) is not divisible by "
+                                f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+                                f"{args.data_parallel_size}")
+    try:
+        check_interleaved_microbatches(args, sorted({gbs for _, gbs in ahead}))
+    except ConfigError as e:
+        raise _StartupError(str(e)) from None
 
 
 def _save(run: _Run, state: _State, iteration: int) -> bool:
@@ -717,7 +838,12 @@ def _ctrl_c_held():
 
 
 def _run_eval(run: _Run, state: _State, prefix: str) -> None:
+    manual_gc = run.args.manual_gc and run.args.manual_gc_eval
+    if manual_gc:
+        gc.collect()
     loss = evaluate(run.args, run.model, run.valid_ds, run.table_modules)
+    if manual_gc:
+        gc.collect(generation=0)  # what the evaluation created and dropped (Megatron-LM)
     if loss is None:
         return
     logger = run.logger
@@ -728,34 +854,85 @@ def _run_eval(run: _Run, state: _State, prefix: str) -> None:
     logger.record("valid", state.iteration, {"lm loss": loss, "lm loss hex": float(loss).hex(), "ppl": ppl})
 
 
-def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_norm, ok: bool, got_nan: bool) -> None:
+def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_norm, ok: bool, got_nan: bool,
+                   global_batch_size: int) -> None:
     """The per-iteration record, and every --log-interval iterations the log line and scalars."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
     args, logger = run.args, run.logger
-    lr = run.optimizer.param_groups[0]["lr"]
+    # The lr of the groups on the default schedule (not --decoupled-lr's), as Megatron-LM logs it.
+    lr = get_canonical_lr_for_logging(run.optimizer.param_groups)
     loss_scale = float(run.optimizer.get_loss_scale().item())
     logger.record("train", state.iteration, {
         "lm loss": loss, "lm loss hex": float(loss).hex() if loss is not None else None,
         "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
-        "consumed_samples": state.consumed_train_samples})
+        "consumed_samples": state.consumed_train_samples, "global_batch_size": global_batch_size})
     if state.iteration % args.log_interval != 0:
         return
-    per_iter = (time.time() - interval.start) / max(1, interval.iters)
-    tokens_s = args.global_batch_size * args.seq_length / per_iter
-    tflops = run.flops_iter / per_iter / torch.distributed.get_world_size() / 1e12
+    elapsed = max(time.time() - interval.start, 1e-9)
+    per_iter = elapsed / max(1, interval.iters)
+    tokens_s = interval.samples * args.seq_length / elapsed
+    tflops = interval.flops / elapsed / torch.distributed.get_world_size() / 1e12
     mfu = tflops / run.peak if run.peak else None
     avg = sum(interval.losses) / len(interval.losses) if interval.losses else float("nan")
     logger.log(logger.training_line(
         iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_train_samples,
         consumed_tokens=state.consumed_train_samples * args.seq_length, ms_per_iter=per_iter * 1000,
-        lr=lr, global_batch_size=args.global_batch_size, losses={"lm loss": avg},
+        lr=lr, global_batch_size=global_batch_size, losses={"lm loss": avg},
         loss_scale=loss_scale, grad_norm=grad_norm, skipped=state.skipped_iterations,
         nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu))
     logger.scalars(state.iteration, {
         "lm loss": avg, "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm,
-        "tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
+        "batch-size": global_batch_size, "tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
         "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
     }, consumed_samples=state.consumed_train_samples)
-    interval.start, interval.iters, interval.losses = time.time(), 0, []
+    interval.start, interval.iters, interval.samples, interval.flops, interval.losses = time.time(), 0, 0, 0.0, []
+
+
+class _Profiler:
+    """Megatron-LM's --profile on the --profile-ranks: torch.profiler (--use-pytorch-profiler; its
+    schedule waits until --profile-step-start, records to --profile-step-end, and writes a trace
+    under --tensorboard-dir), else nsys ranges (cudaProfilerStart/Stop around NVTX ranges)."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.prof = None
+        self.nvtx = None
+        self.on = args.profile and torch.distributed.get_rank() in args.profile_ranks
+        if self.on and args.use_pytorch_profiler:
+            start, end = args.profile_step_start, args.profile_step_end
+            self.prof = torch.profiler.profile(
+                schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
+                                                 active=end - start, repeat=1),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(args.tensorboard_dir),
+                # No Python stacks: on the CPU path they make a two-step trace a gigabyte.
+                record_shapes=True, with_stack=False)
+            self.prof.start()
+
+    def before_step(self, iteration: int) -> None:
+        if not self.on:
+            return
+        if self.prof is not None:
+            self.prof.step()
+        elif iteration == self.args.profile_step_start:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self.nvtx.__enter__()
+
+    def after_step(self, iteration: int) -> None:
+        if self.on and iteration == self.args.profile_step_end:
+            self.stop()
+
+    def stop(self) -> None:
+        """Ends the profile (a run that stops before --profile-step-end writes what it recorded)."""
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
+        elif self.nvtx is not None:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+            self.nvtx.__exit__(None, None, None)
+            self.nvtx = None
+        self.on = False
 
 
 def _should_stop(run: _Run, state: _State) -> bool:
@@ -778,13 +955,48 @@ def _should_stop(run: _Run, state: _State) -> bool:
 def _train(run: _Run, state: _State) -> int:
     """The iterations up to --train-iters (or only the evaluation with --skip-train); the exit code."""
     args = run.args
+    if args.manual_gc:
+        # Collections at the same points on every rank instead of at allocation thresholds (Megatron-LM).
+        gc.disable()
+        gc.collect()
+    profiler = _Profiler(args)
+    try:
+        return _train_loop(run, state, profiler)
+    finally:
+        profiler.stop()
+        if args.manual_gc:
+            gc.enable()
+
+
+def _next_batch(run: _Run, state: _State, interval: _Interval) -> Optional[int]:
+    """The micro-batches of the next step, from megatron-core's calculator; saves a checkpoint first
+    (with --save) when the count changes, as Megatron-LM does. None: that save failed."""
+    previous = run.batches.get()
+    run.batches.update(state.consumed_train_samples, consistency_check=False, verbose=True)
+    if run.batches.get() != previous and state.iteration != 0 and run.args.save \
+            and state.last_saved != state.iteration:
+        t_save = time.time()  # kept out of the per-iteration time, as the other saves
+        if not _save(run, state, state.iteration):
+            return None
+        interval.start += time.time() - t_save
+    run.batches.update(state.consumed_train_samples, consistency_check=True)
+    return run.batches.get()
+
+
+def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
+    args = run.args
     interval = _Interval(start=time.time())
     for chunk in run.model:
         chunk.train()
     while not args.skip_train and state.iteration < args.train_iters:
+        profiler.before_step(state.iteration)
+        num_microbatches = _next_batch(run, state, interval)
+        if num_microbatches is None:
+            return EXIT_NAN
+        global_batch = num_microbatches * args.micro_batch_size * args.data_parallel_size
         try:
             loss, grad_norm, ok, got_nan = _train_step(args, state, run.model, run.optimizer, run.scheduler,
-                                                       run.train_iter, run.table_modules)
+                                                       run.train_iter, run.table_modules, num_microbatches)
         except NanDetected as e:
             run.logger.log(f"ERROR: {e}; stopping")
             report_error(str(e), show=rank_is0())
@@ -793,15 +1005,20 @@ def _train(run: _Run, state: _State) -> int:
                 _save(run, state, state.iteration)
             return EXIT_NAN
         state.iteration += 1
-        state.consumed_train_samples += args.global_batch_size
+        state.consumed_train_samples += global_batch
         if not ok:
             state.skipped_iterations += 1
         if got_nan:
             state.nan_iterations += 1
         interval.iters += 1
+        interval.samples += global_batch
+        interval.flops += run.flops[global_batch]
         if loss is not None and math.isfinite(loss):
             interval.losses.append(loss)
-        _log_iteration(run, state, interval, loss, grad_norm, ok, got_nan)
+        _log_iteration(run, state, interval, loss, grad_norm, ok, got_nan, global_batch)
+        profiler.after_step(state.iteration)
+        if args.manual_gc and args.manual_gc_interval and state.iteration % args.manual_gc_interval == 0:
+            gc.collect()
         t_side = time.time()  # evaluation and checkpointing are kept out of the per-iteration time
         if args.eval_interval and state.iteration % args.eval_interval == 0 and state.iteration < args.train_iters:
             _run_eval(run, state, f"iteration {state.iteration}")

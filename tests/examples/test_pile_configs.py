@@ -42,7 +42,7 @@ def test_the_configs_are_the_ones_shipped():
 
 @pytest.mark.parametrize("scale", SCALES)
 def test_shipped_lev_compute_mode_follows_the_rule_at_the_launch_layout(scale):
-    from megatron_lev.checkpoint.arguments import parse_args
+    from megatron_lev.arguments import parse_args
 
     nodes, gpus = _sbatch_layout()
     path = PILE_DIR / "configs" / f"{scale}.yaml"

@@ -19,7 +19,7 @@ import torch
 from megatron_lev.kernels import lev_triton, register_default_kernels
 from megatron_lev.lev import LEVConfig, LEVEmbedding, separable_product
 from megatron_lev.lev import functional
-from megatron_lev.checkpoint.arguments import build_parser
+from megatron_lev.arguments import build_parser
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

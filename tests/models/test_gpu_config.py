@@ -68,7 +68,7 @@ def _build(mc=None, megatron_ddp=True, **kw):
 
 def _saved_fp8_args():
     """The arguments an FP8 run saves (config.yaml), as the evaluation re-lays them out."""
-    from megatron_lev.checkpoint.arguments import parse_args
+    from megatron_lev.arguments import parse_args
 
     args = parse_args(["--mock-data", "--vocab-size", "511", "--num-layers", "2", "--hidden-size", "64",
                        "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", "32",

@@ -458,7 +458,7 @@ def test_disk_full_while_preprocessing_is_one_line_and_leaves_nothing(tmp_path, 
 
 def test_vocab_size_with_a_tokenizer_that_has_files_is_refused(tmp_path, capsys):
     from megatron_lev.lev.config import ConfigError
-    from megatron_lev.checkpoint.arguments import parse_args
+    from megatron_lev.arguments import parse_args
 
     tik = _tiktoken_file(tmp_path / "t.tiktoken", b"ab")
     flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik, "--vocab-size", "1000"]

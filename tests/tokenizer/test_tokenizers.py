@@ -164,7 +164,7 @@ def test_tokenizer_spec_takes_each_setting_from_the_first_source_that_gives_it()
     assert spec == TokenizerSpec(tokenizer_type="TikTokenizer", tokenizer_model="flag.tiktoken",
                                  vocab_file="saved.json", tiktoken_pattern="gpt2")
     assert spec.kwargs() == dict(vocab_file="saved.json", merge_file=None, tokenizer_model="flag.tiktoken",
-                                 vocab_size=None, tiktoken_pattern="gpt2")
+                                 vocab_size=None, tiktoken_pattern="gpt2", tiktoken_num_special_tokens=1000)
     # a setting no source gives keeps its default; no tokenizer type at all is no spec
     assert TokenizerSpec.from_args({"tokenizer_type": "NullTokenizer", "tiktoken_pattern": None}).tiktoken_pattern == "o200k"
     assert TokenizerSpec.from_args(flags, {}) is None
@@ -177,7 +177,7 @@ def test_training_preprocessing_evaluation_and_export_build_the_same_tokenizer(t
     from megatron_lev.data import PreprocessConfig
     from megatron_lev.evaluation.cli import _tokenizer_for_checkpoint
     from megatron_lev.evaluation.cli import build_parser as eval_parser
-    from megatron_lev.checkpoint.arguments import build_parser as train_parser
+    from megatron_lev.arguments import build_parser as train_parser
     from megatron_lev.training.data import build_tokenizer_from_args
     from tests.conftest import tokenizer_flags
 
@@ -206,7 +206,7 @@ def _tokenizer_actions(parser: argparse.ArgumentParser):
 
 
 def test_every_tool_takes_its_tokenizer_flags_from_tokenizer_spec():
-    from megatron_lev.checkpoint.arguments import build_parser
+    from megatron_lev.arguments import build_parser
     from megatron_lev.evaluation.cli import build_parser as eval_parser
 
     sys.path.insert(0, str(REPO_ROOT / "tools"))

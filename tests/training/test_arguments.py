@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_lev.checkpoint.arguments import config_to_yaml, parse_args, resolved_config
+from megatron_lev.arguments import config_to_yaml, parse_args, resolved_config
 from megatron_lev.lev.config import ConfigError
 from tests.conftest import tokenizer_flags
 
@@ -125,7 +125,7 @@ def test_lev_flags_are_the_config_fields():
     dataclass); the parsed flags give back the dataclass defaults."""
     from dataclasses import fields
 
-    from megatron_lev.checkpoint.arguments import build_parser
+    from megatron_lev.arguments import build_parser
     from megatron_lev.lev.config import BASIS_KINDS, COMPUTE_MODES, LEVConfig, lev_arg, lev_flag
 
     actions = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings}
@@ -141,7 +141,7 @@ def test_lev_flags_are_the_config_fields():
 
 
 def test_model_flags_are_the_model_config_fields():
-    from megatron_lev.checkpoint.arguments import build_parser
+    from megatron_lev.arguments import build_parser
     from megatron_lev.models.config import INPUT_EMBEDDINGS, TRANSFORMER_IMPLS, LevModelConfig
 
     actions = {a.dest: a for a in build_parser()._actions}
@@ -177,7 +177,7 @@ def test_parsers_can_be_built_from_several_threads_at_once(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     from megatron_lev import config_flags
-    from megatron_lev.checkpoint.arguments import build_parser
+    from megatron_lev.arguments import build_parser
 
     inside, most, lock = [0], [0], threading.Lock()
     getsource = config_flags.inspect.getsource

@@ -1,0 +1,25 @@
+"""Saving, loading and resuming checkpoints (megatron-core ``dist_checkpointing``, torch_dist)."""
+
+from __future__ import annotations
+
+
+def add_checkpointing_flags(p) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only; start at iteration 0 with fresh optimizer/scheduler")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed optimizer so that it reloads with any TP/PP (gathers on DP rank 0)")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load iter_N of --load instead of the one latest_checkpointed_iteration.txt names")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="allow saving into a --save directory that holds another run's checkpoints "
+                        "(without it, such a run is refused unless --load names the same directory)")

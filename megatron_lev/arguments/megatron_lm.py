@@ -1,0 +1,83 @@
+"""Megatron-LM flags this fork does not implement: each is refused in one line naming the feature and
+what to use instead, so that no flag of a Megatron-LM script is accepted and ignored; and the flags that
+are accepted and do nothing here, with the reason (``NO_OPS``).
+
+A refused flag is not registered with the parser: argparse leaves it unrecognised and ``refusal`` names
+it (an exact flag, or a family by prefix, such as every ``--moe-*`` flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+# Accepted flags that change nothing here, and why (the vocabulary test checks every other accepted flag
+# changes the resolved arguments).
+NO_OPS = {
+    "--use-mcore-models": "megatron-core models are the only models here (deprecated in Megatron-LM too)",
+    "--log-throughput": "throughput and TFLOP/s are always logged",
+    "--group-query-attention": "implied by --num-query-groups here (Megatron-LM ignores --num-query-groups "
+                               "without it)",
+    "--no-create-attention-mask-in-dataloader": "the loader never builds a dense attention mask here (attention "
+                                                "is causal in the kernel): already the behaviour",
+}
+
+_FSDP = "Megatron-FSDP / torch FSDP2 are not supported here; use --use-distributed-optimizer (ZeRO-1 sharding)"
+_CUDA_GRAPHS = "CUDA graphs are not supported here; drop the flag"
+_INFERENCE = "the inference server and engine are not part of this fork; train here, serve the exported model"
+_MOE = "mixture-of-experts layers are not implemented here yet; train a dense model"
+
+# Exact flags: the reason and the fix.
+REFUSED = {
+    "--use-megatron-fsdp": _FSDP,
+    "--use-torch-fsdp2": _FSDP,
+    "--data-parallel-sharding-strategy": _FSDP,
+    "--init-model-with-meta-device": "meta-device initialisation is for Megatron-FSDP, which is not supported here; "
+                                     "drop the flag",
+    "--enable-cuda-graph": _CUDA_GRAPHS,
+    "--external-cuda-graph": _CUDA_GRAPHS,
+    "--num-experts": _MOE,
+    "--expert-model-parallel-size": _MOE,
+    "--expert-tensor-parallel-size": _MOE,
+    "--no-position-embedding": "deprecated in Megatron-LM; use --position-embedding-type none",
+    "--use-flash-attn": "deprecated in Megatron-LM; use --attention-backend flash",
+    "--checkpoint-activations": "deprecated in Megatron-LM; use --recompute-activations or --recompute-granularity",
+    "--spec": "layer specs are chosen by --transformer-impl (transformer_engine or local)",
+    "--multi-latent-attention": "multi-latent attention is not implemented here; drop the flag",
+    "--mtp-num-layers": "multi-token prediction is not implemented here yet; drop the flag",
+}
+
+# Families by prefix: the reason and the fix.
+REFUSED_PREFIXES = {
+    "--cuda-graph-": _CUDA_GRAPHS,
+    "--moe-": _MOE,
+    "--inference-": _INFERENCE,
+    "--fp4-": "FP4 training is not supported here; use --bf16 (or --fp8-format with Transformer Engine)",
+}
+
+
+def refusal(flag: str) -> Optional[str]:
+    """The one-line refusal of Megatron-LM flag ``flag`` (``--name``, ``--name=value`` or an argument
+    name), or None when it is no Megatron-LM feature refused here."""
+    name = "--" + flag.split("=", 1)[0].lstrip("-").replace("_", "-")
+    reason = REFUSED.get(name)
+    if reason is None:
+        reason = next((r for prefix, r in REFUSED_PREFIXES.items() if name.startswith(prefix)), None)
+    return None if reason is None else f"{name}: {reason}"
+
+
+class _NoOp(argparse.Action):
+    """A flag accepted for a Megatron-LM script's sake that sets nothing (see ``NO_OPS``)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        pass
+
+
+def add_megatron_lm_flags(p) -> None:
+    """The no-op flags that no other group defines."""
+    g = p.add_argument_group("accepted from Megatron-LM, no effect here")
+    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader"):
+        g.add_argument(flag, action=_NoOp, help=NO_OPS[flag])

@@ -1,0 +1,110 @@
+"""Model-shape flags under Megatron-LM's names (``--num-layers``, ``--swiglu``, ...); the
+``LevModelConfig`` fields that are flags of their own name (``--rotary-base``, ``--transformer-impl``)
+are generated from that dataclass. ``checkpoint.build.model_config_from_args`` reads them back.
+
+The attention, norm and fusion flags that are megatron-core ``TransformerConfig`` fields are generated
+from the installed ``TransformerConfig`` (type, choices, help; a flag whose field the installed release
+lacks is not offered); their destinations are the field names, and ``checkpoint.build`` passes every
+one that is set to the ``TransformerConfig`` (``models.config.TRANSFORMER_FLAG_FIELDS``)."""
+
+from __future__ import annotations
+
+from megatron.core.transformer import TransformerConfig
+
+from megatron_lev.config_flags import add_config_flags, add_switch_flags
+from megatron_lev.lev.config import ConfigError
+from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, \
+    use_transformer_engine
+
+# LevModelConfig fields that are model-shape flags of their own name; the other shape fields come from
+# Megatron-LM's flags (--seq-length, --swiglu, --disable-bias-linear, ...) in model_config_from_args.
+_MODEL_SHAPE_FLAG_FIELDS = ("rotary_base", "rotary_percent", "transformer_impl")
+
+# (Megatron-LM flag, TransformerConfig field, the value the flag sets). The fusions default to None:
+# on where CUDA and the kernel are present (models.config.fusion_defaults), the flag turns them off.
+# Megatron-LM's --no-bias-gelu-fusion / --no-bias-swiglu-fusion both set bias_activation_fusion, for
+# the activation in use: they are hand-written below.
+TRANSFORMER_SWITCHES = (
+    ("--apply-layernorm-1p", "layernorm_zero_centered_gamma", True),
+    ("--attention-softmax-in-fp32", "attention_softmax_in_fp32", True),
+    ("--no-masked-softmax-fusion", "masked_softmax_fusion", False),
+    ("--no-bias-dropout-fusion", "bias_dropout_fusion", False),
+    ("--no-rope-fusion", "apply_rope_fusion", False),
+    ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", False),
+)
+# TransformerConfig fields that are flags of their own name (--attention-backend, --fp8-margin, ...).
+TRANSFORMER_VALUE_FIELDS = ("attention_backend", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
+# Megatron-LM's command-line defaults where they differ from TransformerConfig's (attention softmax in
+# the input dtype unless asked; TransformerConfig says True but only its unfused attention reads it).
+_SWITCH_DEFAULTS = {"layernorm_zero_centered_gamma": False, "attention_softmax_in_fp32": False,
+                    "masked_softmax_fusion": None, "bias_dropout_fusion": None, "apply_rope_fusion": None,
+                    "gradient_accumulation_fusion": None}
+
+
+def field_flag(name: str) -> str:
+    """The flag of a config field: ``albert_dim`` -> ``--albert-dim``."""
+    return "--" + name.replace("_", "-")
+
+
+def add_model_flags(p) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4*hidden, or int(8*hidden/3) rounded down to a multiple of 64 with --swiglu")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    # Megatron-LM's command-line defaults (learned positions, LayerNorm), not LevModelConfig's.
+    g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES)
+    g.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    add_config_flags(g, LevModelConfig, field_flag, _MODEL_SHAPE_FLAG_FIELDS)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (default: GeLU, as Megatron-LM)")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Megatron's flag; the same as --input-embedding untied")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="recompute the core attention in the backward pass (= --recompute-granularity selective)")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+    g = p.add_argument_group("attention, norms and fusions (megatron-core TransformerConfig fields)")
+    add_switch_flags(g, TransformerConfig, TRANSFORMER_SWITCHES, defaults=_SWITCH_DEFAULTS)
+    add_config_flags(g, TransformerConfig, field_flag, [n for n in TRANSFORMER_VALUE_FIELDS if n.startswith("attn")
+                                                        or n.startswith("attention")])
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false", default=None,
+                   help="turn off the fused bias + GeLU (bias_activation_fusion with GeLU)")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false", default=None,
+                   help="turn off the fused bias + SwiGLU (bias_activation_fusion with --swiglu)")
+
+
+def check_model_flags(args) -> None:
+    """--recompute-activations (Megatron-LM's selective recompute) and --attention-backend against the
+    attention this run builds."""
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            raise ConfigError(f"--recompute-activations is --recompute-granularity selective; it contradicts "
+                              f"--recompute-granularity {args.recompute_granularity}")
+        args.recompute_granularity = "selective"
+    backend = getattr(args, "attention_backend", "auto")
+    try:
+        te = use_transformer_engine(args.transformer_impl)
+    except ConfigError:
+        return  # the model build refuses the impl in its own words
+    if te and backend == "local":
+        raise ConfigError("--attention-backend local is megatron's local attention: use --transformer-impl local")
+    if not te and backend == "fused":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--attention-backend fused: torch's fused attention kernels (memory-efficient, cuDNN) "
+                              "need CUDA; on CPU use auto, flash or unfused")

@@ -1,0 +1,290 @@
+"""Optimizer, learning-rate and weight-decay schedule, batch sizes (constant, ramped up, or stepped),
+training length in iterations or samples, the loss normalisation; and their checks.
+
+Training length is counted as Megatron-LM counts it: either ``--train-iters`` (then ``--lr-*-iters``)
+or ``--train-samples`` (then ``--lr-*-samples``). Sample-based training derives the iteration count
+(``train_iters``) as Megatron-LM's ``update_train_iters`` does; the LR scheduler counts samples in
+both modes (megatron-core's ``OptimizerParamScheduler`` steps by the samples of each iteration).
+
+Changing batch sizes come from megatron-core's micro-batch calculator
+(``megatron.core.num_microbatches_calculator``): ``--rampup-batch-size`` (megatron-core 0.16/0.17's
+``RampupBatchsizeNumMicroBatchesCalculator``; 0.18 removed it and ignores the argument) and
+``--step-batch-size-schedule`` (``StepBatchsizeNumMicroBatchesCalculator``, megatron-core >= 0.18). Each
+is refused in one line where the installed megatron-core lacks its calculator
+(``compat.versions.batch_size_calculator``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from megatron_lev.compat.versions import batch_size_calculator
+from megatron_lev.lev.config import ConfigError
+
+
+def add_schedule_flags(p) -> None:
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
+                   help="adam is AdamW (decoupled weight decay), as in megatron-core")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="learning rate of the input embedding and the output layer (with LEV: the whole input "
+                        "arm, i.e. codebooks, spline heads and projections; with every arm: its input module "
+                        "and the output head); the others follow --lr")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum learning rate of the --decoupled-lr parameters (default: --min-lr)")
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: samples to decay the learning rate over (default: --train-samples)")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="with --train-samples: samples of the annealing phase of --lr-decay-style WSD")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples: samples to warm the learning rate up over")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true")
+
+    g = p.add_argument_group("batch size and training length")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro x data-parallel size")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT to --global-batch-size over SAMPLES "
+                        "samples (megatron-core's ramp-up calculator; needs --train-samples)")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="'T0:B0 T1:B1 ...'",
+                   help="global batch B_i from T_i tokens on (suffixes K/M/B/T; the first T is 0); the largest "
+                        "is the global batch size (megatron-core >= 0.18)")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train for this many samples (instead of --train-iters); the schedule flags are then "
+                        "the --lr-*-samples ones")
+
+    g = p.add_argument_group("loss")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="sum the loss over tokens and divide by the global batch's token count (default: the "
+                        "mean over each micro-batch's tokens, averaged over micro-batches)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused vocab-parallel cross-entropy")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
+                   help="with --cross-entropy-loss-fusion: megatron-core's own kernel, or Transformer Engine's")
+
+
+# ----------------------------------------------------------------------------------------------
+# checks (called by ``validate.validate_args`` in its order)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def batch_calculator(args, rank: int = -1):
+    """A micro-batch calculator of megatron-core for these arguments (constant, ramp-up or step
+    schedule); ``rank`` 0 logs its schedule, as Megatron-LM's does."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    dp = args.data_parallel_size
+    if args.step_batch_size_schedule is not None:
+        return batch_size_calculator("step")(
+            micro_batch_size=args.micro_batch_size, data_parallel_size=dp, decrease_batch_size_if_needed=False,
+            rank=rank, schedule=args.step_batch_size_schedule, seq_length=args.seq_length)
+    if args.rampup_batch_size is not None:
+        start, incr, samples = args.rampup_batch_size
+        return batch_size_calculator("rampup")(
+            global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+            data_parallel_size=dp, decrease_batch_size_if_needed=False, rank=rank,
+            start_global_batch_size=start, batch_size_increment=incr, ramup_samples=samples)
+    return nmc.ConstantNumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size, dp, False, rank)
+
+
+def batch_sizes(args, start_samples: int = 0, iterations: Optional[int] = None) -> List[Tuple[int, int]]:
+    """``(consumed_samples, global_batch)`` of each iteration from ``start_samples`` on, for
+    ``iterations`` iterations (default: up to ``train_iters``, or ``train_samples`` for a schedule
+    whose iteration count is not fixed yet), as the calculator gives them."""
+    calc = batch_calculator(args)
+    out: List[Tuple[int, int]] = []
+    consumed = start_samples
+    while (iterations is None and consumed < (args.train_samples or 0)) or \
+            (iterations is not None and len(out) < iterations):
+        calc.update(consumed, consistency_check=False)
+        gbs = calc.get_current_global_batch_size()
+        out.append((consumed, gbs))
+        consumed += gbs
+    return out
+
+
+def check_batch_sizes(args) -> None:
+    """Batch sizes: the constant one, a ramp-up, or a step schedule; the micro-batches per step."""
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    ramp, steps = args.rampup_batch_size, args.step_batch_size_schedule
+    if ramp is not None and steps is not None:
+        raise ConfigError("give only one of --rampup-batch-size and --step-batch-size-schedule")
+    if ramp is not None and args.train_samples is None:
+        raise ConfigError("--rampup-batch-size needs --train-samples (a ramp is counted in samples), not "
+                          "--train-iters")
+    if steps is not None:
+        if batch_size_calculator("step") is None:
+            raise ConfigError("--step-batch-size-schedule needs megatron-core >= 0.18 (the installed one has no "
+                              "step-schedule calculator); use --rampup-batch-size START INCREMENT SAMPLES")
+        if args.global_batch_size is not None:
+            raise ConfigError("give only one of --step-batch-size-schedule and --global-batch-size (the "
+                              "schedule's largest batch is the global batch size)")
+        try:
+            calc = batch_calculator(args)
+        except (AssertionError, ValueError) as e:
+            raise ConfigError(f"--step-batch-size-schedule {steps!r}: {str(e).splitlines()[0]}") from None
+        args.global_batch_size = max(bs for _, bs in calc.schedule)
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    if steps is not None and args.global_batch_size % (mbs * dp) != 0:
+        raise ConfigError(f"--step-batch-size-schedule {steps!r}: its largest batch {args.global_batch_size} is not "
+                          f"divisible by --micro-batch-size {mbs} x data-parallel size {dp}")
+    if args.global_batch_size < 1 or args.global_batch_size % (mbs * dp) != 0:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{mbs} x data-parallel size {dp}"
+        )
+    if ramp is not None:
+        if batch_size_calculator("rampup") is None:
+            raise ConfigError("--rampup-batch-size: the installed megatron-core (>= 0.18) has no ramp-up calculator "
+                              "(Megatron-LM ignores the flag there); use --step-batch-size-schedule")
+        start, incr, samples = ramp
+        if start < 1 or incr < 1 or samples < 0:
+            raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: expected START >= 1, INCREMENT >= 1, "
+                              "SAMPLES >= 0")
+        diff = args.global_batch_size - start
+        if diff <= 0 or diff % incr:
+            raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: --global-batch-size "
+                              f"{args.global_batch_size} must be START plus a positive multiple of INCREMENT")
+        for bs in range(start, args.global_batch_size, incr):
+            if bs % (mbs * dp):
+                raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: the batch size {bs} of the ramp "
+                                  f"is not divisible by --micro-batch-size {mbs} x data-parallel size {dp}")
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+    check_interleaved_microbatches(args, [args.global_batch_size])
+
+
+def check_interleaved_microbatches(args, sizes) -> None:
+    """The interleaved schedule needs every step's micro-batch count divisible by the pipeline size."""
+    pp, dp, mbs = args.pipeline_model_parallel_size, args.data_parallel_size, args.micro_batch_size
+    if args.virtual_pipeline_model_parallel_size is None:
+        return
+    for bs in sizes:
+        if (bs // (mbs * dp)) % pp:
+            raise ConfigError(
+                f"the interleaved schedule needs the number of micro-batches ({bs // (mbs * dp)} = global batch "
+                f"{bs} / (--micro-batch-size x data-parallel size)) divisible by --pipeline-model-parallel-size {pp}"
+            )
+
+
+def check_training_length(args) -> None:
+    """--train-iters or --train-samples (the iteration count then derived as Megatron-LM does)."""
+    iters, samples = args.train_iters, args.train_samples
+    if iters is None and samples is None:
+        raise ConfigError("--train-iters (or --train-samples) is required")
+    if iters is not None and iters < 0:
+        raise ConfigError(f"--train-iters must be >= 0 (got {iters})")
+    if samples is None:
+        return
+    if samples < 1:
+        raise ConfigError(f"--train-samples must be >= 1 (got {samples})")
+    if args.rampup_batch_size is not None:
+        derived = _ramp_iterations(args)
+    elif args.step_batch_size_schedule is not None:
+        derived = len(batch_sizes(args))
+    else:
+        derived = samples // args.global_batch_size
+    # A resolved config (config.yaml) holds both: accepted when they agree.
+    if iters is not None and iters != derived:
+        raise ConfigError(f"give only one of --train-iters and --train-samples (--train-samples {samples} is "
+                          f"{derived} iterations, not {iters})")
+    if derived < 1:
+        raise ConfigError(f"--train-samples {samples} is less than one global batch ({args.global_batch_size})")
+    args.train_iters = derived
+    if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
+        check_interleaved_microbatches(args, sorted({bs for _, bs in batch_sizes(args, iterations=derived)}))
+
+
+def _ramp_iterations(args) -> int:
+    """Megatron-LM's ``update_train_iters`` with a ramp-up: the ramp phase step by step, then whole
+    global batches (a partial last batch is dropped)."""
+    ramp_samples, samples = int(args.rampup_batch_size[2]), args.train_samples
+    calc = batch_calculator(args)
+    iterations = consumed = 0
+    while consumed <= ramp_samples and consumed <= samples:
+        calc.update(consumed, consistency_check=False)
+        consumed += calc.get_current_global_batch_size()
+        iterations += 1
+    if samples > consumed:
+        iterations += (samples - consumed) // args.global_batch_size
+    return iterations
+
+
+def check_lr_schedule(args) -> None:
+    """Learning-rate and weight-decay schedule, in iterations or in samples (as the training length)."""
+    if args.lr_warmup_iters < 0 or args.lr_warmup_samples < 0:
+        raise ConfigError("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
+    by_samples = args.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    for name in (f"lr_decay_{other}", f"lr_wsd_decay_{other}", f"lr_warmup_{other}"):
+        if getattr(args, name):
+            raise ConfigError(f"{_flag(name)} goes with --train-{other}; with --train-{unit} use "
+                              f"{_flag(name.replace(other, unit))}")
+    decay_name, warmup_name, wsd_name = f"lr_decay_{unit}", f"lr_warmup_{unit}", f"lr_wsd_decay_{unit}"
+    if getattr(args, decay_name) is None:
+        setattr(args, decay_name, max(1, args.train_samples if by_samples else args.train_iters))
+    decay, warmup = getattr(args, decay_name), getattr(args, warmup_name)
+    if decay < 1:
+        raise ConfigError(f"{_flag(decay_name)} must be >= 1 (got {decay})")
+    if args.lr_warmup_fraction is not None:
+        if warmup:
+            raise ConfigError(f"give only one of --lr-warmup-fraction and {_flag(warmup_name)}")
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ConfigError(f"--lr-warmup-fraction must be in [0, 1] (got {args.lr_warmup_fraction})")
+    elif warmup > 0 and warmup >= decay:
+        raise ConfigError(f"{_flag(warmup_name)} {warmup} must be smaller than {_flag(decay_name)} {decay} "
+                          f"(default: --train-{unit})")
+    if args.lr_decay_style == "WSD" and getattr(args, wsd_name) is None:
+        raise ConfigError(f"--lr-decay-style WSD needs {_flag(wsd_name)}")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ConfigError("--decoupled-min-lr needs --decoupled-lr (it is the floor of that learning rate)")
+    if args.decoupled_lr is not None:
+        low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        if args.decoupled_lr < 0 or low < 0 or low > args.decoupled_lr:
+            raise ConfigError(f"--decoupled-lr {args.decoupled_lr} must be >= 0 and >= its minimum {low} "
+                              "(--decoupled-min-lr, default --min-lr)")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+
+
+def check_loss(args) -> None:
+    """Cross-entropy fusion: megatron-core's native kernel, or Transformer Engine's where installed."""
+    if args.cross_entropy_fusion_impl != "native" and not args.cross_entropy_loss_fusion:
+        raise ConfigError(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl} needs "
+                          "--cross-entropy-loss-fusion")
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError("--cross-entropy-fusion-impl te needs Transformer Engine (not installed); use "
+                              "--cross-entropy-fusion-impl native")

@@ -1,0 +1,251 @@
+"""``validate_args``: the checks of the flag combination, one named check per concern, each raising a
+one-line :class:`ConfigError` naming the flag to change; and the values Megatron-LM derives
+(data-parallel size, number of micro-batches, ffn size, the input arm, the params dtype name)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import List
+
+from megatron_lev.lev.config import ConfigError, LEVConfig
+from megatron_lev.models.config import check_parallel_settings
+from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS
+
+from .model import check_model_flags
+from .parallel import check_parallel_flags
+from .precision import check_precision_flags
+from .run import check_run
+from .schedule import check_batch_sizes, check_loss, check_lr_schedule, check_training_length
+
+
+def _require(args, name: str) -> None:
+    if getattr(args, name) is None:
+        raise ConfigError(f"--{name.replace('_', '-')} is required")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Check the combination and derive Megatron-LM's implied values (in place), one named check after
+    another (each raises a one-line ConfigError naming the flag)."""
+    args.world_size = world_size
+    for check in _CHECKS:
+        check(args)
+
+
+def _check_required_and_ranges(args) -> None:
+    """Required flags, and the ranges of single values."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr"):
+        _require(args, name)
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                "tensor_model_parallel_size", "pipeline_model_parallel_size", "log_interval", "eval_interval",
+                "make_vocab_size_divisible_by")
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    for name in ("eval_iters", "num_workers"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
+    if args.lr < 0 or args.min_lr < 0:
+        raise ConfigError(f"--lr and --min-lr must be >= 0 (got {args.lr}, {args.min_lr})")
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0 (got {args.clip_grad})")
+    for name in ("hidden_dropout", "attention_dropout"):
+        v = getattr(args, name)
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1) (got {v})")
+
+
+def _check_parallel_sizes(args) -> None:
+    """TP x PP against the world size, query groups, virtual stages; then the model's own layout check."""
+    tp, pp, world_size = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
+            f"does not divide the world size {world_size}"
+        )
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.group_query_attention or args.num_query_groups is not None:
+        if args.num_query_groups is None:
+            raise ConfigError("--group-query-attention needs --num-query-groups")
+        if args.num_attention_heads % args.num_query_groups != 0:
+            raise ConfigError(
+                f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                f"--num-query-groups {args.num_query_groups}"
+            )
+        if args.num_query_groups % tp != 0:
+            raise ConfigError(
+                f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}"
+            )
+        args.group_query_attention = True
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        if args.virtual_pipeline_model_parallel_size is not None:
+            raise ConfigError("give only one of --num-layers-per-virtual-pipeline-stage and "
+                              "--virtual-pipeline-model-parallel-size")
+        per_stage = args.num_layers // pp
+        if (args.num_layers % pp or args.num_layers_per_virtual_pipeline_stage < 1
+                or per_stage % args.num_layers_per_virtual_pipeline_stage):
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} does "
+                f"not divide the {per_stage} layers of each of the --pipeline-model-parallel-size {pp} stages"
+            )
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None and vpp < 1:
+        raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1 (got {vpp})")
+    # Heads and layers against TP/PP/virtual stages, sequence parallelism: the model config's check.
+    check_parallel_settings(tp=tp, pp=pp, vpp=vpp, num_layers=args.num_layers,
+                            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                            sequence_parallel=args.sequence_parallel)
+    if vpp == 1:
+        args.virtual_pipeline_model_parallel_size = None
+
+
+def _check_model_shape(args) -> None:
+    """Model shape."""
+    if args.hidden_size % args.num_attention_heads != 0 and args.kv_channels is None:
+        raise ConfigError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads} (or give --kv-channels)"
+        )
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
+        raise ConfigError(
+            f"--max-position-embeddings {args.max_position_embeddings} is smaller than --seq-length {args.seq_length}"
+        )
+
+
+def _check_input_arm(args) -> None:
+    """Input arm."""
+    if args.input_embedding is None:
+        args.input_embedding = "untied" if args.untie_embeddings_and_output_weights else "tied"
+    elif args.input_embedding == "tied" and args.untie_embeddings_and_output_weights:
+        raise ConfigError("--untie-embeddings-and-output-weights contradicts --input-embedding tied")
+    args.untie_embeddings_and_output_weights = args.input_embedding != "tied"
+    # The LEV settings that need no vocabulary (the heads shard over TP in the lev arm only).
+    tp = args.tensor_model_parallel_size if args.input_embedding == "lev" else 1
+    LEVConfig.from_args(vars(args)).validate_settings(tp)
+
+
+def _check_precision(args) -> None:
+    """Precision."""
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+    if args.fp8_format is not None and not (args.bf16 or args.fp16):
+        raise ConfigError("--fp8-format needs --bf16 (or --fp16)")
+    args.params_dtype_name = "bfloat16" if args.bf16 else ("float16" if args.fp16 else "float32")
+    if args.fp16 or args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True if args.bf16 else args.accumulate_allreduce_grads_in_fp32
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _check_data(args) -> None:
+    """Data."""
+    split_paths = any(getattr(args, n) for n in ("train_data_path", "valid_data_path", "test_data_path"))
+    if args.mock_data:
+        if args.data_path or split_paths:
+            raise ConfigError("--mock-data cannot be combined with --data-path/--train-data-path/--valid-data-path/"
+                              "--test-data-path")
+        if args.tokenizer_type is None:
+            if args.vocab_size is None:
+                raise ConfigError("--mock-data needs --vocab-size N (or a --tokenizer-type)")
+            args.tokenizer_type = "NullTokenizer"
+    else:
+        if not args.data_path and not split_paths:
+            raise ConfigError("no training data: give --data-path (or --train-data-path), or --mock-data")
+        if args.data_path and split_paths:
+            raise ConfigError("--data-path and --train-data-path/--valid-data-path are mutually exclusive")
+        if split_paths and not args.train_data_path:
+            raise ConfigError("--valid-data-path/--test-data-path need --train-data-path")
+        if args.tokenizer_type is None:
+            raise ConfigError("--tokenizer-type is required with --data-path")
+    _validate_tokenizer_files(args)
+    if args.split is not None:
+        # The numbers megatron-core's parse_and_normalize_split reads (it takes every run of digits and dots,
+        # so "'99,1,0'" with the quotes a shell script left in is 99,1,0 there too).
+        try:
+            weights = [float(x) for x in re.findall(r"[.0-9]+", str(args.split))]
+        except ValueError:
+            raise ConfigError(f"--split {args.split!r}: expected comma-separated weights like 969,30,1") from None
+        if not weights or len(weights) > 3 or sum(weights) <= 0:
+            raise ConfigError(f"--split {args.split!r}: expected up to 3 non-negative weights with a positive sum, "
+                              "like 969,30,1")
+
+
+def _check_checkpointing(args) -> None:
+    """Checkpointing."""
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError("--save-interval needs --save DIR")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ConfigError(f"--exit-interval must be >= 1 (got {args.exit_interval})")
+    if args.ckpt_step is not None and args.load is None:
+        raise ConfigError("--ckpt-step needs --load DIR")
+    if args.skip_train and args.load is None:
+        raise ConfigError("--skip-train needs --load DIR")
+    for name in ("debug_kill_during_save", "debug_stall_during_save", "debug_enospc_during_save"):
+        value = getattr(args, name)
+        if value is not None:
+            try:
+                r, it = value.split(":")
+                setattr(args, name, f"{int(r)}:{int(it)}")
+            except ValueError:
+                raise ConfigError(f"--{name.replace('_', '-')} expects RANK:ITERATION") from None
+
+
+_CHECKS = (
+    _check_required_and_ranges,
+    _check_parallel_sizes,
+    check_parallel_flags,
+    check_batch_sizes,
+    _check_model_shape,
+    check_model_flags,
+    _check_input_arm,
+    _check_precision,
+    check_precision_flags,
+    check_training_length,
+    check_lr_schedule,
+    check_loss,
+    _check_data,
+    _check_checkpointing,
+    check_run,
+)
+
+
+def _validate_tokenizer_files(args) -> None:
+    t = args.tokenizer_type
+    need: List[str] = []
+    if t == "GPT2BPETokenizer":
+        need = ["vocab_file", "merge_file"]
+    elif t in ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "TikTokenizer"):
+        need = ["tokenizer_model"]
+    elif t == "NullTokenizer" and args.vocab_size is None:
+        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+    for name in need:
+        flag = "--" + name.replace("_", "-")
+        path = getattr(args, name)
+        if path is None:
+            raise ConfigError(f"--tokenizer-type {t} needs {flag}")
+        if not os.path.exists(path):
+            raise ConfigError(f"{flag} {path}: no such file")
+    if args.vocab_size is not None and args.vocab_size < 2:
+        raise ConfigError(f"--vocab-size must be >= 2 (got {args.vocab_size})")
+    megatron_tiktoken = t == "TikTokenizer" and args.tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS
+    if args.vocab_size is not None and t != "NullTokenizer" and not megatron_tiktoken:
+        raise ConfigError(f"--vocab-size {args.vocab_size} applies to NullTokenizer (and TikTokenizer with "
+                          f"--tiktoken-pattern v1/v2) only; {t} takes its vocabulary from its files: drop --vocab-size")
+    if (t == "TikTokenizer" and not megatron_tiktoken
+            and args.tiktoken_num_special_tokens != MEGATRON_NUM_SPECIAL_TOKENS):
+        raise ConfigError(f"--tiktoken-num-special-tokens applies to --tiktoken-pattern v1/v2 (Megatron-LM's id "
+                          f"layout); with --tiktoken-pattern {args.tiktoken_pattern} the special tokens follow the file")
+

@@ -1,0 +1,106 @@
+"""Megatron-LM's argument vocabulary against pretrain_lev.py's parser: every Megatron-LM flag we accept
+changes the resolved arguments (parsed with and without it) or is a documented no-op; every refused one
+is refused in one line naming it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from megatron_lev.arguments import build_parser, parse_args, resolved_config
+from megatron_lev.arguments.megatron_lm import NO_OPS, REFUSED, refusal
+from megatron_lev.lev.config import ConfigError
+
+VOCABULARY = [line.strip() for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 4 --lr 1e-3 --mock-data --vocab-size 100").split()
+# Flags that need another flag to be valid, and flags whose value must be given.
+NEEDS = {
+    "--fp8-amax-history-len": ["--bf16", "--fp8-format", "hybrid"], "--fp8-amax-compute-algo": ["--bf16", "--fp8-format", "hybrid"],
+    "--fp8-margin": ["--bf16", "--fp8-format", "hybrid"], "--fp8-recipe": ["--bf16", "--fp8-format", "hybrid"],
+    "--fp8-param-gather": ["--bf16", "--fp8-format", "hybrid", "--use-distributed-optimizer"],
+    "--grad-reduce-in-bf16": ["--bf16"], "--overlap-param-gather": ["--use-distributed-optimizer"],
+    "--save-interval": ["--save", "ckpt"], "--ckpt-step": ["--load", "ckpt"], "--skip-train": ["--load", "ckpt"],
+    "--lr-wsd-decay-iters": ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "1"],
+    "--group-query-attention": ["--num-query-groups", "2"],
+    "--manual-gc-interval": ["--manual-gc"], "--disable-manual-gc-eval": ["--manual-gc"],
+    "--profile-step-start": ["--profile"], "--profile-step-end": ["--profile"], "--profile-ranks": ["--profile"],
+    "--use-pytorch-profiler": ["--profile", "--tensorboard-dir", "tb"],
+    "--recompute-method": ["--recompute-granularity", "full"], "--recompute-num-layers": ["--recompute-granularity", "full"],
+}
+VALUES = {"--split": "90,10,0", "--data-cache-path": "cache", "--tensorboard-dir": "tb", "--save": "ckpt", "--load": "ckpt",
+          "--num-query-groups": "2", "--kv-channels": "8", "--max-position-embeddings": "64", "--global-batch-size": "4",
+          "--num-layers": "4", "--wandb-project": "p", "--wandb-exp-name": "e", "--wandb-save-dir": "w",
+          "--ffn-hidden-size": "96", "--lr-decay-iters": "3", "--lr-warmup-iters": "1", "--vocab-size": "120",
+          "--micro-batch-size": "1", "--min-lr": "1e-4"}
+
+
+def _value(action: argparse.Action, flag: str):
+    """A valid value for ``flag`` other than its default (None for a flag without one)."""
+    if action.nargs == 0:
+        return []
+    if flag in VALUES:
+        return [VALUES[flag]]
+    if action.choices:
+        other = [c for c in action.choices if c != action.default]
+        return [str(other[0])] if other else None  # one choice only (--ckpt-format torch_dist)
+    if action.type is int:
+        default = action.default[0] if isinstance(action.default, list) else action.default
+        return [str((default or 0) + 2)] * (action.nargs if isinstance(action.nargs, int) else 1)
+    if action.type is float:
+        return [str((action.default or 0.0) / 2 + 0.037)]
+    return ["x"]
+
+
+def test_every_accepted_megatron_lm_flag_changes_the_resolved_arguments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    accepted = [f for f in VOCABULARY if f in parser._option_string_actions]
+    assert len(accepted) > 100
+    base = resolved_config(parse_args(BASE, world_size=1))
+    unused, unnamed = [], []
+    for flag in accepted:
+        # --mock-data is in BASE; the parallel sizes need more ranks (the multi-rank tests use them).
+        if flag in NO_OPS or flag in ("--help", "--mock-data", "--tensor-model-parallel-size",
+                                      "--pipeline-model-parallel-size"):
+            continue
+        action = parser._option_string_actions[flag]
+        pre = NEEDS.get(flag, [])
+        before = base if not pre else resolved_config(parse_args(BASE + pre, world_size=1))
+        value = _value(action, flag)
+        if value is None:
+            continue
+        try:
+            after = resolved_config(parse_args(BASE + pre + [flag] + value, world_size=1))
+        except ConfigError as e:  # refused at this value (e.g. --context-parallel-size 2): named in one line
+            if flag not in str(e) or "\n" in str(e):
+                unnamed.append((flag, str(e)))
+            continue
+        if after == before:
+            unused.append(flag)
+    assert not unnamed, f"refusals that do not name their flag: {unnamed}"
+    assert not unused, f"accepted Megatron-LM flags that change nothing and are not in NO_OPS: {unused}"
+
+
+def test_no_ops_are_accepted_and_leave_the_arguments_alone():
+    base = resolved_config(parse_args(BASE, world_size=1))
+    assert set(NO_OPS) <= set(VOCABULARY) and set(NO_OPS) <= set(build_parser()._option_string_actions)
+    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader"):  # they set nothing
+        assert resolved_config(parse_args(BASE + [flag], world_size=1)) == base
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED) + ["--moe-router-topk", "--cuda-graph-scope", "--inference-max-requests"])
+def test_refused_flags_are_named_in_one_line(flag):
+    assert flag in VOCABULARY, flag
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + [flag, "1"] if flag not in ("--use-megatron-fsdp",) else BASE + [flag], world_size=1)
+    assert str(e.value).startswith(flag + ":") and "\n" not in str(e.value)
+    assert refusal(flag)
+
+
+def test_an_unknown_flag_is_still_an_error():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
+        parse_args(BASE + ["--no-such-flag"], world_size=1)

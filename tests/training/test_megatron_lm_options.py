@@ -1,0 +1,212 @@
+"""Megatron-LM options that reach megatron-core through the training loop's own builders:
+
+- ``--no-mmap-bin-files``: the run's datasets read the ``.bin`` files with file reads, not a memory map;
+- ``--use-precision-aware-optimizer`` with ``--main-grads-dtype``/``--main-params-dtype``/
+  ``--exp-avg-dtype``/``--exp-avg-sq-dtype``: the OptimizerConfig the loop builds carries them as
+  Megatron-LM's does; without Transformer Engine, or without the distributed optimizer, it is refused in
+  one line naming what is needed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lev.arguments import parse_args
+from megatron_lev.lev.config import ConfigError
+
+MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+         "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3"]
+MOCK = ["--mock-data", "--vocab-size", "1000"]
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "ds")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        builder.add_document(torch.from_numpy(rng.integers(1, 999, size=20).astype(np.int64)), [20])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+@pytest.mark.parametrize("flags, mmap", [([], True), (["--no-mmap-bin-files"], False)])
+def test_no_mmap_bin_files_reaches_the_indexed_dataset(dataset, flags, mmap):
+    from megatron.core.datasets.indexed_dataset import _FileBinReader, _MMapBinReader
+
+    from megatron_lev.training.data import build_datasets
+    from megatron_lev.training.loop import _setup_configs
+
+    argv = MODEL + ["--eval-iters", "0", "--split", "1,0,0", "--data-path", dataset,
+                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"] + flags
+    args, tok, _, _ = _setup_configs(argv)
+    train, _, _ = build_datasets(args, tok)
+    assert train.config.mmap_bin_files is mmap
+    indexed = train.dataset
+    assert indexed.mmap is mmap
+    assert isinstance(indexed.bin_reader, _MMapBinReader if mmap else _FileBinReader)
+    assert len(train[0]["tokens"]) == 8  # the file reader reads the same samples
+
+
+# ------------------------------------------------------------------------------------------ optimizer
+
+PRECISION_AWARE = ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer"]
+DTYPES = ["--main-grads-dtype", "bf16", "--main-params-dtype", "fp16", "--exp-avg-dtype", "fp8",
+          "--exp-avg-sq-dtype", "bf16"]
+
+
+def _parse(extra):
+    return parse_args(MODEL + MOCK + extra, world_size=1)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer needs --use-distributed-optimizer"),
+    (["--use-precision-aware-optimizer", "--use-distributed-optimizer", "--optimizer", "sgd"],
+     "--use-precision-aware-optimizer needs --optimizer adam (got sgd)"),
+    (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
+    (["--bf16", "--main-grads-dtype", "bf16"], "--main-grads-dtype bf16 needs --use-precision-aware-optimizer"),
+])
+def test_precision_aware_optimizer_refusals_name_what_is_needed(extra, message):
+    with pytest.raises(ConfigError) as e:
+        _parse(extra)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_precision_aware_optimizer_without_transformer_engine_is_refused_in_one_line():
+    from megatron_lev.arguments.precision import precision_aware_optimizer_refusal
+
+    if precision_aware_optimizer_refusal() is None:  # Transformer Engine's FusedAdam is megatron-core's Adam
+        assert _parse(PRECISION_AWARE).use_precision_aware_optimizer
+        return
+    with pytest.raises(ConfigError) as e:
+        _parse(PRECISION_AWARE)
+    msg = str(e.value)
+    assert msg.startswith("--use-precision-aware-optimizer needs Transformer Engine's FusedAdam") and "\n" not in msg
+    assert "install transformer-engine[pytorch]" in msg
+
+
+def test_default_optimizer_config_keeps_every_state_in_fp32():
+    from megatron_lev.training.loop import optimizer_config
+
+    args = _parse(["--bf16", "--use-distributed-optimizer"])
+    cfg = optimizer_config(args, torch.bfloat16)
+    assert not cfg.use_precision_aware_optimizer and cfg.use_distributed_optimizer and cfg.bf16
+    assert {cfg.main_grads_dtype, cfg.main_params_dtype, cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype} == {torch.float32}
+    assert cfg.fp8_recipe is None  # no FP8
+    fp8 = _parse(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
+    assert optimizer_config(fp8, torch.bfloat16).fp8_recipe == "tensorwise"
+    assert args.accumulate_allreduce_grads_in_fp32  # bf16: fp32 gradient buffers, as Megatron-LM
+
+
+@pytest.fixture
+def te_fused_adam(monkeypatch):
+    """A stand-in for Transformer Engine's FusedAdam with the signature megatron-core's OptimizerConfig
+    inspects, installed where megatron-core looks for it (``transformer_engine.pytorch.optimizers`` and
+    ``megatron.core.optimizer.Adam``), so that the OptimizerConfig the loop builds can be checked on a
+    machine without TE. It is never stepped."""
+    import sys
+    import types
+
+    import megatron.core.optimizer as mcore_optimizer
+    import megatron.core.utils as mcore_utils
+
+    from megatron_lev.models.config import te_available
+
+    te_available()  # megatron-core's own TE probes run first, against the real installation
+
+    class FusedAdam:
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adam_w_mode=True,
+                     master_weights=False, master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32,
+                     exp_avg_sq_dtype=torch.float32, use_decoupled_grad=False, store_param_remainders=False):
+            raise AssertionError("the stand-in FusedAdam is for configuration checks only")
+
+    FusedAdam.__module__ = "transformer_engine.pytorch.optimizers"
+    te = types.ModuleType("transformer_engine")
+    te.__version__ = "2.8.0"
+    te.pytorch = types.ModuleType("transformer_engine.pytorch")
+    te.pytorch.optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
+    te.pytorch.optimizers.FusedAdam = FusedAdam
+    for name, module in (("transformer_engine", te), ("transformer_engine.pytorch", te.pytorch),
+                         ("transformer_engine.pytorch.optimizers", te.pytorch.optimizers)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(mcore_optimizer, "Adam", FusedAdam)
+    monkeypatch.setattr(mcore_utils, "_te_version", None)  # megatron-core caches the TE version it reads
+    return FusedAdam
+
+
+def test_precision_aware_optimizer_config_carries_the_state_dtypes(te_fused_adam):
+    from megatron_lev.training.loop import optimizer_config
+
+    args = _parse(PRECISION_AWARE + DTYPES)
+    cfg = optimizer_config(args, torch.bfloat16)
+    assert cfg.use_precision_aware_optimizer and cfg.use_distributed_optimizer
+    assert (cfg.main_grads_dtype, cfg.main_params_dtype, cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype) == \
+        (torch.bfloat16, torch.float16, torch.uint8, torch.bfloat16)
+    # megatron-core: with main parameters other than fp32, TE's FusedAdam keeps them (decoupled grads).
+    assert cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    # bf16 main gradients: the gradient buffers, and their reduction, are bf16 (Megatron-LM's rule).
+    assert not args.accumulate_allreduce_grads_in_fp32
+    # The defaults: fp32 states, fp32 gradient buffers.
+    args = _parse(PRECISION_AWARE)
+    cfg = optimizer_config(args, torch.bfloat16)
+    assert cfg.use_precision_aware_optimizer and cfg.main_grads_dtype == cfg.exp_avg_dtype == torch.float32
+    assert args.accumulate_allreduce_grads_in_fp32
+
+
+def test_bf16_main_grads_need_bf16(te_fused_adam):
+    with pytest.raises(ConfigError, match="^--main-grads-dtype bf16 needs --bf16$"):
+        _parse(["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"])
+
+
+LEV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+       "--micro-batch-size", "2", "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "1000",
+       "--eval-iters", "1", "--quiet-config", "--input-embedding", "lev", "--lev-seed-dim", "16", "--lev-rank", "8",
+       "--lev-heads", "2", "--lev-knots", "8"] + MOCK + PRECISION_AWARE + \
+      ["--main-grads-dtype", "bf16", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+
+
+def precision_aware_state(argv):
+    """The Adam megatron-core builds for ``argv`` (a "call" step of the multi-run job): its class, the
+    state dtypes it was given, and the dtypes of the gradient buffers."""
+    from megatron_lev import checkpoint
+    from megatron_lev.training import loop
+
+    args, _tok, config, model_config = loop._setup_configs(argv)
+    chunks = checkpoint.build_model_chunks(config, model_config)
+    model = loop._wrap_model(args, config, chunks)
+    optimizer, _ = loop._build_optimizer(args, config, model)
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])][0]
+    return {"adam": f"{type(inner).__module__}.{type(inner).__name__}",
+            "exp_avg_dtype": str(getattr(inner, "exp_avg_dtype", None)),
+            "exp_avg_sq_dtype": str(getattr(inner, "exp_avg_sq_dtype", None)),
+            "grad_dtypes": sorted({str(b.grad_dtype) for c in model for b in c.buffers})}
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+def test_precision_aware_optimizer_trains_with_transformer_engine(tmp_path):
+    import json
+
+    from tests.training._multi_run import launch_plan
+
+    metrics = tmp_path / "m.jsonl"
+    plan = [{"name": "train", "argv": LEV + ["--train-iters", "3", "--metrics-file", str(metrics)]},
+            {"name": "state", "call": "tests.training.test_megatron_lm_options:precision_aware_state",
+             "args": [LEV + ["--train-iters", "3"]]}]
+    runs = launch_plan(1, plan, tmp_path / "job")
+    for name in ("train", "state"):
+        assert runs[name].code == 0, f"{name}:\n{runs[name].stdout[-3000:]}\n{runs[name].job_stderr[-5000:]}"
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    losses = [r["lm loss"] for r in rows if r["kind"] == "train"]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    state = runs["state"].results[0]
+    assert state["adam"].startswith("transformer_engine.") and "FusedAdam" in state["adam"], state
+    assert state["exp_avg_dtype"] == state["exp_avg_sq_dtype"] == "torch.bfloat16", state
+    assert state["grad_dtypes"] == ["torch.bfloat16"], state  # --main-grads-dtype bf16: bf16 gradient buffers
