@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from megatron_lev.compat.versions import megatron_core_version
+from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core_version
 
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
     check_intact, checkpoint_dir, damaged_checkpoint_message, find_checkpoint, load_common, \
@@ -304,19 +304,24 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _any_rank_failed(failed: bool) -> bool:
+_WRITTEN, _FAILED, _NO_SPACE = 0, 1, 2
+
+
+def _outcome_on_all_ranks(error: Optional[BaseException]) -> int:
+    """The worst outcome of this step over all ranks: _WRITTEN, _FAILED, or _NO_SPACE (a full disk on
+    some rank, which the others' errors need not say: a rank's CheckpointException carries the other
+    ranks' writer errors only as text, and from megatron-core 0.19 without their errno)."""
     from megatron_lev.parallel.collectives import all_reduce_
 
-    t = torch.tensor([1 if failed else 0], dtype=torch.int32)
-    return bool(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
+    code = _WRITTEN if error is None else _NO_SPACE if _no_space(error) else _FAILED
+    t = torch.tensor([code], dtype=torch.int32)
+    return int(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
 
 
-def _save_failed(root: str, iteration: int, path: str, error: Optional[BaseException]) -> CheckpointSaveError:
-    """Remove the partial ``path`` (rank 0) and describe the failure in one line (on every rank).
-
-    A full disk on any rank is named as such on all: a rank whose peer failed may only hold
-    dist_checkpointing's exception without the cause (``CheckpointException ranks:dict_keys([])``)."""
-    no_space = _any_rank_failed(error is not None and _no_space(error))
+def _save_failed(root: str, iteration: int, path: str, error: Optional[BaseException],
+                 no_space: bool) -> CheckpointSaveError:
+    """Remove the partial ``path`` (rank 0) and describe the failure in one line (on every rank);
+    ``no_space``: some rank's disk was full."""
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
     torch.distributed.barrier()
@@ -396,14 +401,18 @@ def save_checkpoint(
         _fail_writers_with_enospc()
 
     error: Optional[BaseException] = None
-    try:
-        dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # a full disk, an I/O error (torch's CheckpointException is a BaseException)
-        error = e
-    if _any_rank_failed(error is not None):  # every rank's shards are on disk, or none goes on
-        raise _save_failed(root, iteration, path, error)
+    with checkpoint_writer_errors() as writer_errors:
+        try:
+            dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a full disk, an I/O error (torch's CheckpointException is a BaseException)
+            error = e
+    if writer_errors:  # this rank's writer failed: its own error says more than the save's wrapping of it
+        error = writer_errors[0]
+    outcome = _outcome_on_all_ranks(error)
+    if outcome != _WRITTEN:  # every rank's shards are on disk, or none goes on
+        raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
     if rank == 0:
         try:
             with open(os.path.join(path, CONFIG_NAME), "w", encoding="utf-8") as f:
@@ -411,8 +420,9 @@ def save_checkpoint(
             write_tracker(root, iteration)
         except OSError as e:
             error = e
-    if _any_rank_failed(error is not None):
-        raise _save_failed(root, iteration, path, error)
+    outcome = _outcome_on_all_ranks(error)
+    if outcome != _WRITTEN:
+        raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
     log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
     return path
 

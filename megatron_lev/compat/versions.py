@@ -7,11 +7,12 @@ detection, so the rest of the package is written once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import logging
 import os
-from typing import Optional
+from typing import Iterator, List, Optional
 
 from packaging.version import Version
 
@@ -113,3 +114,35 @@ def batch_size_calculator(kind: str):
 
     name = {"rampup": "RampupBatchsizeNumMicroBatchesCalculator", "step": "StepBatchsizeNumMicroBatchesCalculator"}
     return getattr(nmc, name[kind], None)
+
+
+@contextlib.contextmanager
+def checkpoint_writer_errors() -> Iterator[List[BaseException]]:
+    """Collect, for the duration of a ``dist_checkpointing.save``, the exceptions its file writers hit.
+
+    Up to 0.16.1 the writers are forked processes whose exceptions (an ``OSError`` with its errno) come back
+    through a queue into the ``CheckpointException`` the save raises. 0.19 writes with threads
+    (``FileSystemWriterAsync.write_preloaded_data_multithread``) and the last bucket in the calling thread,
+    whose failure it re-raises as ``AssertionError(<class 'OSError'>)``: the save then says only
+    "Worker failure: ... <class 'OSError'>", and a full disk cannot be told from any other error. There the
+    writer's own result is recorded here (same process); on older releases the list stays empty."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    errors: List[BaseException] = []
+    if not hasattr(FileSystemWriterAsync, "write_preloaded_data_multithread"):
+        yield errors
+        return
+    original = FileSystemWriterAsync.__dict__["write_preloaded_data"]
+    write = original.__func__ if isinstance(original, staticmethod) else original
+
+    def recorded(*args, **kwargs):
+        out = write(*args, **kwargs)  # (worker index, write results or the exception it caught)
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], BaseException):
+            errors.append(out[1])
+        return out
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(recorded)
+    try:
+        yield errors
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = original

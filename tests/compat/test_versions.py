@@ -77,3 +77,20 @@ def test_checkpoint_without_common_pt_is_refused_where_its_reader_is_missing(tmp
     msg = versions.unreadable_checkpoint(path)
     assert msg is not None and "\n" not in msg and "no common.pt" in msg and "import-hf" in msg
     assert versions.unreadable_checkpoint(_checkpoint_dir(tmp_path, common_pt=True)) is None
+
+
+def test_checkpoint_writer_errors_are_recorded_where_the_save_drops_them(tmp_path):
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync as Writer
+
+    before = Writer.__dict__["write_preloaded_data"]
+    threaded = hasattr(Writer, "write_preloaded_data_multithread")  # 0.19: the writers are threads of this process
+    with versions.checkpoint_writer_errors() as errors:
+        if threaded:
+            bucket = (str(tmp_path / "absent" / "__0_0.distcp"), "__0_0", ([], []))
+            index, result = Writer.write_preloaded_data([], 0, bucket, None, None, False)
+            assert index == 0 and isinstance(result, FileNotFoundError)
+            assert errors == [result]
+        else:  # up to 0.16.1: forked writers, whose errors reach the save's exception intact
+            assert Writer.__dict__["write_preloaded_data"] is before
+            assert errors == []
+    assert Writer.__dict__["write_preloaded_data"] is before
