@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lev.data.preprocessing import BadInputError, EmptyOutputError, OutputWriteError, PreprocessConfig, \
     PreprocessError, preprocess  # noqa: E402
 from megatron_lev.tokenizer import TokenizerSpec  # noqa: E402
+from megatron_lev.tokenizer.tokenizers import vocab_size_refusal  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
-    if a.vocab_size is not None and a.tokenizer_type != "NullTokenizer":
-        print(f"error: --vocab-size {a.vocab_size} applies to NullTokenizer only; {a.tokenizer_type} takes its "
-              "vocabulary from its files: drop --vocab-size", file=sys.stderr)
+    refusal = vocab_size_refusal(a.tokenizer_type, a.vocab_size, getattr(a, "tiktoken_pattern", None))
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
         sys.exit(2)
     if a.partitions > 1 and a.partition_index is None:
         p.error("--partitions N needs --partition-index I (run one part per node, then tools/merge_datasets.py)")

@@ -11,7 +11,7 @@ from typing import List
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models.config import check_parallel_settings
-from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS
+from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, vocab_size_refusal
 
 from .model import check_model_flags
 from .parallel import check_parallel_flags
@@ -241,9 +241,9 @@ def _validate_tokenizer_files(args) -> None:
     if args.vocab_size is not None and args.vocab_size < 2:
         raise ConfigError(f"--vocab-size must be >= 2 (got {args.vocab_size})")
     megatron_tiktoken = t == "TikTokenizer" and args.tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS
-    if args.vocab_size is not None and t != "NullTokenizer" and not megatron_tiktoken:
-        raise ConfigError(f"--vocab-size {args.vocab_size} applies to NullTokenizer (and TikTokenizer with "
-                          f"--tiktoken-pattern v1/v2) only; {t} takes its vocabulary from its files: drop --vocab-size")
+    refusal = vocab_size_refusal(t, args.vocab_size, args.tiktoken_pattern)
+    if refusal:
+        raise ConfigError(refusal)
     if (t == "TikTokenizer" and not megatron_tiktoken
             and args.tiktoken_num_special_tokens != MEGATRON_NUM_SPECIAL_TOKENS):
         raise ConfigError(f"--tiktoken-num-special-tokens applies to --tiktoken-pattern v1/v2 (Megatron-LM's id "

@@ -52,6 +52,18 @@ MEGATRON_NUM_SPECIAL_TOKENS = 1000
 MEGATRON_TIKTOKEN_MAX_VOCAB = 2**17
 
 
+def vocab_size_refusal(tokenizer_type: str, vocab_size: Optional[int],
+                       tiktoken_pattern: Optional[str]) -> Optional[str]:
+    """Why ``--vocab-size`` does not apply to this tokenizer (one line), or None where it does: NullTokenizer,
+    and a TikTokenizer in Megatron-LM's id layout (``--tiktoken-pattern v1/v2``), which cuts its file there."""
+    if vocab_size is None or tokenizer_type == "NullTokenizer":
+        return None
+    if tokenizer_type == "TikTokenizer" and tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS:
+        return None
+    return (f"--vocab-size {vocab_size} applies to NullTokenizer (and TikTokenizer with --tiktoken-pattern v1/v2) "
+            f"only; {tokenizer_type} takes its vocabulary from its files: drop --vocab-size")
+
+
 def _pattern_regex(pattern: str) -> str:
     if pattern not in TIKTOKEN_PATTERNS:
         raise ValueError(f"unknown tiktoken pattern {pattern!r}; choose one of {sorted(TIKTOKEN_PATTERNS)}")

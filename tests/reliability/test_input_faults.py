@@ -466,9 +466,9 @@ def test_vocab_size_with_a_tokenizer_that_has_files_is_refused(tmp_path, capsys)
         preprocess_main(["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o"), *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
-    assert err[0] == ("error: --vocab-size 1000 applies to NullTokenizer only; TikTokenizer takes its vocabulary "
-                      "from its files: drop --vocab-size")
-    with pytest.raises(ConfigError, match="^--vocab-size 1000 applies to NullTokenizer only; TikTokenizer"):
+    assert err[0] == ("error: --vocab-size 1000 applies to NullTokenizer (and TikTokenizer with --tiktoken-pattern "
+                      "v1/v2) only; TikTokenizer takes its vocabulary from its files: drop --vocab-size")
+    with pytest.raises(ConfigError, match=r"^--vocab-size 1000 applies to NullTokenizer \(and TikTokenizer with "):
         parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
                     "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", *flags])
 
