@@ -50,7 +50,7 @@ from megatron_lev.parallel.collectives import all_reduce_
 from megatron_lev.tokenizer import tokenizer_fingerprint
 
 from .logger import TrainingLogger
-from .moe_metrics import step_aux_losses
+from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
@@ -1009,6 +1009,7 @@ def _next_batch(run: _Run, state: _State, interval: _Interval) -> Optional[int]:
 
 def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
     args = run.args
+    reset_aux_loss_trackers()
     interval = _Interval(start=time.time())
     for chunk in run.model:
         chunk.train()
