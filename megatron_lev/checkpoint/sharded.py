@@ -609,6 +609,7 @@ def _saved_keys(common: Dict[str, Any], path: str) -> set:
     except Exception:  # pragma: no cover - metadata unreadable: assume everything is there
         return {"optimizer"}
     keys = {k.split(".")[0] for k in meta}
-    if any(k.startswith("optimizer") for k in meta):
+    # A chained optimizer (the dense and the expert parameters of an MoE model) saves under chained_<i>.
+    if any(k.startswith(("optimizer", "chained_")) for k in meta):
         keys.add("optimizer")
     return keys
