@@ -30,7 +30,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "data": {"jsonl", "tokenizer"},
     "_procutil": set(),
     "checkpoint": {"_procutil", "compat", "distributed", "lev", "models", "parallel", "tokenizer"},
-    "arguments": {"compat", "config_flags", "lev", "models", "tokenizer"},
+    "arguments": {"compat", "config_flags", "distributed", "lev", "models", "tokenizer"},
     "evaluation": {"checkpoint", "distributed", "jsonl", "lev", "models", "parallel", "tokenizer"},
     "conversion": {"arguments", "checkpoint", "distributed", "evaluation", "kernels", "lev", "models", "parallel",
                    "tokenizer"},

@@ -5,6 +5,7 @@ One module per flag group, in ``--help`` order:
 - ``model``: model shape under Megatron-LM's names (``--num-layers``, ``--swiglu``, ...).
 - ``lev``: the input arm and every ``--lev-*`` flag, generated from ``LevModelConfig`` and ``LEVConfig``.
 - ``parallel``: TP/PP/virtual stages, sequence parallelism, distributed optimizer, DDP overlap.
+- ``moe``: mixture of experts (``--num-experts``, ``--moe-*``, expert parallelism) and multi-token prediction.
 - ``precision``: bf16/fp16, loss scaling, FP8.
 - ``schedule``: optimizer, learning-rate and weight-decay schedule, batch sizes, training length.
 - ``data``: datasets, loader, tokenizer (``TokenizerSpec.add_flags``).
@@ -37,6 +38,7 @@ from .data import add_data_flags
 from .lev import add_lev_flags
 from .megatron_lm import add_megatron_lm_flags, refusal
 from .model import add_model_flags
+from .moe import add_moe_flags
 from .parallel import add_parallel_flags
 from .precision import add_precision_flags
 from .run import add_run_flags
@@ -47,7 +49,7 @@ __all__ = ["ConfigError", "build_parser", "config_to_yaml", "format_config", "lo
            "resolved_config", "validate_args"]
 
 # The flag groups, in --help order.
-_GROUPS = (add_model_flags, add_lev_flags, add_parallel_flags, add_precision_flags, add_schedule_flags,
+_GROUPS = (add_model_flags, add_lev_flags, add_parallel_flags, add_moe_flags, add_precision_flags, add_schedule_flags,
            add_data_flags, add_checkpointing_flags, add_run_flags, add_megatron_lm_flags)
 
 

@@ -3,7 +3,7 @@ what to use instead, so that no flag of a Megatron-LM script is accepted and ign
 are accepted and do nothing here, with the reason (``NO_OPS``).
 
 A refused flag is not registered with the parser: argparse leaves it unrecognised and ``refusal`` names
-it (an exact flag, or a family by prefix, such as every ``--moe-*`` flag).
+it (an exact flag, or a family by prefix, such as the ``--moe-*`` flags ``arguments.moe`` does not define).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ NO_OPS = {
 _FSDP = "Megatron-FSDP / torch FSDP2 are not supported here; use --use-distributed-optimizer (ZeRO-1 sharding)"
 _CUDA_GRAPHS = "CUDA graphs are not supported here; drop the flag"
 _INFERENCE = "the inference server and engine are not part of this fork; train here, serve the exported model"
-_MOE = "mixture-of-experts layers are not implemented here yet; train a dense model"
+_MOE = ("this mixture-of-experts option is not implemented here; the MoE flags here are those of "
+        "megatron_lev/arguments/moe.py (see --help)")
 
 # Exact flags: the reason and the fix.
 REFUSED = {
@@ -36,15 +37,11 @@ REFUSED = {
                                      "drop the flag",
     "--enable-cuda-graph": _CUDA_GRAPHS,
     "--external-cuda-graph": _CUDA_GRAPHS,
-    "--num-experts": _MOE,
-    "--expert-model-parallel-size": _MOE,
-    "--expert-tensor-parallel-size": _MOE,
     "--no-position-embedding": "deprecated in Megatron-LM; use --position-embedding-type none",
     "--use-flash-attn": "deprecated in Megatron-LM; use --attention-backend flash",
     "--checkpoint-activations": "deprecated in Megatron-LM; use --recompute-activations or --recompute-granularity",
     "--spec": "layer specs are chosen by --transformer-impl (transformer_engine or local)",
     "--multi-latent-attention": "multi-latent attention is not implemented here; drop the flag",
-    "--mtp-num-layers": "multi-token prediction is not implemented here yet; drop the flag",
 }
 
 # Families by prefix: the reason and the fix.

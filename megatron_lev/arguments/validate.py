@@ -14,6 +14,7 @@ from megatron_lev.models.config import check_parallel_settings
 from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, vocab_size_refusal
 
 from .model import check_model_flags
+from .moe import check_moe_flags
 from .parallel import check_parallel_flags
 from .precision import check_precision_flags
 from .run import check_run
@@ -210,6 +211,7 @@ _CHECKS = (
     check_batch_sizes,
     _check_model_shape,
     check_model_flags,
+    check_moe_flags,
     _check_input_arm,
     _check_precision,
     check_precision_flags,

@@ -78,7 +78,19 @@ def _layout() -> Dict[str, int]:
     from megatron.core import parallel_state as ps
 
     return {"world_size": torch.distributed.get_world_size(),
-            "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size()}
+            "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size()}
+
+
+def _saved_layout(common: Dict[str, Any]) -> Dict[str, Any]:
+    """The layout a checkpoint was saved at; one saved before the expert sizes were recorded had none
+    (EP 1, expert TP = TP, megatron-core's defaults)."""
+    layout = dict(common.get("layout") or {})
+    if layout:
+        layout.setdefault("ep", 1)
+        layout.setdefault("etp", layout.get("tp"))
+    return layout
 
 
 def _ensure_optimizer_state(optimizer) -> None:
@@ -545,19 +557,20 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     for name in STRUCTURE_ARGS:
         if name in saved_args and saved_args[name] != run_args.get(name):
             raise CheckpointError(_structure_mismatch(name, saved_args[name], run_args.get(name),
-                                                      common.get("layout") or {}, _layout(), path))
-    same_layout = common.get("layout") == _layout()
+                                                      _saved_layout(common), _layout(), path))
+    same_layout = _saved_layout(common) == _layout()
     want_rng = load_rng and not finetune
     load_optim = load_optim and not finetune and "optimizer" in _saved_keys(common, path)
     load_rng = want_rng and same_layout
     sharding = common.get("optim_sharding_type", "dp_reshardable")
     layout = _layout()
-    saved_layout = common.get("layout") or {}
+    saved_layout = _saved_layout(common)
     if load_optim and sharding == "dp_reshardable" and any(
-            saved_layout.get(k) != layout[k] for k in ("tp", "pp")):
+            saved_layout.get(k) != layout[k] for k in ("tp", "pp", "ep", "etp")):
         raise CheckpointError(
             f"{path}: optimizer state saved at TP={saved_layout.get('tp')} PP={saved_layout.get('pp')} "
-            f"(dp_reshardable) cannot be loaded at TP={layout['tp']} PP={layout['pp']}; pass --no-load-optim "
+            f"EP={saved_layout.get('ep')} ETP={saved_layout.get('etp')} (dp_reshardable) cannot be loaded at "
+            f"TP={layout['tp']} PP={layout['pp']} EP={layout['ep']} ETP={layout['etp']}; pass --no-load-optim "
             "(or save with --dist-ckpt-optim-fully-reshardable)")
     saved, match = saved_keys(path), KeyMatch()
     state = _sharded_state_dict(model, optimizer, include_optim=load_optim, include_rng=load_rng, is_loading=True,
@@ -587,7 +600,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     if load_rng:
         _set_rng_state(loaded["rng_state"])
     elif want_rng:
-        log(f"WARNING: checkpoint layout {common.get('layout')} differs from this run's {_layout()}: "
+        log(f"WARNING: checkpoint layout {saved_layout} differs from this run's {_layout()}: "
             "RNG states not restored")
     log(f"  successfully loaded checkpoint from {root} at iteration {iteration}")
     if finetune:
@@ -606,6 +619,7 @@ def _saved_keys(common: Dict[str, Any], path: str) -> set:
     except Exception:  # pragma: no cover - metadata unreadable: assume everything is there
         return {"optimizer"}
     keys = {k.split(".")[0] for k in meta}
-    if any(k.startswith("optimizer") for k in meta):
+    # A chained optimizer (the dense and the expert parameters of an MoE model) saves under chained_<i>.
+    if any(k.startswith(("optimizer", "chained_")) for k in meta):
         keys.add("optimizer")
     return keys

@@ -50,6 +50,7 @@ from megatron_lev.parallel.collectives import all_reduce_
 from megatron_lev.tokenizer import tokenizer_fingerprint
 
 from .logger import TrainingLogger
+from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
@@ -96,6 +97,8 @@ class _Interval:
     samples: int = 0
     flops: float = 0.0
     losses: List[float] = field(default_factory=list)
+    aux_losses: Dict[str, List[float]] = field(default_factory=dict)
+    """The MoE and MTP losses of each step (``moe_metrics.step_aux_losses``), by name."""
 
 
 class SignalHandler:
@@ -351,6 +354,23 @@ def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Optional[fl
     return float(buf[0] / buf[1])
 
 
+def _aux_losses(config, num_microbatches: int, iteration: int) -> Dict[str, float]:
+    """The step's MoE and MTP losses on every rank (``step_aux_losses`` is a collective; rank 0, which logs,
+    gets the MTP losses from the last stage). Empty for a dense model without MTP (no collective)."""
+    from megatron.core import parallel_state as ps
+
+    losses = step_aux_losses(config, num_microbatches, iteration)
+    mtp = [f"mtp_{k + 1} loss" for k in range(config.mtp_num_layers or 0)]
+    if mtp:
+        # One contributor (the last stage's first TP and DP rank), so the sum is its value exactly.
+        own = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+               and ps.get_data_parallel_rank() == 0)
+        buf = torch.tensor([losses.get(n, 0.0) if own else 0.0 for n in mtp], dtype=torch.float64)
+        all_reduce_(buf)
+        losses.update(zip(mtp, buf.tolist()))
+    return losses
+
+
 def _grads_finite(model) -> bool:
     """True when this rank's gradients are all finite.
 
@@ -488,7 +508,8 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         setup = init_distributed(
             tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
             vpp=args.virtual_pipeline_model_parallel_size, backend=args.distributed_backend,
-            timeout_minutes=args.distributed_timeout_minutes)
+            timeout_minutes=args.distributed_timeout_minutes, ep=args.expert_model_parallel_size,
+            etp=args.expert_tensor_parallel_size)
     except (_StartupError, DistributedConfigError) as e:
         report_error(str(e), show=rank_env == 0)
         return EXIT_CONFIG_ERROR
@@ -866,7 +887,8 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
     logger.record("train", state.iteration, {
         "lm loss": loss, "lm loss hex": float(loss).hex() if loss is not None else None,
         "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
-        "consumed_samples": state.consumed_train_samples, "global_batch_size": global_batch_size})
+        "consumed_samples": state.consumed_train_samples, "global_batch_size": global_batch_size,
+        **{name: values[-1] for name, values in interval.aux_losses.items()}})
     if state.iteration % args.log_interval != 0:
         return
     elapsed = max(time.time() - interval.start, 1e-9)
@@ -875,18 +897,20 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
     tflops = interval.flops / elapsed / torch.distributed.get_world_size() / 1e12
     mfu = tflops / run.peak if run.peak else None
     avg = sum(interval.losses) / len(interval.losses) if interval.losses else float("nan")
+    losses = {"lm loss": avg, **{name: sum(v) / len(v) for name, v in interval.aux_losses.items()}}
     logger.log(logger.training_line(
         iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_train_samples,
         consumed_tokens=state.consumed_train_samples * args.seq_length, ms_per_iter=per_iter * 1000,
-        lr=lr, global_batch_size=global_batch_size, losses={"lm loss": avg},
+        lr=lr, global_batch_size=global_batch_size, losses=losses,
         loss_scale=loss_scale, grad_norm=grad_norm, skipped=state.skipped_iterations,
         nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu))
     logger.scalars(state.iteration, {
-        "lm loss": avg, "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm,
+        **losses, "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm,
         "batch-size": global_batch_size, "tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
         "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
     }, consumed_samples=state.consumed_train_samples)
     interval.start, interval.iters, interval.samples, interval.flops, interval.losses = time.time(), 0, 0, 0.0, []
+    interval.aux_losses = {}
 
 
 class _Profiler:
@@ -985,6 +1009,7 @@ def _next_batch(run: _Run, state: _State, interval: _Interval) -> Optional[int]:
 
 def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
     args = run.args
+    reset_aux_loss_trackers()
     interval = _Interval(start=time.time())
     for chunk in run.model:
         chunk.train()
@@ -1004,6 +1029,9 @@ def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
                 # The failed step was not applied: this is the state after the last good iteration.
                 _save(run, state, state.iteration)
             return EXIT_NAN
+        # Every step, as Megatron-LM's training_log: the routers' trackers hold this step's losses.
+        for name, value in _aux_losses(run.config, num_microbatches, state.iteration + 1).items():
+            interval.aux_losses.setdefault(name, []).append(value)
         state.iteration += 1
         state.consumed_train_samples += global_batch
         if not ok:

@@ -31,9 +31,19 @@ def aux_loss_names(config: Any) -> List[str]:
     return names
 
 
+def reset_aux_loss_trackers() -> None:
+    """Empty megatron-core's MoE and MTP loss trackers (process globals). Their value tensors are sized
+    by the first model that fills them (layers + MTP layers), so a second run in the same process with
+    another depth would index past them."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
+
+
 def step_aux_losses(config: Any, num_microbatches: int, iteration: int = 0) -> Dict[str, float]:
-    """The step's MoE auxiliary losses (each already times its coefficient, as megatron-core tracks
-    them) and, with MTP, ``mtp_<k> loss`` (the unscaled cross-entropy of MTP layer k); the
+    """The step's MoE auxiliary losses (without their coefficients: megatron-core's router tracks the
+    loss divided by ``--moe-aux-loss-coeff`` / ``--moe-z-loss-coeff``, ~1 for a balanced load) and, with MTP, ``mtp_<k> loss`` (the unscaled cross-entropy of MTP layer k); the
     trackers are cleared for the next step. Empty for a dense model without MTP."""
     out: Dict[str, float] = {}
     if getattr(config, "num_moe_experts", None):

@@ -247,6 +247,7 @@ def test_qkv_and_fc1_split_follow_megatron_grouping():
     ({"disable_bias_linear": False}, "--disable-bias-linear not set"),
     ({"position_embedding_type": "learned_absolute"}, "--position-embedding-type learned_absolute"),
     ({"rotary_percent": 0.5}, "--rotary-percent 0.5"),
+    ({"num_experts": 4}, "MoE checkpoints do not export to Hugging Face yet; this one has --num-experts 4"),
 ])
 def test_hf_export_refuses_non_llama_settings(setting, expected):
     from megatron_lev.conversion import ConversionError, check_hf_compatible

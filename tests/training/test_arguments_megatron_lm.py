@@ -35,7 +35,7 @@ VALUES = {"--split": "90,10,0", "--data-cache-path": "cache", "--tensorboard-dir
           "--num-query-groups": "2", "--kv-channels": "8", "--max-position-embeddings": "64", "--global-batch-size": "4",
           "--num-layers": "4", "--wandb-project": "p", "--wandb-exp-name": "e", "--wandb-save-dir": "w",
           "--ffn-hidden-size": "96", "--lr-decay-iters": "3", "--lr-warmup-iters": "1", "--vocab-size": "120",
-          "--micro-batch-size": "1", "--min-lr": "1e-4"}
+          "--micro-batch-size": "1", "--min-lr": "1e-4", "--moe-layer-freq": "[1,0]"}
 
 
 def _value(action: argparse.Action, flag: str):
@@ -92,7 +92,7 @@ def test_no_ops_are_accepted_and_leave_the_arguments_alone():
         assert resolved_config(parse_args(BASE + [flag], world_size=1)) == base
 
 
-@pytest.mark.parametrize("flag", sorted(REFUSED) + ["--moe-router-topk", "--cuda-graph-scope", "--inference-max-requests"])
+@pytest.mark.parametrize("flag", sorted(REFUSED) + ["--moe-expert-capacity-factor", "--cuda-graph-scope", "--inference-max-requests"])
 def test_refused_flags_are_named_in_one_line(flag):
     assert flag in VOCABULARY, flag
     with pytest.raises(ConfigError) as e:
