@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from megatron_lev.lev.config import ConfigError
+
 # Accepted flags that change nothing here, and why (the vocabulary test checks every other accepted flag
 # changes the resolved arguments).
 NO_OPS = {
@@ -20,6 +22,9 @@ NO_OPS = {
                                "without it)",
     "--no-create-attention-mask-in-dataloader": "the loader never builds a dense attention mask here (attention "
                                                 "is causal in the kernel): already the behaviour",
+    "--no-position-embedding": "deprecated in Megatron-LM, which accepts it only with --position-embedding-type "
+                               "rope, where there is no learned position table to disable; refused with any other "
+                               "type (use --position-embedding-type none)",
 }
 
 _FSDP = "Megatron-FSDP / torch FSDP2 are not supported here; use --use-distributed-optimizer (ZeRO-1 sharding)"
@@ -37,7 +42,6 @@ REFUSED = {
                                      "drop the flag",
     "--enable-cuda-graph": _CUDA_GRAPHS,
     "--external-cuda-graph": _CUDA_GRAPHS,
-    "--no-position-embedding": "deprecated in Megatron-LM; use --position-embedding-type none",
     "--use-flash-attn": "deprecated in Megatron-LM; use --attention-backend flash",
     "--checkpoint-activations": "deprecated in Megatron-LM; use --recompute-activations or --recompute-granularity",
     "--spec": "layer specs are chosen by --transformer-impl (transformer_engine or local)",
@@ -78,3 +82,13 @@ def add_megatron_lm_flags(p) -> None:
     g = p.add_argument_group("accepted from Megatron-LM, no effect here")
     for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader"):
         g.add_argument(flag, action=_NoOp, help=NO_OPS[flag])
+    # Seen by the check below only (a leading underscore keeps it out of the resolved arguments).
+    g.add_argument("--no-position-embedding", dest="_no_position_embedding", action="store_true",
+                   help=NO_OPS["--no-position-embedding"])
+
+
+def check_megatron_lm_flags(args) -> None:
+    """The accepted Megatron-LM flags whose combination with others Megatron-LM refuses, refused alike."""
+    if getattr(args, "_no_position_embedding", False) and args.position_embedding_type != "rope":
+        raise ConfigError(f"--no-position-embedding is deprecated and taken only with --position-embedding-type "
+                          f"rope (got {args.position_embedding_type}); use --position-embedding-type none")

@@ -11,8 +11,10 @@ from typing import List
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models.config import check_parallel_settings
-from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, vocab_size_refusal
+from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, \
+    vocab_size_refusal
 
+from .megatron_lm import check_megatron_lm_flags
 from .model import check_model_flags
 from .moe import check_moe_flags
 from .parallel import check_parallel_flags
@@ -205,6 +207,7 @@ def _check_checkpointing(args) -> None:
 
 
 _CHECKS = (
+    check_megatron_lm_flags,
     _check_required_and_ranges,
     _check_parallel_sizes,
     check_parallel_flags,

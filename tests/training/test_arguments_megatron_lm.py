@@ -92,6 +92,16 @@ def test_no_ops_are_accepted_and_leave_the_arguments_alone():
         assert resolved_config(parse_args(BASE + [flag], world_size=1)) == base
 
 
+def test_no_position_embedding_is_taken_with_rope_only_as_in_megatron_lm():
+    rope = BASE + ["--position-embedding-type", "rope"]
+    assert resolved_config(parse_args(rope + ["--no-position-embedding"], world_size=1)) == resolved_config(
+        parse_args(rope, world_size=1))
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + ["--position-embedding-type", "learned_absolute", "--no-position-embedding"], world_size=1)
+    assert str(e.value) == ("--no-position-embedding is deprecated and taken only with --position-embedding-type "
+                            "rope (got learned_absolute); use --position-embedding-type none")
+
+
 @pytest.mark.parametrize("flag", sorted(REFUSED) + ["--moe-expert-capacity-factor", "--cuda-graph-scope", "--inference-max-requests"])
 def test_refused_flags_are_named_in_one_line(flag):
     assert flag in VOCABULARY, flag

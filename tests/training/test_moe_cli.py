@@ -18,8 +18,7 @@ from tests.training._multi_run import launch_plan
 
 # NVIDIA/Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh at commit
 # 0a40979ee868697bd66157ab800d213ffff030d8, scaled down (the changed values are the sizes).
-# Dropped: --no-position-embedding (refused here as deprecated in Megatron-LM; the script's
-# --position-embedding-type rope already says it), --tokenizer-type Llama2Tokenizer / --tokenizer-model
+# Dropped: --tokenizer-type Llama2Tokenizer / --tokenizer-model
 # (a tokenizer file; --mock-data --vocab-size 255 instead: with its end-of-document id 256 rows,
 # padded alike at TP=1 and TP=2), --expert-model-parallel-size 2,
 # --tensor-model-parallel-size 1, --pipeline-model-parallel-size 1 and --sequence-parallel (set per layout
@@ -33,7 +32,7 @@ MIXTRAL = [
     "--init-method-std", "0.01", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
     "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
-    "--no-masked-softmax-fusion", "--rotary-base", "1000000",
+    "--no-masked-softmax-fusion", "--no-position-embedding", "--rotary-base", "1000000",
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
     "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "allgather", "--overlap-param-gather",
     "--overlap-grad-reduce",
