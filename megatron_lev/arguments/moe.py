@@ -99,4 +99,5 @@ def check_moe_flags(args) -> None:
     names = ("num_experts", "moe_layer_freq", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
              "moe_token_dispatcher_type") + _VALUE_FIELDS + tuple(f for _, f, _ in _SWITCHES)
     settings = {_FIELD_OF_ARG.get(n, n): getattr(args, n) for n in names}
-    check_moe_settings(SimpleNamespace(num_layers=args.num_layers, **settings), use_transformer_engine=te)
+    check_moe_settings(SimpleNamespace(num_layers=args.num_layers, add_bias_linear=not args.disable_bias_linear,
+                                       **settings), use_transformer_engine=te)

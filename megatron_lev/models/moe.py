@@ -88,6 +88,13 @@ def check_moe_settings(config: Any, *, use_transformer_engine: bool) -> None:
         raise ConfigError(
             "--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's alltoall dispatcher makes a "
             "torch.cuda.Stream for its device-to-host copies); use --moe-token-dispatcher-type allgather on CPU")
+    if config.add_bias_linear and not use_transformer_engine:
+        # megatron-core's expert MLP (0.16.1 and 0.19) adds its bias in place into the output of the local
+        # RowParallelLinear, a view that autograd refuses to modify ("Output 0 of
+        # _ReduceFromModelParallelRegion is a view and is being modified inplace").
+        raise ConfigError(
+            "--num-experts with biases fails in megatron-core's expert MLP on the local spec (it adds the bias in "
+            "place into the row-parallel output); pass --disable-bias-linear, as Megatron-LM's MoE examples do")
     check_te_only_moe_flags(vars(config), use_transformer_engine=use_transformer_engine)
 
 

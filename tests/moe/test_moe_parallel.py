@@ -187,6 +187,7 @@ def _config(**kw):
     (dict(moe_router_load_balancing_type="global_aux_loss"), "--moe-router-load-balancing-type"),
     (dict(moe_layer_freq=[1, 0, 1]), "--moe-layer-freq"),
     (dict(num_moe_experts=3, expert_model_parallel_size=2), "--num-experts 3"),
+    (dict(add_bias_linear=True), "--disable-bias-linear"),
 ])
 def test_moe_settings_refused_in_one_line(kw, flag):
     with pytest.raises(ConfigError) as e:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.training._multi_run import launch_plan
@@ -140,3 +141,26 @@ def test_hf_export_of_an_moe_checkpoint_is_refused_in_one_line(runs):
     assert len(errors) == 1 and "--num-experts 4" in errors[0], r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert not (tmp / "hf").exists() or not os.listdir(tmp / "hf")
+
+
+def test_evaluation_runs_on_the_ep2_checkpoint_unchanged(runs):
+    """tools/evaluate.py on one process (EP=1) reads the TP=2 x EP=2 checkpoint; the data is made with the
+    checkpoint's own tokenizer (NullTokenizer, the mock data's)."""
+    tmp, _ = runs
+    repo = Path(__file__).resolve().parents[2]
+    rng = np.random.default_rng(0)
+    docs = tmp / "eval.jsonl"
+    docs.write_text("".join(json.dumps({"text": " ".join(map(str, rng.integers(0, 250, 80)))}) + "\n"
+                            for _ in range(12)))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    subprocess.run([sys.executable, str(repo / "tools" / "preprocess_data.py"), "--input", str(docs),
+                    "--output-prefix", str(tmp / "eval"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+                    "--append-eod"], check=True, capture_output=True, env=env, cwd=str(repo))
+    r = subprocess.run([sys.executable, str(repo / "tools" / "evaluate.py"), "--load", str(tmp / "resume"),
+                        "--valid-data", str(tmp / "eval_text_document"), "--output-dir", str(tmp / "eval-out"),
+                        "--no-progress"], capture_output=True, text=True, env=env, cwd=str(repo))
+    assert r.returncode == 0, r.stderr[-2000:]
+    valid = json.loads((tmp / "eval-out" / "results.json").read_text())["perplexity"]["valid"]
+    assert valid["tokens"] > 900 and valid["documents"] == 12
+    # A 4-iteration model on random ids: its perplexity is near the vocabulary size (256).
+    assert 100 < valid["ppl"] < 600, valid
