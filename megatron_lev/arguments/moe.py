@@ -88,8 +88,8 @@ def add_moe_flags(p) -> None:
 def check_moe_flags(args) -> None:
     """The expert layout against the world size (``distributed.check_layout``) and the MoE settings
     against the model (``models.moe.check_moe_settings``), each a one-line ConfigError naming the flag."""
-    if args.expert_tensor_parallel_size is None:  # megatron-core's default, written out as Megatron-LM does
-        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    # Left unset (None: the TP size, megatron-core's default) rather than written out as Megatron-LM does, so
+    # that a checkpoint's saved arguments stay right after a conversion to another TP size.
     check_layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                  args.expert_model_parallel_size, args.expert_tensor_parallel_size)
     try:
