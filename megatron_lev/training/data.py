@@ -122,6 +122,18 @@ def make_iterator(dataset, consumed_samples: int, args, cyclic: bool = False) ->
     return (_collate([dataset[i] for i in idx], pin=pin) for idx in sampler)
 
 
+def close_iterators(iterators) -> None:
+    """Stop the worker processes of ``iterators`` (one, a list, or None) now.
+
+    A data-loader iterator stops its workers when it is freed; one held in a reference cycle outlives the
+    run until the interpreter exits, where multiprocessing's exit hook sends its workers SIGTERM (which they
+    ignore, see ``ignore_stop_signals``) and then waits for them without a limit: the rank never exits."""
+    for it in iterators if isinstance(iterators, (list, tuple)) else [iterators]:
+        shutdown = getattr(it, "_shutdown_workers", None)  # torch's multi-process loader iterator
+        if shutdown is not None:
+            shutdown()
+
+
 def train_iterators(dataset, consumed_samples: int, args):
     """One iterator per model chunk (the interleaved schedule pulls from each chunk's own)."""
     vpp = args.virtual_pipeline_model_parallel_size

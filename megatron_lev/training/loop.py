@@ -451,7 +451,7 @@ def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modu
 def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .data import valid_iterators
+    from .data import close_iterators, valid_iterators
 
     if valid_dataset is None or args.eval_iters == 0:
         return None
@@ -461,13 +461,16 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
     dummy = _State(iteration=-10)
     collected: List[Dict[str, torch.Tensor]] = []
     # LEV table mode outside training evaluates G per distinct id (no table, no gradient).
-    for _ in range(args.eval_iters):
-        collected += get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, dummy, args), data_iterator=it, model=model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True,
-        )
-        _empty_cuda_cache(args, 1)
+    try:
+        for _ in range(args.eval_iters):
+            collected += get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, dummy, args), data_iterator=it, model=model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True,
+            )
+            _empty_cuda_cache(args, 1)
+    finally:
+        close_iterators(it)
     for chunk in model:
         chunk.train()
     return _reduce_losses(collected)
@@ -616,6 +619,9 @@ def _run(args, tokenizer, config, model_config) -> int:
                      f"{_last_checkpoint(args)[1]}", show=rank_is0())
         return EXIT_RANK_LOST
     finally:
+        from .data import close_iterators
+
+        close_iterators(run.train_iter)
         for handler in (run.handler, run.stop_on_sigterm):
             if handler is not None:
                 handler.release()
