@@ -58,7 +58,20 @@ def transformer_config(mc, *, sp: bool = False, dispatcher: str = "allgather", *
 
 
 def loop_args(*, distributed_optimizer: bool, overlap: bool, num_microbatches: int):
-    """The training arguments the loop's step functions read (Megatron-LM's names and defaults)."""
+    """The training arguments the loop's step functions read: the parser's defaults for every flag, with
+    this harness's settings over them."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_lev.arguments import parse_args
+
+    defaults = parse_args(["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads",
+                           str(HEADS), "--seq-length", str(SEQ), "--micro-batch-size", str(MBS), "--train-iters",
+                           "10", "--lr", "3e-3", "--mock-data", "--vocab-size", str(VOCAB)], world_size=1)
+    ours = _harness_args(distributed_optimizer, overlap, num_microbatches)
+    return SimpleNamespace(**{**vars(defaults), **vars(ours), "data_parallel_size": ps.get_data_parallel_world_size()})
+
+
+def _harness_args(distributed_optimizer: bool, overlap: bool, num_microbatches: int):
     return SimpleNamespace(
         fp16=False, bf16=False, accumulate_allreduce_grads_in_fp32=True,
         overlap_grad_reduce=overlap, overlap_param_gather=overlap and distributed_optimizer,
