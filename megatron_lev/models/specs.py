@@ -40,10 +40,12 @@ def get_layer_spec(config, model_config: Optional[LevModelConfig] = None, moe: b
     if use_transformer_engine(impl):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts if moe else None,
-            moe_grouped_gemm=bool(moe and config.moe_grouped_gemm), qk_layernorm=config.qk_layernorm,
-            moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm)
+        kw = dict(num_experts=config.num_moe_experts if moe else None,
+                  moe_grouped_gemm=bool(moe and config.moe_grouped_gemm), qk_layernorm=config.qk_layernorm)
+        # megatron-core 0.19 removed the legacy grouped GEMM (the config field and this argument).
+        if hasattr(config, "moe_use_legacy_grouped_gemm"):
+            kw["moe_use_legacy_grouped_gemm"] = config.moe_use_legacy_grouped_gemm
+        return get_gpt_layer_with_transformer_engine_spec(**kw)
     return get_local_layer_spec(config, moe=moe)
 
 
