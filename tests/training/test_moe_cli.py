@@ -17,6 +17,11 @@ import pytest
 
 from tests.training._multi_run import launch_plan
 
+from megatron_lev.models.moe import moe_supported
+
+pytestmark = pytest.mark.skipif(not moe_supported(), reason="MoE is wired for megatron-core 0.16.x only; this one "
+                                "(0.19) is refused in one line (models.moe.moe_supported)")
+
 # NVIDIA/Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh at commit
 # 0a40979ee868697bd66157ab800d213ffff030d8, scaled down (the changed values are the sizes).
 # Dropped: --tokenizer-type Llama2Tokenizer / --tokenizer-model
