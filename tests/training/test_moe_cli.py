@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.training._multi_run import launch_plan
+from tests.training.test_production_path import _metrics  # the metrics file's train rows by iteration
 
 from megatron_lev.models.moe import moe_supported
 
@@ -56,11 +57,6 @@ LAYOUTS = {
                 "--expert-tensor-parallel-size", "1"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
 }
-
-
-def _metrics(path: Path) -> dict:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["iteration"]: r for r in rows if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")
