@@ -253,14 +253,19 @@ def _stop_write_queue(manager, wait_s: float = 30.0) -> None:
 
 
 def _stall_writers() -> None:
-    """Test hook: dist_checkpointing's writer processes of this save say so and hang (to be killed)."""
+    """Test hook: dist_checkpointing's writers of this save say so and hang (to be killed). They are
+    child processes up to megatron-core 0.18 and threads of the rank from 0.19, so the rank's pid is
+    named beside the writer's."""
     import sys
     import time
 
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+    rank_pid = os.getpid()
+
     def stalled(*a, **kw):
-        print(f"debug: checkpoint writer {os.getpid()} stalled", file=sys.stderr, flush=True)
+        print(f"debug: checkpoint writer {os.getpid()} of rank process {rank_pid} stalled", file=sys.stderr,
+              flush=True)
         while True:
             time.sleep(60)
 

@@ -14,6 +14,9 @@ Design:
   exercised, and a megatron-core upgrade that stops needing one is noticed.
 - Tensor factories are wrapped individually (not a global ``TorchFunctionMode``) so that
   ordinary ops pay no per-call dispatch cost.
+- The patches are process-wide and stay: they are for rank processes. Loading a Hugging Face model
+  in a patched process is not supported (transformers 5 leaves a Llama's rotary buffers
+  uninitialised when ``torch.tensor`` is wrapped); the HF evaluation and export paths never apply them.
 """
 
 from __future__ import annotations

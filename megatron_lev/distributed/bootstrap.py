@@ -36,7 +36,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import FrozenSet, Optional
+from typing import FrozenSet, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,10 @@ class DistributedSetup:
     """megatron's model-parallel state was initialised by this call."""
     groups_before: FrozenSet = field(default_factory=frozenset, repr=False)
     """The process groups that existed before this call; they are never destroyed here."""
+    env_set: Tuple[str, ...] = ()
+    """The launcher variables (RANK, WORLD_SIZE, ...) this call set because they were absent; removed at
+    teardown, so a later library in the same process (accelerate, transformers) does not take the process
+    for one rank of a distributed job."""
     destroyed: bool = False
 
     def __enter__(self) -> "DistributedSetup":
@@ -151,32 +155,48 @@ def _live_groups() -> FrozenSet:
     return frozenset(distributed_c10d._world.pg_map)  # torch 2.x has no public listing of live groups
 
 
-def _init_process_group(backend: Optional[str], timeout: timedelta, init_method: Optional[str]) -> None:
+_LAUNCHER_DEFAULTS = (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"))
+
+
+def _init_process_group(backend: Optional[str], timeout: timedelta, init_method: Optional[str]) -> Tuple[str, ...]:
+    """Create the default group; returns the launcher variables it set (see ``DistributedSetup.env_set``)."""
     cuda = torch.cuda.is_available()
     backend = _resolve_backend(backend, cuda)  # checked before anything is created
-    for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+    env_set = tuple(name for name, _ in _LAUNCHER_DEFAULTS if name not in os.environ)
+    for name, default in _LAUNCHER_DEFAULTS:
         os.environ.setdefault(name, default)
-    rank, world, local_rank = (int(os.environ[n]) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    kw = dict(rank=rank, world_size=world, timeout=timeout)
-    if init_method is not None:
-        kw["init_method"] = init_method
-    elif "MASTER_PORT" not in os.environ:
-        if world != 1:
-            raise DistributedConfigError(
-                f"WORLD_SIZE={world} but MASTER_PORT is not set; start the processes with torchrun")
-        # A single process started without a launcher needs no rendezvous (and no free port to race for).
-        kw["store"] = dist.HashStore()
-    else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if cuda:
-        n_gpus = torch.cuda.device_count()
-        if local_rank < n_gpus:
-            torch.cuda.set_device(local_rank)
-        elif backend == "nccl":
-            raise DistributedConfigError(
-                f"LOCAL_RANK {local_rank} has no GPU (this node has {n_gpus}); start at most {n_gpus} "
-                "processes per node")
-    dist.init_process_group(backend, **kw)
+    try:
+        rank, world, local_rank = (int(os.environ[n]) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        kw = dict(rank=rank, world_size=world, timeout=timeout)
+        if init_method is not None:
+            kw["init_method"] = init_method
+        elif "MASTER_PORT" not in os.environ:
+            if world != 1:
+                raise DistributedConfigError(
+                    f"WORLD_SIZE={world} but MASTER_PORT is not set; start the processes with torchrun")
+            # A single process started without a launcher needs no rendezvous (and no free port to race for).
+            kw["store"] = dist.HashStore()
+        elif "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            env_set += ("MASTER_ADDR",)
+        if cuda:
+            n_gpus = torch.cuda.device_count()
+            if local_rank < n_gpus:
+                torch.cuda.set_device(local_rank)
+            elif backend == "nccl":
+                raise DistributedConfigError(
+                    f"LOCAL_RANK {local_rank} has no GPU (this node has {n_gpus}); start at most {n_gpus} "
+                    "processes per node")
+        dist.init_process_group(backend, **kw)
+    except BaseException:
+        _unset(env_set)
+        raise
+    return env_set
+
+
+def _unset(names) -> None:
+    for name in names:
+        os.environ.pop(name, None)
 
 
 def _init_parallel_state(tp: int, pp: int, vpp: Optional[int], timeout_minutes: float, ep: int = 1,
@@ -228,11 +248,10 @@ def init_distributed(
     timeout = timedelta(minutes=timeout_minutes)
     groups_before = _live_groups()
     created_pg = not dist.is_initialized()
-    if created_pg:
-        _init_process_group(backend, timeout, init_method)
+    env_set = _init_process_group(backend, timeout, init_method) if created_pg else ()
     setup = DistributedSetup(rank=dist.get_rank(), world_size=dist.get_world_size(),
                              created_process_group=created_pg, created_parallel_state=False,
-                             groups_before=groups_before)
+                             groups_before=groups_before, env_set=env_set)
     try:
         check_layout(setup.world_size, tp, pp, ep, etp)
         setup.created_parallel_state = _init_parallel_state(tp, pp, vpp, timeout_minutes, ep, etp)
@@ -267,6 +286,7 @@ def destroy_distributed(setup: DistributedSetup) -> None:
     if setup.destroyed:
         return
     setup.destroyed = True
+    _unset(setup.env_set)
     try:
         if setup.created_parallel_state:
             from megatron.core import parallel_state as ps

@@ -72,9 +72,21 @@ def test_start_reuse_and_teardown_of_a_single_process(single_process):
         init_distributed(tp=2)
     assert dist.is_initialized() and ps.model_parallel_is_initialized()
 
+    assert {n: os.environ.get(n) for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")} == \
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     destroy_distributed(setup)
     assert not dist.is_initialized() and not ps.model_parallel_is_initialized()
+    # The launcher variables it set go with it (accelerate would take the process for a distributed rank).
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"} & set(os.environ)
     destroy_distributed(setup)  # a second teardown does nothing
+
+
+def test_launcher_variables_it_did_not_set_are_kept(single_process):
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    setup = init_distributed(tp=1, pp=1)
+    assert setup.env_set == ("LOCAL_RANK",)
+    destroy_distributed(setup)
+    assert (os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_RANK")) == ("0", "1", None)
 
 
 def test_a_process_group_it_did_not_create_is_kept(single_process):
@@ -99,6 +111,7 @@ def test_bad_backend_layout_and_launch_are_one_line_errors(single_process):
     _one_line_error("must be >= 1", pp=0)
     os.environ["WORLD_SIZE"] = "2"
     assert "torchrun" in _one_line_error("MASTER_PORT is not set")
+    assert "RANK" not in os.environ and "LOCAL_RANK" not in os.environ  # a failed start-up sets nothing
     # The launcher checks the layout before starting any rank.
     with pytest.raises(DistributedConfigError, match="does not divide the world size 3"):
         spawn_ranks(print, 3, tp=2)
