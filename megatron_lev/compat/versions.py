@@ -146,3 +146,40 @@ def checkpoint_writer_errors() -> Iterator[List[BaseException]]:
         yield errors
     finally:
         FileSystemWriterAsync.write_preloaded_data = original
+
+
+def reset_moe_metrics() -> None:
+    """Forget megatron-core's MoE loss tracker (a process global whose per-layer tensors are sized by the first
+    model that records into it, so a second model of another depth in the same process would index past
+    them).
+
+    Up to 0.16.1 the tracker is the dict ``moe_utils.get_moe_layer_wise_logging_tracker()`` returns, emptied
+    in place. From 0.19 it is ``moe_logging.MoEMetricsTracker``, and that function builds a fresh dict from it
+    on every call (clearing the dict clears nothing): the tracker itself is dropped, and the next record makes
+    a new one."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:
+        moe_logging = None
+    if moe_logging is not None and hasattr(moe_logging, "destroy_moe_metrics_tracker"):
+        moe_logging.destroy_moe_metrics_tracker()
+        return
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
+def report_moe_metrics(**kwargs) -> None:
+    """Reduce and clear the MoE loss tracker (megatron-core's ``report``/``track_moe_metrics`` arguments:
+    ``loss_scale``, ``iteration``, ``total_loss_dict``, ``track_names``, ``num_layers``, ...).
+
+    0.19 deprecates ``moe_utils.track_moe_metrics`` (a wrapper, due for removal) for
+    ``get_moe_metrics_tracker().report()``; 0.16.1 has only the function."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+        track_moe_metrics(**kwargs)
+        return
+    get_moe_metrics_tracker().report(**kwargs)

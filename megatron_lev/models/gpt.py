@@ -127,7 +127,10 @@ class LevGPTModel(GPTModel):
         this chunk's one input arm and both losses' gradients reach the same parameters."""
         self.mtp_block_spec = spec
         self.mtp_process = True
-        self.mtp = MultiTokenPredictionBlock(config=self.config, spec=spec, vp_stage=vp_stage)
+        # The model's process groups, as GPTModel passes them from megatron-core 0.19: without them the block
+        # takes only the tensor- and context-parallel groups, and an MoE layer inside it has no expert group.
+        self.mtp = MultiTokenPredictionBlock(config=self.config, spec=spec, vp_stage=vp_stage,
+                                             pg_collection=self.pg_collection)
         # Registered where megatron registers it (before the head): the parameter order fixes DDP's buffers.
         modules = dict(self._modules)
         mtp = modules.pop("mtp")

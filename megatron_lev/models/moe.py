@@ -63,16 +63,6 @@ def _choice(flag: str, value: Any, choices) -> None:
             raise ConfigError(f"{flag} must be one of {', '.join(choices)} (got {v!r})")
 
 
-def moe_supported() -> bool:
-    """Whether MoE is wired for the installed megatron-core: 0.16.x, told apart by its legacy grouped-GEMM
-    field, which 0.19 removed along with the process-group handling this fork's MoE path relies on."""
-    from dataclasses import fields
-
-    from megatron.core.transformer import TransformerConfig
-
-    return "moe_use_legacy_grouped_gemm" in {f.name for f in fields(TransformerConfig)}
-
-
 def check_moe_settings(config: Any, *, use_transformer_engine: bool) -> None:
     """One-line ``ConfigError`` for MoE settings this model cannot run (``config``: a TransformerConfig).
     Dense configs pass, except for expert parallelism without experts."""
@@ -82,11 +72,6 @@ def check_moe_settings(config: Any, *, use_transformer_engine: bool) -> None:
             raise ConfigError(
                 f"--expert-model-parallel-size {ep} needs --num-experts; set --num-experts or drop EP")
         return
-    if not moe_supported():
-        raise ConfigError(
-            "--num-experts: MoE runs on megatron-core 0.16.x here; on this megatron-core (0.19) its expert layers "
-            "are not wired yet (they take their expert-parallel group from a process-group collection this fork "
-            "does not build); use megatron-core 0.16.1 (make test's stack) for MoE")
     experts = config.num_moe_experts
     if experts % ep:
         raise ConfigError(

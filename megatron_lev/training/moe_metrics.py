@@ -1,9 +1,9 @@
 """The auxiliary losses of mixture-of-experts and multi-token-prediction layers, as Megatron-LM logs them.
 
 megatron-core's MoE router saves its load-balancing and z losses per layer in its logging tracker
-(``moe_utils.get_moe_layer_wise_logging_tracker``), and the MTP block its per-layer losses in
+(a dict in ``moe_utils`` up to 0.16.1, ``moe_logging.MoEMetricsTracker`` from 0.19: ``compat.versions``), and the MTP block its per-layer losses in
 ``MTPLossLoggingHelper``'s; Megatron-LM's ``training_log`` reduces both once per logged iteration
-(``track_moe_metrics`` / ``track_mtp_metrics``) and logs them beside the LM loss. ``step_aux_losses``
+(``track_moe_metrics`` or the tracker's ``report`` / ``track_mtp_metrics``) and logs them beside the LM loss. ``step_aux_losses``
 does the same reduction (collective over the pipeline and data-parallel groups: every rank calls it) and
 returns plain floats, averaged over the MoE layers and the micro-batches of the step (the MTP losses,
 ``mtp_<k> loss``, on the ranks of the stage that holds the MTP block).
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from megatron_lev.compat.versions import report_moe_metrics, reset_moe_metrics
 
 
 def aux_loss_names(config: Any) -> List[str]:
@@ -35,9 +36,7 @@ def reset_aux_loss_trackers() -> None:
     """Empty megatron-core's MoE and MTP loss trackers (process globals). Their value tensors are sized
     by the first model that fills them (layers + MTP layers), so a second run in the same process with
     another depth would index past them."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    get_moe_layer_wise_logging_tracker().clear()
+    reset_moe_metrics()
     MTPLossLoggingHelper.tracker.clear()
 
 
@@ -48,7 +47,7 @@ def step_aux_losses(config: Any, num_microbatches: int, iteration: int = 0) -> D
     out: Dict[str, float] = {}
     if getattr(config, "num_moe_experts", None):
         totals: Dict[str, Any] = {}
-        track_moe_metrics(
+        report_moe_metrics(
             loss_scale=1.0 / num_microbatches, iteration=iteration, total_loss_dict=totals,
             per_layer_logging=bool(config.moe_per_layer_logging), force_initialize=True,
             track_names=aux_loss_names(config), num_layers=config.num_layers,

@@ -124,15 +124,13 @@ def _setup(root: str, *, arm: str = "lev", weights: Optional[str] = None, save: 
     """This layout's chunks, from the reference's initial weights (the reference, ``save``, writes them),
     wrapped, with optimizer, scheduler and hooks as the loop sets them up."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     from megatron_lev.checkpoint.build import build_model_chunks
     from megatron_lev.training import loop
+    from megatron_lev.training.moe_metrics import reset_aux_loss_trackers
 
     # megatron's trackers are sized by the first model that writes them; each layout has its own
-    get_moe_layer_wise_logging_tracker().clear()
-    MTPLossLoggingHelper.tracker.clear()
+    reset_aux_loss_trackers()
     mc = model_config(arm)
     config = transformer_config(mc, sp=sp, dispatcher=dispatcher, **config_extra)
     chunks = build_model_chunks(config, mc)

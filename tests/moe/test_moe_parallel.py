@@ -20,10 +20,6 @@ from megatron_lev.testing import run_distributed
 
 from . import _harness as H
 
-from megatron_lev.models.moe import moe_supported
-
-pytestmark = pytest.mark.skipif(not moe_supported(), reason="MoE is wired for megatron-core 0.16.x only; this one "
-                                "(0.19) is refused in one line (models.moe.moe_supported)")
 
 # fp32 on CPU: the layouts sum the same terms in another order (all-reduce, gathered experts).
 LOSS_RTOL, NORM_RTOL = 1e-6, 1e-5

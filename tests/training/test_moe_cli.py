@@ -18,10 +18,6 @@ import pytest
 from tests.training._multi_run import launch_plan
 from tests.training.test_production_path import _metrics  # the metrics file's train rows by iteration
 
-from megatron_lev.models.moe import moe_supported
-
-pytestmark = pytest.mark.skipif(not moe_supported(), reason="MoE is wired for megatron-core 0.16.x only; this one "
-                                "(0.19) is refused in one line (models.moe.moe_supported)")
 
 # NVIDIA/Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh at commit
 # 0a40979ee868697bd66157ab800d213ffff030d8, scaled down (the changed values are the sizes).
