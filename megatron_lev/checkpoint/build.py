@@ -184,7 +184,10 @@ def relayout(saved: Mapping[str, Any], tp: int, pp: int, vpp: Optional[int] = No
 
     The padded vocabulary is kept (the tensors have that many rows); ``make_vocab_size_divisible_by``
     is changed when needed so that a run at the new TP pads the tokenizer's vocabulary to the same
-    size (Megatron pads to a multiple of ``make_vocab_size_divisible_by x TP``).
+    size (Megatron pads to a multiple of ``make_vocab_size_divisible_by x TP``). An MoE model's experts
+    are not split at the new layout (expert-parallel size 1, expert TP unset: the TP size), as the
+    conversion and evaluation ranks build it; dist_checkpointing regathers them from any saved EP, and
+    a run resumed from the result chooses its own ``--expert-model-parallel-size``.
     """
     a = dict(saved)
     tp, pp = int(tp), int(pp)
@@ -202,6 +205,8 @@ def relayout(saved: Mapping[str, Any], tp: int, pp: int, vpp: Optional[int] = No
              num_layers_per_virtual_pipeline_stage=None, world_size=world, data_parallel_size=world // (tp * pp))
     if tp == 1:
         a["sequence_parallel"] = False
+    if a.get("num_experts"):
+        a.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     mbs, gbs = a.get("micro_batch_size"), a.get("global_batch_size")
     if mbs and gbs:
         a["num_microbatches"] = max(1, int(gbs) // int(mbs))

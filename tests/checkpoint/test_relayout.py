@@ -20,3 +20,13 @@ def test_relayout_keeps_the_padded_vocabulary_and_refuses_a_tp_it_cannot_take():
         relayout(saved, tp=5, pp=1)
     with pytest.raises(ConfigError, match="does not divide the world size 6"):
         relayout(saved, tp=2, pp=2, world_size=6)
+
+
+def test_relayout_regathers_the_experts_of_an_moe_model():
+    saved = {"padded_vocab_size": 256, "make_vocab_size_divisible_by": 64, "tensor_model_parallel_size": 2,
+             "pipeline_model_parallel_size": 1, "num_experts": 4, "expert_model_parallel_size": 2,
+             "expert_tensor_parallel_size": 1}
+    a = relayout(saved, tp=1, pp=1)
+    assert (a["expert_model_parallel_size"], a["expert_tensor_parallel_size"]) == (1, None)
+    dense = relayout({k: v for k, v in saved.items() if k != "num_experts"}, tp=1, pp=1)
+    assert dense["expert_model_parallel_size"] == 2  # a dense model's saved value is left as it was

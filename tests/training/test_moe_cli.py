@@ -140,9 +140,20 @@ def test_hf_export_of_an_moe_checkpoint_is_refused_in_one_line(runs):
     assert not (tmp / "hf").exists() or not os.listdir(tmp / "hf")
 
 
-def test_evaluation_runs_on_the_ep2_checkpoint_unchanged(runs):
+def _evaluate(repo, env, load, data, out):
+    r = subprocess.run([sys.executable, str(repo / "tools" / "evaluate.py"), "--load", str(load), "--valid-data",
+                        str(data), "--output-dir", str(out), "--no-progress"], capture_output=True, text=True,
+                       env=env, cwd=str(repo))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads((out / "results.json").read_text())["perplexity"]["valid"]
+
+
+def test_evaluation_runs_on_the_ep2_checkpoint_unchanged_and_on_its_reshard(runs):
     """tools/evaluate.py on one process (EP=1) reads the TP=2 x EP=2 checkpoint; the data is made with the
-    checkpoint's own tokenizer (NullTokenizer, the mock data's)."""
+    checkpoint's own tokenizer (NullTokenizer, the mock data's). The checkpoint resharded to TP=1 (experts
+    regathered: EP=1) evaluates to the same figures."""
+    import yaml
+
     tmp, _ = runs
     repo = Path(__file__).resolve().parents[2]
     rng = np.random.default_rng(0)
@@ -153,11 +164,18 @@ def test_evaluation_runs_on_the_ep2_checkpoint_unchanged(runs):
     subprocess.run([sys.executable, str(repo / "tools" / "preprocess_data.py"), "--input", str(docs),
                     "--output-prefix", str(tmp / "eval"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
                     "--append-eod"], check=True, capture_output=True, env=env, cwd=str(repo))
-    r = subprocess.run([sys.executable, str(repo / "tools" / "evaluate.py"), "--load", str(tmp / "resume"),
-                        "--valid-data", str(tmp / "eval_text_document"), "--output-dir", str(tmp / "eval-out"),
-                        "--no-progress"], capture_output=True, text=True, env=env, cwd=str(repo))
-    assert r.returncode == 0, r.stderr[-2000:]
-    valid = json.loads((tmp / "eval-out" / "results.json").read_text())["perplexity"]["valid"]
+    valid = _evaluate(repo, env, tmp / "resume", tmp / "eval_text_document", tmp / "eval-out")
     assert valid["tokens"] > 900 and valid["documents"] == 12
     # A 4-iteration model on random ids: its perplexity is near the vocabulary size (256).
     assert 100 < valid["ppl"] < 600, valid
+
+    r = subprocess.run([sys.executable, str(repo / "tools" / "convert_checkpoint.py"), "reshard", "--load",
+                        str(tmp / "resume"), "--save", str(tmp / "tp1"), "--target-tp", "1", "--target-pp", "1"],
+                       capture_output=True, text=True, env=env, cwd=str(repo))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = yaml.safe_load((tmp / "tp1" / "iter_0000004" / "config.yaml").read_text())
+    assert (cfg["tensor_model_parallel_size"], cfg["expert_model_parallel_size"]) == (1, 1)
+    assert cfg.get("expert_tensor_parallel_size") is None and cfg["num_experts"] == 4
+    again = _evaluate(repo, env, tmp / "tp1", tmp / "eval_text_document", tmp / "eval-out-tp1")
+    assert again["tokens"] == valid["tokens"]
+    assert again["nll"] == pytest.approx(valid["nll"], rel=1e-6, abs=1e-6)
