@@ -25,13 +25,13 @@ MTP = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
 ALL_ARMS = ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev")
 
 
-def model_config(arm: str = "lev"):
+def model_config(arm: str = "lev", compute_mode: str = "token"):
     from megatron_lev.lev.config import LEVConfig
     from megatron_lev.models import LevModelConfig
 
     return LevModelConfig(
         vocab_size=VOCAB, max_sequence_length=SEQ, input_embedding=arm,
-        lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4, compute_mode="token"),
+        lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4, compute_mode=compute_mode),
         albert_dim=4,  # tiny shapes cannot be parameter-matched within 2% for albert
     )
 
@@ -120,18 +120,18 @@ def reinit(tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None):
 
 def _setup(root: str, *, arm: str = "lev", weights: Optional[str] = None, save: bool = False, sp: bool = False,
            dispatcher: str = "allgather", distributed_optimizer: bool = False, overlap: bool = False,
-           **config_extra) -> SimpleNamespace:
+           compute_mode: str = "token", **config_extra) -> SimpleNamespace:
     """This layout's chunks, from the reference's initial weights (the reference, ``save``, writes them),
     wrapped, with optimizer, scheduler and hooks as the loop sets them up."""
     from megatron.core import parallel_state as ps
 
-    from megatron_lev.checkpoint.build import build_model_chunks
+    from megatron_lev.checkpoint.build import build_model_chunks, lev_table_modules
     from megatron_lev.training import loop
     from megatron_lev.training.moe_metrics import reset_aux_loss_trackers
 
     # megatron's trackers are sized by the first model that writes them; each layout has its own
     reset_aux_loss_trackers()
-    mc = model_config(arm)
+    mc = model_config(arm, compute_mode)
     config = transformer_config(mc, sp=sp, dispatcher=dispatcher, **config_extra)
     chunks = build_model_chunks(config, mc)
     path = os.path.join(root, weights or arm, "initial")
@@ -143,9 +143,10 @@ def _setup(root: str, *, arm: str = "lev", weights: Optional[str] = None, save: 
     args = loop_args(distributed_optimizer=distributed_optimizer, overlap=overlap, num_microbatches=num_micro)
     model = loop._wrap_model(args, config, chunks)
     optimizer, scheduler = loop._build_optimizer(args, config, model)
-    loop._configure_hooks(args, config, model, optimizer, [])
+    tables = lev_table_modules(chunks)  # LEV in table mode: the loop's per-step hooks
+    loop._configure_hooks(args, config, model, optimizer, tables)
     return SimpleNamespace(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
-                           args=args, num_micro=num_micro, state=loop._State())
+                           args=args, num_micro=num_micro, state=loop._State(), tables=tables)
 
 
 def _step(run: SimpleNamespace, tag: str):
@@ -154,7 +155,8 @@ def _step(run: SimpleNamespace, tag: str):
     from megatron_lev.training.moe_metrics import step_aux_losses
 
     it = iter(my_batches(run.state.iteration))
-    loss, grad_norm, ok, _ = loop._train_step(run.args, run.state, run.model, run.optimizer, run.scheduler, it, [])
+    loss, grad_norm, ok, _ = loop._train_step(run.args, run.state, run.model, run.optimizer, run.scheduler, it,
+                                              run.tables)
     assert ok, f"{tag}: step {run.state.iteration} was not applied"
     run.state.iteration += 1
     return loss, grad_norm, step_aux_losses(run.config, run.num_micro, iteration=run.state.iteration)
@@ -314,6 +316,9 @@ def two_rank_run(root: str) -> Dict[str, Any]:
     out["ref"] = train_layout(root, "ref", save=True)
     out["ref_tied"] = train_layout(root, "ref_tied", arm="tied", save=True)
     out["ref_mtp"] = train_layout(root, "ref_mtp", weights="lev_mtp", save=True, **MTP)
+    # Table mode: the step's materialised table feeds both the decoder and the MTP block, and its gradient
+    # (both losses) goes back into the LEV parameters once, by the loop's hooks.
+    out["ref_mtp_table"] = train_layout(root, "ref_mtp_table", weights="lev_mtp", compute_mode="table", **MTP)
     destroy_distributed(setup)
     setup = reinit(ep=2)
     out["ep2"] = train_layout(root, "ep2", distributed_optimizer=True, overlap=True)
@@ -331,10 +336,14 @@ def two_rank_run(root: str) -> Dict[str, Any]:
 
 def four_rank_run(root: str) -> Dict[str, Any]:
     """TP=2 x EP=2 with expert-tensor-parallel 1 and sequence parallelism (megatron-core wants SP with
-    EP x TP), the distributed optimizer and overlap on."""
+    EP x TP), and PP=2 x EP=2 (data-parallel 2 on each stage, MoE layers on both), each with the distributed
+    optimizer and overlap on."""
     from megatron_lev.distributed import destroy_distributed
 
     setup = reinit(tp=2, ep=2, etp=1)
     out = {"tp2ep2": train_layout(root, "tp2ep2", sp=True, distributed_optimizer=True, overlap=True)}
+    destroy_distributed(setup)
+    setup = reinit(pp=2, ep=2)
+    out["pp2ep2"] = train_layout(root, "pp2ep2", distributed_optimizer=True, overlap=True)
     destroy_distributed(setup)
     return out

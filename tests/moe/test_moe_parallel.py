@@ -122,6 +122,13 @@ def test_tp2_ep2_matches_reference(two_rank, four_rank):
     _assert_matches(_per_rank(two_rank, "ref"), rows, "tp2 x ep2")
 
 
+def test_pp2_ep2_matches_reference(two_rank, four_rank):
+    rows = _per_rank(four_rank, "pp2ep2")
+    assert sorted((r["pp_rank"], r["ep_rank"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(r["mlp_types"] for r in rows) == [["MoELayer", "MLP"]] * 2 + [["MoELayer", "MoELayer"]] * 2
+    _assert_matches(_per_rank(two_rank, "ref"), rows, "pp2 x ep2")
+
+
 # ------------------------------------------------------------------------------- multi-token prediction
 
 
@@ -156,6 +163,13 @@ def test_mtp_trains_at_ep2_like_the_reference_and_logs_its_loss(two_rank):
         assert 0 < want["mtp_1 loss"] < 10
     # the MTP loss changes what is trained: its losses differ from the plain reference's
     assert ref[0]["grad_norms"] != _per_rank(two_rank, "ref")[0]["grad_norms"]
+
+
+def test_mtp_in_table_mode_trains_like_token_mode(two_rank):
+    """Both compute modes of one LEV layer with an MTP block, from the same weights: table mode's hooks must
+    return the gradients of both losses (a table gradient dropped on one use changes the second step)."""
+    ref, rows = _per_rank(two_rank, "ref_mtp"), _per_rank(two_rank, "ref_mtp_table")
+    _assert_matches(ref, rows, "table mode + mtp")
 
 
 def test_mtp_with_an_own_arm_under_pipeline_parallelism_is_refused(two_rank):
