@@ -34,8 +34,8 @@ ALLOWED: Dict[str, Set[str]] = {
     "evaluation": {"checkpoint", "distributed", "jsonl", "lev", "models", "parallel", "tokenizer"},
     "conversion": {"arguments", "checkpoint", "distributed", "evaluation", "kernels", "lev", "models", "parallel",
                    "tokenizer"},
-    "training": {"_procutil", "arguments", "checkpoint", "data", "distributed", "lev", "models", "parallel",
-                 "tokenizer"},
+    "training": {"_procutil", "arguments", "checkpoint", "compat", "data", "distributed", "lev", "models",
+                 "parallel", "tokenizer"},
     "testing": {"distributed"},
 }
 
