@@ -123,8 +123,15 @@ def moe_mlp_spec(config: Any, *, use_transformer_engine: bool):
         backend = TESpecProvider()
     else:
         backend = LocalSpecProvider()
-    kw = dict(backend=backend, num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
-    # megatron-core 0.19 removed the legacy grouped GEMM (the config field and this argument).
+    return get_moe_module_spec_for_backend(backend=backend, num_experts=config.num_moe_experts,
+                                           moe_grouped_gemm=config.moe_grouped_gemm,
+                                           **legacy_grouped_gemm_kwargs(config))
+
+
+def legacy_grouped_gemm_kwargs(config: Any) -> Dict[str, Any]:
+    """The ``moe_use_legacy_grouped_gemm`` argument of megatron-core's layer and MoE spec builders, where the
+    release has it (0.19 removed the legacy grouped GEMM: the TransformerConfig field and the argument).
+    Here rather than in ``compat``, which ``models`` does not import (docs/architecture.md)."""
     if hasattr(config, "moe_use_legacy_grouped_gemm"):
-        kw["moe_use_legacy_grouped_gemm"] = config.moe_use_legacy_grouped_gemm
-    return get_moe_module_spec_for_backend(**kw)
+        return {"moe_use_legacy_grouped_gemm": config.moe_use_legacy_grouped_gemm}
+    return {}

@@ -30,7 +30,7 @@ from megatron_lev.parallel.norms import SequenceParallelNorm
 
 from .attention import SDPAttention
 from .config import LevModelConfig, use_transformer_engine
-from .moe import is_moe, moe_layer_pattern, moe_mlp_spec
+from .moe import is_moe, legacy_grouped_gemm_kwargs, moe_layer_pattern, moe_mlp_spec
 
 
 def get_layer_spec(config, model_config: Optional[LevModelConfig] = None, moe: bool = False) -> ModuleSpec:
@@ -40,12 +40,10 @@ def get_layer_spec(config, model_config: Optional[LevModelConfig] = None, moe: b
     if use_transformer_engine(impl):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        kw = dict(num_experts=config.num_moe_experts if moe else None,
-                  moe_grouped_gemm=bool(moe and config.moe_grouped_gemm), qk_layernorm=config.qk_layernorm)
-        # megatron-core 0.19 removed the legacy grouped GEMM (the config field and this argument).
-        if hasattr(config, "moe_use_legacy_grouped_gemm"):
-            kw["moe_use_legacy_grouped_gemm"] = config.moe_use_legacy_grouped_gemm
-        return get_gpt_layer_with_transformer_engine_spec(**kw)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts if moe else None,
+            moe_grouped_gemm=bool(moe and config.moe_grouped_gemm), qk_layernorm=config.qk_layernorm,
+            **legacy_grouped_gemm_kwargs(config))
     return get_local_layer_spec(config, moe=moe)
 
 

@@ -1,9 +1,10 @@
 """The auxiliary losses of mixture-of-experts and multi-token-prediction layers, as Megatron-LM logs them.
 
-megatron-core's MoE router saves its load-balancing and z losses per layer in its logging tracker
-(a dict in ``moe_utils`` up to 0.16.1, ``moe_logging.MoEMetricsTracker`` from 0.19: ``compat.versions``), and the MTP block its per-layer losses in
-``MTPLossLoggingHelper``'s; Megatron-LM's ``training_log`` reduces both once per logged iteration
-(``track_moe_metrics`` or the tracker's ``report`` / ``track_mtp_metrics``) and logs them beside the LM loss. ``step_aux_losses``
+megatron-core's MoE router saves its load-balancing and z losses per layer in its logging tracker (a dict
+in ``moe_utils`` up to 0.16.1, ``moe_logging.MoEMetricsTracker`` from 0.19: see ``compat.versions``), and
+the MTP block its per-layer losses in ``MTPLossLoggingHelper``'s; Megatron-LM's ``training_log`` reduces
+both once per logged iteration (the MoE tracker's report, ``track_mtp_metrics``) and logs them beside the
+LM loss. ``step_aux_losses``
 does the same reduction (collective over the pipeline and data-parallel groups: every rank calls it) and
 returns plain floats, averaged over the MoE layers and the micro-batches of the step (the MTP losses,
 ``mtp_<k> loss``, on the ranks of the stage that holds the MTP block).
