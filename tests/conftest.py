@@ -299,3 +299,22 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_backend_stays_in_its_module():
+    """A test module that installs the CPU backend in this process (its own parallel state, a direct
+    ``compat.apply``) has it removed when the module ends, so no later test loads a model into a patched
+    torch (see tests/testing/test_isolation.py)."""
+    from megatron_lev import compat
+
+    applied_before = compat.is_applied()
+    yield
+    if compat.is_applied() and not applied_before:
+        compat.remove()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from megatron_lev.testing import close_pools
+
+    close_pools()  # the reused gloo worlds of run_distributed

@@ -8,10 +8,10 @@ the supported megatron-core releases (0.16.1 and 0.19.x).
 
 from .versions import checkpoint_refusal, megatron_core_version, quiet_repeated_warnings, unreadable_checkpoint
 
-_CPU_NAMES = ("apply", "hit_counts", "is_applied")
+_CPU_NAMES = ("apply", "hit_counts", "is_applied", "remove", "reset_hit_counts")
 
 __all__ = ["apply", "checkpoint_refusal", "hit_counts", "is_applied", "megatron_core_version",
-           "quiet_repeated_warnings", "unreadable_checkpoint"]
+           "quiet_repeated_warnings", "remove", "reset_hit_counts", "unreadable_checkpoint"]
 
 
 def __getattr__(name: str):

@@ -14,9 +14,12 @@ Design:
   exercised, and a megatron-core upgrade that stops needing one is noticed.
 - Tensor factories are wrapped individually (not a global ``TorchFunctionMode``) so that
   ordinary ops pay no per-call dispatch cost.
-- The patches are process-wide and stay: they are for rank processes. Loading a Hugging Face model
-  in a patched process is not supported (transformers 5 leaves a Llama's rotary buffers
-  uninitialised when ``torch.tensor`` is wrapped); the HF evaluation and export paths never apply them.
+- The patches are process-wide: they are for rank processes. Loading a Hugging Face model in a
+  patched process is not supported (transformers 5 leaves a Llama's rotary buffers uninitialised
+  when ``torch.tensor`` is wrapped); the HF evaluation and export paths never apply them.
+  ``remove()`` puts every patched attribute back (``destroy_distributed`` calls it when its
+  ``init_distributed`` installed the backend), so a process that goes on after its distributed work,
+  such as a test process, gets torch as it was.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ import torch
 
 _HITS: "collections.Counter[str]" = collections.Counter()
 _APPLIED = False
+# (owner, attribute, original value) of every patch, for remove().
+_SAVED: "list[tuple[Any, str, Any]]" = []
+_RNG_FILTER: "list[logging.Filter]" = []
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    _SAVED.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
 
 # Tensor factories that megatron-core calls with a CUDA device.
 _FACTORIES = (
@@ -70,7 +81,7 @@ def _patch_factories() -> None:
     for name in _FACTORIES:
         fn = getattr(torch, name)
         if not hasattr(fn, "__megatron_lev_original__"):
-            setattr(torch, name, _wrap_factory(name, fn))
+            _set(torch, name, _wrap_factory(name, fn))
 
 
 def _patch_tensor_methods() -> None:
@@ -100,9 +111,9 @@ def _patch_tensor_methods() -> None:
             return name
         return orig_type(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.cuda = cuda  # type: ignore[assignment]
-    torch.Tensor.to = to  # type: ignore[assignment]
-    torch.Tensor.type = type_  # type: ignore[assignment]
+    _set(torch.Tensor, "cuda", cuda)
+    _set(torch.Tensor, "to", to)
+    _set(torch.Tensor, "type", type_)
 
 
 def _patch_cuda_module() -> None:
@@ -130,9 +141,9 @@ def _patch_cuda_module() -> None:
         "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
     }
     for name, fn in replacements.items():
-        setattr(torch.cuda, name, counted(name, fn))
-    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
-    torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
+        _set(torch.cuda, name, counted(name, fn))
+    _set(torch.cuda.random, "get_rng_state", torch.cuda.get_rng_state)
+    _set(torch.cuda.random, "set_rng_state", torch.cuda.set_rng_state)
 
 
 def _patch_megatron_rng() -> None:
@@ -146,8 +157,8 @@ def _patch_megatron_rng() -> None:
         _count("megatron.rng.set")
         torch.set_rng_state(new_state)
 
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
+    _set(mrandom, "_get_cuda_rng_state", get_state)
+    _set(mrandom, "_set_cuda_rng_state", set_state)
 
     # On CPU the tracker's "CUDA" generator is the CPU generator, so fork() always sees the
     # CPU state change; its warning says nothing here.
@@ -158,7 +169,8 @@ def _patch_megatron_rng() -> None:
                 return False
             return True
 
-    logging.getLogger(mrandom.__name__).addFilter(_DropCpuRngWarning())
+    _RNG_FILTER.append(_DropCpuRngWarning())
+    logging.getLogger(mrandom.__name__).addFilter(_RNG_FILTER[-1])
 
 
 def apply(force: bool = False) -> bool:
@@ -178,6 +190,24 @@ def apply(force: bool = False) -> bool:
     _patch_megatron_rng()
     _APPLIED = True
     return True
+
+
+def remove() -> None:
+    """Undo ``apply()``: every patched attribute gets its original back (a no-op when not applied)."""
+    global _APPLIED
+    while _SAVED:
+        owner, name, value = _SAVED.pop()  # last patched first: an attribute patched twice ends original
+        setattr(owner, name, value)
+    while _RNG_FILTER:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        logging.getLogger(mrandom.__name__).removeFilter(_RNG_FILTER.pop())
+    _APPLIED = False
+
+
+def reset_hit_counts() -> None:
+    """Start the counts of ``hit_counts()`` again (a long-lived rank reports them per job)."""
+    _HITS.clear()
 
 
 def is_applied() -> bool:

@@ -2,7 +2,7 @@
 state, the CPU backend without CUDA) and the launcher that runs a function on local CPU ranks."""
 
 from .bootstrap import (BACKENDS, DistributedConfigError, DistributedSetup, check_layout, destroy_distributed,
-                        init_distributed, report_error, set_seed)
+                        init_distributed, report_error, reset_after_job, set_seed)
 from .spawn import RankFailure, spawn_ranks
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "destroy_distributed",
     "init_distributed",
     "report_error",
+    "reset_after_job",
     "set_seed",
     "spawn_ranks",
 ]

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from megatron_lev.lev.config import ConfigError
 
 __all__ = ["BACKENDS", "DistributedConfigError", "DistributedSetup", "check_layout", "destroy_distributed",
-           "init_distributed", "report_error", "set_seed"]
+           "init_distributed", "report_error", "reset_after_job", "set_seed"]
 
 BACKENDS = ("nccl", "gloo")
 
@@ -69,6 +69,9 @@ class DistributedSetup:
     """The launcher variables (RANK, WORLD_SIZE, ...) this call set because they were absent; removed at
     teardown, so a later library in the same process (accelerate, transformers) does not take the process
     for one rank of a distributed job."""
+    applied_cpu_backend: bool = False
+    """The CPU backend was installed by this call; teardown removes it, so a process that goes on (a test
+    process loading a Hugging Face model afterwards) gets torch back unpatched."""
     destroyed: bool = False
 
     def __enter__(self) -> "DistributedSetup":
@@ -136,14 +139,16 @@ def _resolve_backend(backend: Optional[str], cuda: bool) -> str:
     return backend
 
 
-def _apply_cpu_backend() -> None:
+def _apply_cpu_backend() -> bool:
+    """Install the CPU backend without CUDA; True if this call installed it (teardown removes it)."""
     from megatron_lev import compat
     from megatron_lev.compat.without_te import define_missing_te_names
 
     compat.quiet_repeated_warnings()
     define_missing_te_names()  # megatron's MoE router without Transformer Engine
-    if not torch.cuda.is_available():
-        compat.apply()
+    if torch.cuda.is_available() or compat.is_applied():
+        return False
+    return compat.apply()
 
 
 def _live_groups() -> FrozenSet:
@@ -233,6 +238,7 @@ def init_distributed(
     seed: Optional[int] = None,
     ep: int = 1,
     etp: Optional[int] = None,
+    model_parallel: bool = True,
 ) -> DistributedSetup:
     """Start distributed work in this process (see the module docstring); pass the result to
     :func:`destroy_distributed`.
@@ -242,17 +248,21 @@ def init_distributed(
     gloo (default: nccl with CUDA, else gloo). ``timeout_minutes``: collective timeout of every group
     created here. ``init_method``: rendezvous URL instead of the environment (rank and world size still
     come from ``RANK``/``WORLD_SIZE``). ``seed``: also seed torch and megatron's model-parallel RNG
-    tracker (every tensor-parallel rank its own stream). Bad input raises :class:`DistributedConfigError`.
+    tracker (every tensor-parallel rank its own stream). ``model_parallel=False``: the default group only
+    (a long-lived rank that sets megatron's groups up per job, as the test harness's rank pool does).
+    Bad input raises :class:`DistributedConfigError`.
     """
-    _apply_cpu_backend()
+    applied_here = _apply_cpu_backend()
     timeout = timedelta(minutes=timeout_minutes)
     groups_before = _live_groups()
     created_pg = not dist.is_initialized()
     env_set = _init_process_group(backend, timeout, init_method) if created_pg else ()
     setup = DistributedSetup(rank=dist.get_rank(), world_size=dist.get_world_size(),
                              created_process_group=created_pg, created_parallel_state=False,
-                             groups_before=groups_before, env_set=env_set)
+                             groups_before=groups_before, env_set=env_set, applied_cpu_backend=applied_here)
     try:
+        if not model_parallel:
+            return setup
         check_layout(setup.world_size, tp, pp, ep, etp)
         setup.created_parallel_state = _init_parallel_state(tp, pp, vpp, timeout_minutes, ep, etp)
         if seed is not None:
@@ -280,6 +290,34 @@ def set_seed(seed: int, *, per_pipeline_stage: bool = True) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def reset_after_job(env: dict, cwd: str, threads: int) -> None:
+    """What a job may leave in a process that runs another one after it (a reused test rank), undone:
+    megatron's micro-batch calculator and MoE loss tracker, the default dtype, grad mode, thread count,
+    the environment (back to ``env``), the working directory (``cwd``) and the CPU backend's hit counts
+    (reported per job). Its process groups are torn down by its own ``destroy_distributed``."""
+    import gc
+
+    from megatron_lev import compat
+    from megatron_lev.compat import versions
+
+    try:
+        from megatron.core import num_microbatches_calculator as nmc
+
+        nmc.unset_num_microbatches_calculator()
+    except (ImportError, AttributeError):  # pragma: no cover - every supported release has it
+        pass
+    versions.reset_moe_metrics()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    if compat.is_applied():
+        compat.reset_hit_counts()
+    gc.collect()
+
+
 def destroy_distributed(setup: DistributedSetup) -> None:
     """Tear down what ``setup``'s :func:`init_distributed` created, and nothing else; a second call does
     nothing. A failure here is reported as a warning (it must not hide the run's own outcome)."""
@@ -287,6 +325,16 @@ def destroy_distributed(setup: DistributedSetup) -> None:
         return
     setup.destroyed = True
     _unset(setup.env_set)
+    try:
+        _teardown_groups(setup)
+    finally:
+        if setup.applied_cpu_backend:
+            from megatron_lev import compat
+
+            compat.remove()
+
+
+def _teardown_groups(setup: DistributedSetup) -> None:
     try:
         if setup.created_parallel_state:
             from megatron.core import parallel_state as ps

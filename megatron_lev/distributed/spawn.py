@@ -50,24 +50,16 @@ def _loads(data: Optional[bytes]) -> Any:
     return None if data is None else torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _rank_main(rank, world, store_file, layout, seed, fn, args, kwargs, out_q, collective_timeout,
-               passthrough, hide_cuda, quiet):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    if quiet:  # megatron-core's notes on missing fused kernels, deprecations
-        import warnings
-
-        warnings.filterwarnings("ignore")
-    if hide_cuda:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+def run_task(fn, args, kwargs, layout, seed, collective_timeout, passthrough, init_method=None):
+    """Run one job on this rank inside megatron's groups of ``layout`` (tp, pp, vpp); returns
+    ``(payload, error, one_line)`` for the launcher's queue. The groups are always torn down; a
+    default process group that exists (a long-lived rank's) is reused and kept."""
     tp, pp, vpp = layout
     result, error, one_line, setup = None, None, False, None
     try:
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
         # A short collective timeout turns a rank stuck behind a failed peer into an error.
         setup = init_distributed(tp=tp, pp=pp, vpp=vpp, backend="gloo", timeout_minutes=collective_timeout / 60,
-                                 init_method=f"file://{store_file}", seed=seed)
+                                 init_method=init_method, seed=seed)
         result = fn(*args, **kwargs)
     except passthrough as e:
         error, one_line = f"{type(e).__name__}: {e}", True
@@ -80,6 +72,28 @@ def _rank_main(rank, world, store_file, layout, seed, fn, args, kwargs, out_q, c
         payload = _dumps(result)
     except Exception:
         payload, error = None, (error or "") + "\nresult could not be serialised:\n" + traceback.format_exc()
+    return payload, error, one_line
+
+
+def start_rank(rank: int, world: int, quiet: bool, hide_cuda: bool) -> None:
+    """What every local rank does first: its launcher variables, warnings, devices and threads."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if quiet:  # megatron-core's notes on missing fused kernels, deprecations
+        import warnings
+
+        warnings.filterwarnings("ignore")
+    if hide_cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+
+
+def _rank_main(rank, world, store_file, layout, seed, fn, args, kwargs, out_q, collective_timeout,
+               passthrough, hide_cuda, quiet):
+    start_rank(rank, world, quiet, hide_cuda)
+    payload, error, one_line = run_task(fn, args, kwargs, layout, seed, collective_timeout, passthrough,
+                                        init_method=f"file://{store_file}")
     out_q.put((rank, payload, error, one_line))
 
 
@@ -124,50 +138,62 @@ def spawn_ranks(
     ]
     for p in procs:
         p.start()
+    failed = True
+    try:
+        results = collect_reports(procs, out_q, world_size, timeout, failure_cls, passthrough, f"tp={tp}, pp={pp}")
+        failed = False
+        return results
+    finally:
+        for p in procs:
+            p.join(timeout=2 if failed else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(store_file):
+            os.remove(store_file)
+
+
+def collect_reports(procs, out_q, world_size: int, timeout: float, failure_cls: Type[Exception],
+                    passthrough: Tuple[Type[BaseException], ...], layout: str,
+                    unpack: Callable = lambda report: report) -> List[Any]:
+    """Wait for one report per rank from ``out_q`` (``unpack(report)`` gives ``(rank, payload, error,
+    one_line)``) and return the per-rank results; raise ``failure_cls`` (or a passthrough error) when a
+    rank failed, died without reporting or the ``timeout`` passed. After the first failure the other
+    ranks get a short grace period, then waiting stops."""
     results: List[Any] = [None] * world_size
     errors: dict = {}
     received = 0
     reported: set = set()
     deadline = time.monotonic() + timeout
     grace = deadline
-    try:
-        while received < world_size:
-            now = time.monotonic()
-            # Once a rank failed, give the others a short grace period, then stop waiting.
-            if now >= (grace if errors else deadline):
-                if errors:
-                    break
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
+    while received < world_size:
+        now = time.monotonic()
+        if now >= (grace if errors else deadline):
+            if errors:
+                break
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
+            raise failure_cls(
+                f"timed out after {timeout:.0f}s waiting for ranks; ranks that died: {dead or 'none'} "
+                f"(exit codes {[procs[r].exitcode for r in dead]})")
+        try:
+            # Short polls: a rank that dies without reporting is noticed at once, not at the deadline.
+            rank, payload, error, one_line = unpack(out_q.get(timeout=1.0))
+        except queue_mod.Empty:
+            silent = _died_silently(procs, reported)
+            if silent and not errors:
                 raise failure_cls(
-                    f"timed out after {timeout:.0f}s waiting for ranks; ranks that died: {dead or 'none'} "
-                    f"(exit codes {[procs[r].exitcode for r in dead]})")
-            try:
-                # Short polls: a rank that dies without reporting is noticed at once, not at the deadline.
-                rank, payload, error, one_line = out_q.get(timeout=1.0)
-            except queue_mod.Empty:
-                silent = _died_silently(procs, reported)
-                if silent and not errors:
-                    raise failure_cls(
-                        f"rank(s) {silent} died without reporting (exit codes "
-                        f"{[procs[r].exitcode for r in silent]}); out of memory or killed?") from None
-                if errors and not any(p.is_alive() for r, p in enumerate(procs) if r not in reported):
-                    break
-                continue
-            reported.add(rank)
-            received += 1
-            results[rank] = _loads(payload)
-            if error is not None:
-                if not errors:
-                    grace = time.monotonic() + 10.0
-                errors[rank] = (error, one_line)
-    finally:
-        for p in procs:
-            p.join(timeout=2 if errors else 30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if os.path.exists(store_file):
-            os.remove(store_file)
+                    f"rank(s) {silent} died without reporting (exit codes "
+                    f"{[procs[r].exitcode for r in silent]}); out of memory or killed?") from None
+            if errors and not any(p.is_alive() for r, p in enumerate(procs) if r not in reported):
+                break
+            continue
+        reported.add(rank)
+        received += 1
+        results[rank] = _loads(payload)
+        if error is not None:
+            if not errors:
+                grace = time.monotonic() + 10.0
+            errors[rank] = (error, one_line)
     if errors:
         for rank, (msg, one_line) in sorted(errors.items()):
             if one_line:  # a passthrough error: re-raise its own type with its one-line message
@@ -175,7 +201,5 @@ def spawn_ranks(
                     if msg.startswith(cls.__name__ + ": "):
                         raise cls(msg[len(cls.__name__) + 2:])
         parts = [f"--- rank {r} ---\n{msg}" for r, (msg, _) in sorted(errors.items())]
-        raise failure_cls(
-            f"{len(errors)} of {world_size} ranks failed (tp={tp}, pp={pp}):\n" + "\n".join(parts)
-        )
+        raise failure_cls(f"{len(errors)} of {world_size} ranks failed ({layout}):\n" + "\n".join(parts))
     return results

@@ -1,5 +1,6 @@
-"""Helpers for testing megatron-lev on CPU ranks (gloo)."""
+"""Helpers for testing megatron-lev on CPU ranks (gloo): ``run_distributed`` and its rank pool."""
 
 from .distributed import DistributedFailure, run_distributed
+from .pool import RankPool, close_pools, get_pool
 
-__all__ = ["DistributedFailure", "run_distributed"]
+__all__ = ["DistributedFailure", "RankPool", "close_pools", "get_pool", "run_distributed"]

@@ -2,17 +2,24 @@
 
     results = run_distributed(check_fn, world_size=4, tp=2, pp=2, args=(...))
 
-A thin layer over ``megatron_lev.distributed.spawn_ranks`` for tests: megatron's RNG tracker is
-seeded (``seed``, default 1234) and a failure on any rank raises ``DistributedFailure`` (an
-``AssertionError``, so pytest reports it as a test failure) with every failed rank's traceback.
-Start-up of a rank costs several seconds of imports, so group several checks in one call.
+The ranks come from this process's rank pool (``megatron_lev.testing.pool``): a world of each size is
+started once and reused, megatron's parallel state set up for the job's layout and torn down after it,
+megatron's RNG tracker seeded (``seed``, default 1234). ``fresh=True`` runs the job on ranks started
+for it alone (``megatron_lev.distributed.spawn_ranks``): for a body that needs a new process (launcher
+variables, exit codes, process-wide patches it does not undo). ``MEGATRON_LEV_FRESH_RANKS=1`` makes
+every job fresh (to tell a pool effect from a real failure). A failure on any rank raises
+``DistributedFailure`` (an ``AssertionError``, so pytest reports it as a test failure) with every failed
+rank's traceback; ``fn`` must be a module-level function.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, List, Optional, Sequence
 
 from megatron_lev.distributed import RankFailure, spawn_ranks
+
+from .pool import get_pool
 
 
 class DistributedFailure(RankFailure, AssertionError):
@@ -31,7 +38,12 @@ def run_distributed(
     kwargs: Optional[dict] = None,
     timeout: float = 600.0,
     collective_timeout: float = 120.0,
+    fresh: bool = False,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
-    return spawn_ranks(fn, world_size, tp=tp, pp=pp, vpp=vpp, seed=seed, args=args, kwargs=kwargs,
-                       timeout=timeout, collective_timeout=collective_timeout, failure_cls=DistributedFailure)
+    if fresh or os.environ.get("MEGATRON_LEV_FRESH_RANKS") == "1":
+        return spawn_ranks(fn, world_size, tp=tp, pp=pp, vpp=vpp, seed=seed, args=args, kwargs=kwargs,
+                           timeout=timeout, collective_timeout=collective_timeout, failure_cls=DistributedFailure)
+    return get_pool(world_size).run(fn, tp=tp, pp=pp, vpp=vpp, seed=seed, args=args, kwargs=kwargs,
+                                    timeout=timeout, collective_timeout=collective_timeout,
+                                    failure_cls=DistributedFailure)

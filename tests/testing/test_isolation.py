@@ -1,0 +1,61 @@
+"""What one test may leave behind for the next: the CPU backend patched into this process.
+
+Tests that start distributed work in the pytest process itself (the fake-CUDA step's parallel state,
+the bootstrap's own tests) install the CPU backend here. Left installed, it corrupts what later tests
+load: transformers 5 builds a Llama's rotary frequencies with ``torch.tensor`` wrapped and leaves them
+uninitialised, so an exported model's logits drift from Megatron's (0.10 seen in a shuffled order).
+``destroy_distributed`` removes what its ``init_distributed`` installed, and the suite's autouse
+fixture (tests/conftest.py) removes what a test installed by hand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lev import compat
+from megatron_lev.distributed import destroy_distributed, init_distributed
+
+
+def _tiny_llama(root):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(root)
+    return _inv_freq(model).clone()  # built in an unpatched process: the reference
+
+
+def _inv_freq(model):
+    (buf,) = [b for n, b in model.named_buffers() if n.endswith("rotary_emb.inv_freq")]
+    return buf
+
+
+def test_in_process_distributed_work_leaves_torch_unpatched_for_hugging_face(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    want = _tiny_llama(tmp_path)
+    assert not compat.is_applied()
+    setup = init_distributed(tp=1, pp=1, backend="gloo", timeout_minutes=1)
+    assert compat.is_applied() == (not torch.cuda.is_available())  # the CPU backend, as in a rank
+    destroy_distributed(setup)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    torch.testing.assert_close(_inv_freq(model), want, rtol=0, atol=0)
+    assert not compat.is_applied(), "teardown must remove the CPU backend its start-up installed"
+    assert not hasattr(torch.tensor, "__megatron_lev_original__")
+
+
+def test_the_cpu_backend_comes_off_whole():
+    originals = {n: getattr(torch, n) for n in ("empty", "tensor", "arange")}
+    to, cuda_current = torch.Tensor.to, torch.cuda.current_device
+    compat.apply(force=True)
+    try:
+        assert torch.tensor is not originals["tensor"] and torch.Tensor.to is not to
+        assert torch.empty(2, device="cuda").device.type == "cpu"  # redirected while applied
+    finally:
+        compat.remove()
+    assert {n: getattr(torch, n) for n in originals} == originals
+    assert torch.Tensor.to is to and torch.cuda.current_device is cuda_current
+    assert not compat.is_applied()
+    compat.remove()  # a second removal is a no-op
