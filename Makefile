@@ -22,6 +22,12 @@ PY_NEXT     := $(VENV_NEXT)/bin/python
 STAMP_NEXT  := $(VENV_NEXT)/.megatron-lev-installed
 MCORE_NEXT  ?= megatron-core>=0.19,<0.20
 
+# Extra pytest flags (.ci/run passes --durations to print the slowest tests).
+PYTEST_FLAGS ?=
+# make test-next runs the suite in a shuffled order (modules, and the tests inside each module), fixed by
+# this seed, so that a test depending on what an earlier one left behind fails here, not on a user's machine.
+SHUFFLE_SEED ?= 33
+
 .PHONY: setup demo test test-next test-fast test-fake-cuda bench clean-venv
 
 setup: $(STAMP)
@@ -37,7 +43,7 @@ demo: setup
 	bash examples/quickstart_cpu.sh
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_FLAGS)
 
 test-fake-cuda: $(STAMP_CUDA)
 	$(PY_CUDA) -m pytest -q -p no:cacheprovider -m cuda_build
@@ -51,7 +57,8 @@ $(STAMP_CUDA): pyproject.toml
 	@touch $(STAMP_CUDA)
 
 test-next: $(STAMP_NEXT)
-	$(PY_NEXT) -m pytest -q -p no:cacheprovider
+	$(PY_NEXT) -m pytest -q -p no:cacheprovider --random-order-bucket=module --random-order-seed=$(SHUFFLE_SEED) \
+	  $(PYTEST_FLAGS)
 
 $(STAMP_NEXT): pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: make test-next needs Python 3.12 (python3.12 on PATH or under ~/.pyenv/versions); set PYTHON312=/path/to/python3.12"; exit 2; }

@@ -24,6 +24,7 @@ import atexit
 import itertools
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import tempfile
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
@@ -51,9 +52,15 @@ def _pool_rank(rank: int, world: int, store_file: str, tasks, out_q, collective_
         out_q.put((None, rank, None, traceback.format_exc(), False))
         return
     env, cwd, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
+    parent = os.getppid()
     try:
         while True:
-            task = tasks.get()
+            try:
+                task = tasks.get(timeout=5.0)
+            except queue_mod.Empty:
+                if os.getppid() != parent:  # the test process is gone: no one will send a job or a stop
+                    break
+                continue
             if task is _STOP:
                 break
             job, fn, args, kwargs, layout, seed, passthrough, job_timeout = task
@@ -93,7 +100,8 @@ class RankPool:
         self._out_q = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_pool_rank, daemon=True,
+            # Not daemonic: a job may start processes of its own (dist_checkpointing's writers).
+            ctx.Process(target=_pool_rank,
                         args=(r, self.world_size, self._store_file, self._tasks[r], self._out_q,
                               self.collective_timeout, self.quiet, self.hide_cuda))
             for r in range(self.world_size)
