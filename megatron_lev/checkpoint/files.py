@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, tokenizer_mismatch
 
@@ -67,8 +68,12 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def read_tracker(root: str) -> Optional[int]:
-    """Iteration named by the tracker file, or None when there is none."""
+def read_tracker(root: str, older_hint: Optional[Callable[[int, str], str]] = None) -> Optional[int]:
+    """Iteration named by the tracker file, or None when there is none.
+
+    An empty tracker, or one that holds no iteration number (text, a negative number), is a
+    :class:`CheckpointError` naming the file; with ``older_hint`` the message adds the newest complete
+    checkpoint under ``root`` and ``older_hint(iteration, directory)``, the way to load it."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
@@ -77,9 +82,21 @@ def read_tracker(root: str) -> Optional[int]:
     if text == "release":
         return 0
     try:
-        return int(text)
+        it = int(text)
     except ValueError:
-        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+        it = None
+    if it is not None and it >= 0:
+        return it
+    what = "empty" if not text else f"holds {text!r}, not an iteration number"
+    raise CheckpointError(f"{path}: {what} (a bad tracker; nothing was loaded){_newest_hint(root, older_hint)}")
+
+
+def _newest_hint(root: str, older_hint: Optional[Callable[[int, str], str]]) -> str:
+    if older_hint is None:
+        return ""
+    newest = newest_complete_checkpoint(root)
+    return (f"; the newest complete checkpoint there is {newest[1]}: {older_hint(*newest)}" if newest
+            else f"; no complete checkpoint under {root}")
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -100,12 +117,12 @@ def write_tracker(root: str, iteration: int) -> None:
         pass
 
 
-def find_checkpoint(root: str) -> Optional[Tuple[int, str]]:
+def find_checkpoint(root: str, older_hint: Optional[Callable[[int, str], str]] = None) -> Optional[Tuple[int, str]]:
     """(iteration, directory) that the tracker under ``root`` names, or None without a tracker.
 
     Whether its files are all there is :func:`check_intact`'s question (a missing ``metadata.json`` is
     reported like any damaged file, with the newest complete older checkpoint)."""
-    it = read_tracker(root)
+    it = read_tracker(root, older_hint)
     if it is None:
         return None
     return it, checkpoint_dir(root, it)
@@ -202,18 +219,29 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+def complete_iterations(root: str) -> List[int]:
+    """Iterations under ``root`` whose save completed (``metadata.json`` and ``config.yaml`` written, the
+    save's last files), newest first; whether their other files are intact is :func:`find_damage`'s."""
+    if not os.path.isdir(root):
+        return []
+    found = sorted((int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m), reverse=True)
+    return [it for it in found
+            if all(os.path.isfile(os.path.join(checkpoint_dir(root, it), n)) for n in ("metadata.json", CONFIG_NAME))]
+
+
 def older_complete_checkpoint(root: str, iteration: int) -> Optional[Tuple[int, str]]:
     """(iteration, directory) of the newest checkpoint under ``root`` older than ``iteration`` that is
     complete (metadata.json and config.yaml written) and undamaged (:func:`find_damage`)."""
-    if not os.path.isdir(root):
-        return None
-    older = sorted((int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m), reverse=True)
-    for it in older:
-        d = checkpoint_dir(root, it)
-        if it < iteration and all(os.path.isfile(os.path.join(d, n)) for n in ("metadata.json", CONFIG_NAME)) \
-                and find_damage(d) is None:
-            return it, d
+    for it in complete_iterations(root):
+        if it < iteration and find_damage(checkpoint_dir(root, it)) is None:
+            return it, checkpoint_dir(root, it)
     return None
+
+
+def newest_complete_checkpoint(root: str) -> Optional[Tuple[int, str]]:
+    """(iteration, directory) of the newest complete, undamaged checkpoint under ``root``, whatever the
+    tracker says."""
+    return older_complete_checkpoint(root, sys.maxsize)
 
 
 def iteration_hint(it: int, path: str) -> str:
@@ -257,7 +285,8 @@ def load_common(path: str) -> Dict[str, Any]:
     return common
 
 
-def _locate(path: str, iteration: Optional[int]) -> Tuple[str, int, str]:
+def _locate(path: str, iteration: Optional[int],
+            older_hint: Callable[[int, str], str] = iteration_hint) -> Tuple[str, int, str]:
     """(root, iteration, iter directory) for a root with a tracker or an ``iter_*`` directory."""
     if not path:
         raise CheckpointError("no checkpoint given (--load DIR)")
@@ -273,10 +302,10 @@ def _locate(path: str, iteration: Optional[int]) -> Tuple[str, int, str]:
             raise CheckpointError(f"{path}: holds iteration {it}, not --iteration {iteration}")
         return os.path.dirname(path), it, path
     if iteration is None:
-        it = read_tracker(path)
+        it = read_tracker(path, older_hint)
         if it is None:
-            found = sorted(d for d in os.listdir(path) if _ITER_DIR.match(d))
-            hint = f"; found {', '.join(found[-3:])}: pass --iteration N to choose one" if found else ""
+            found = any(_ITER_DIR.match(d) for d in os.listdir(path))
+            hint = _newest_hint(path, older_hint) if found else ""
             raise CheckpointError(f"{path}: no {TRACKER} (not a checkpoint root, or no save completed){hint}")
     else:
         it = int(iteration)
@@ -292,7 +321,7 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
 
     With ``read_common`` its files are checked first (:func:`check_intact`); a damaged one names the
     newest complete older checkpoint with ``older_hint(iteration, directory)``, the way to load it."""
-    root, it, iter_path = _locate(path, iteration)
+    root, it, iter_path = _locate(path, iteration, older_hint)
     for name in ("metadata.json", CONFIG_NAME):  # the save's last files: without them it did not complete
         if not os.path.isfile(os.path.join(iter_path, name)):
             raise CheckpointError(damaged_checkpoint_message(root, int(it), iter_path, os.path.join(iter_path, name),

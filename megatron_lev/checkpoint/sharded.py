@@ -35,8 +35,8 @@ import torch
 from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core_version
 
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
-    check_intact, checkpoint_dir, damaged_checkpoint_message, find_checkpoint, load_common, \
-    looks_like_one_checkpoint, read_tracker, write_tracker
+    check_intact, checkpoint_dir, complete_iterations, damaged_checkpoint_message, find_checkpoint, find_damage, \
+    load_common, looks_like_one_checkpoint, newest_complete_checkpoint, read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -447,17 +447,33 @@ def save_checkpoint(
 def check_save_and_load(args) -> None:
     """Refuse, before anything is written, a run that would clobber or silently ignore checkpoints.
 
-    ``--save`` holding another run's checkpoints (a tracker) is refused unless ``--load`` names the
-    same directory (a resume) or ``--overwrite-checkpoints`` is given: the new run would remove its
-    iterations one by one and move the tracker back. ``--load`` must be a checkpoint directory
-    (with a tracker), an empty or missing directory, or one holding only ``iter_*`` folders of a
-    first save that never completed; anything else is a wrong path, not a fresh start.
+    ``--save`` holding another run's checkpoints (a tracker, or complete ``iter_*`` folders) is refused
+    unless ``--load`` names the same directory (a resume) or ``--overwrite-checkpoints`` is given: the new
+    run would remove its iterations one by one and move the tracker back. ``--load`` must be a checkpoint
+    directory (with a tracker), an empty or missing directory, or one holding only ``iter_*`` folders of a
+    first save that never completed; anything else is a wrong path, not a fresh start. A run never
+    writes over a complete checkpoint newer than the one it loads (a missing, empty, bad or stale
+    tracker beside complete ``iter_*`` folders): it is refused naming the newest one and ``--ckpt-step``.
     """
     load, save = args.load, args.save
+    overwrite = bool(args.overwrite_checkpoints)
+    step = getattr(args, "ckpt_step", None)
+    start: Optional[int] = None  # the iteration this run continues from; None: from scratch
     if load is not None and os.path.exists(load):
         if not os.path.isdir(load):
             raise CheckpointError(f"--load {load}: not a directory")
-        if read_tracker(load) is None:
+        tracker = read_tracker(load, _ckpt_step_hint) if step is None else None  # --ckpt-step: the tracker is not read
+        if step is not None:
+            start = step
+        elif tracker is not None:
+            start = tracker
+            named = checkpoint_dir(load, tracker)  # the tracker may name a save that is not (or no longer) there
+            gone = next((p for p in [named] + [os.path.join(named, n) for n in ("metadata.json", CONFIG_NAME)]
+                         if not os.path.exists(p)), None)
+            if gone is not None:
+                raise CheckpointError(damaged_checkpoint_message(load, tracker, named, gone,
+                                                                 f"missing (named by {TRACKER})", _ckpt_step_hint))
+        else:
             if looks_like_one_checkpoint(load):
                 raise CheckpointError(
                     f"--load {load}: this is one checkpoint's folder; pass the directory above it "
@@ -467,16 +483,47 @@ def check_save_and_load(args) -> None:
                 raise CheckpointError(
                     f"--load {load}: not a checkpoint directory (no {TRACKER}; holds {others[0]!r}"
                     f"{' and more' if len(others) > 1 else ''}); check the path")
-    if save is None or args.overwrite_checkpoints or not os.path.isdir(save):
+            if not overwrite and complete_iterations(load):
+                raise CheckpointError(_untracked_message(load, "--load"))
+        if getattr(args, "finetune", False):
+            start = 0
+    if save is None or overwrite or not os.path.isdir(save):
         return
-    latest = read_tracker(save)
-    if latest is None:
+    same = load is not None and os.path.realpath(load) == os.path.realpath(save)
+    if not same:
+        latest = read_tracker(save)
+        if latest is not None:
+            raise CheckpointError(
+                f"--save {save} holds another run's checkpoints (latest iteration {latest}) that this run would "
+                f"replace; resume with --load {save}, choose another --save, or pass --overwrite-checkpoints")
+        if complete_iterations(save):
+            raise CheckpointError(_untracked_message(save, "--save"))
         return
-    if load is not None and os.path.realpath(load) == os.path.realpath(save):
-        return
-    raise CheckpointError(
-        f"--save {save} holds another run's checkpoints (latest iteration {latest}) that this run would "
-        f"replace; resume with --load {save}, choose another --save, or pass --overwrite-checkpoints")
+    newer = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
+             and find_damage(checkpoint_dir(save, it)) is None]
+    if newer:
+        loads = (f"--ckpt-step {step} loads iteration {step}" if step is not None else
+                 f"--finetune starts at iteration 0" if getattr(args, "finetune", False) else
+                 f"{os.path.join(save, TRACKER)} names iteration {start} (stale)")
+        raise CheckpointError(
+            f"--save {save}: {loads}, but {checkpoint_dir(save, newer[0])} is a newer complete checkpoint that "
+            f"this run would write over; resume from it with --ckpt-step {newer[0]}, or pass "
+            f"--overwrite-checkpoints to replace it")
+
+
+def _untracked_message(root: str, flag: str) -> str:
+    """One line for complete ``iter_*`` folders under ``root`` without a tracker naming them."""
+    newest = newest_complete_checkpoint(root)
+    if newest is None:
+        it = complete_iterations(root)[0]
+        file, what = find_damage(checkpoint_dir(root, it))
+        found = f"{checkpoint_dir(root, it)} is a complete but damaged checkpoint ({file}: {what})"
+        way = "restore it, or pass --overwrite-checkpoints to train from scratch over it"
+    else:
+        found = f"{newest[1]} is a complete checkpoint (the newest there)"
+        way = (f"resume from it with --load {root} --ckpt-step {newest[0]}, choose another --save, or pass "
+               f"--overwrite-checkpoints to train from scratch over it")
+    return f"{flag} {root}: no {TRACKER} (missing or deleted), but {found} that this run would write over; {way}"
 
 
 def scheduler_mismatch_message(error: AssertionError, path: str) -> str:
@@ -547,7 +594,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
             raise CheckpointError(f"--ckpt-step {iteration}: {path} is not a complete checkpoint")
         found = (iteration, path)
     else:
-        found = find_checkpoint(root) if os.path.isdir(root) else None
+        found = find_checkpoint(root, _ckpt_step_hint) if os.path.isdir(root) else None
+    if found is None and complete_iterations(root):
+        raise CheckpointError(_untracked_message(root, "--load"))
     if found is None:
         if exit_on_missing:
             raise CheckpointError(f"--load {root}: no checkpoint found ({TRACKER} missing)")

@@ -185,6 +185,7 @@ def test_save_over_another_run_and_bad_load_paths_are_refused(tmp_path):
     run = tmp_path / "run"
     (run / "iter_0000040").mkdir(parents=True)
     (run / "iter_0000040" / "metadata.json").write_text("{}")
+    (run / "iter_0000040" / "config.yaml").write_text("{}\n")
     (run / "latest_checkpointed_iteration.txt").write_text("40\n")
     with pytest.raises(CheckpointError, match=r"latest iteration 40.*--overwrite-checkpoints"):
         check_save_and_load(_ns(save=str(run)))
@@ -208,6 +209,93 @@ def test_save_over_another_run_and_bad_load_paths_are_refused(tmp_path):
     check_save_and_load(_ns(load=str(first), save=str(first)))
     (first / "iter_0000002").mkdir()
     check_save_and_load(_ns(load=str(first), save=str(first)))
+
+
+def _two_saves(root):
+    """``root`` as a run saving at 2 and 4 leaves it: two complete, readable checkpoints, tracker 4."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for it in (2, 4):
+        d = root / f"iter_{it:07d}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled": a one-process save, as meant
+            dcp.save({"w": torch.full((4,), float(it))}, checkpoint_id=str(d), no_dist=True)
+        torch.save({"iteration": it}, d / "common.pt")
+        (d / "metadata.json").write_text("{}")
+        (d / "config.yaml").write_text("{}\n")
+    (root / "latest_checkpointed_iteration.txt").write_text("4\n")
+
+
+def test_a_missing_empty_bad_or_stale_tracker_never_leads_to_writing_over_complete_checkpoints(tmp_path):
+    import shutil
+
+    from megatron_lev.checkpoint import CheckpointError, check_save_and_load
+
+    good = tmp_path / "good"
+    _two_saves(good)
+    ck, tracker, it2, it4 = tmp_path / "ck", tmp_path / "ck" / "latest_checkpointed_iteration.txt", \
+        tmp_path / "ck" / "iter_0000002", tmp_path / "ck" / "iter_0000004"
+
+    def case(change, **kw):
+        """check_save_and_load on a fresh copy of ``good`` after ``change()``; the refusal's text or None."""
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.copytree(good, ck)
+        change()
+        try:
+            check_save_and_load(_ns(**dict(dict(load=str(ck), save=str(ck)), **kw)))
+        except CheckpointError as e:
+            assert "\n" not in str(e), str(e)
+            return str(e)
+        return None
+
+    newest = f"{it4} is a complete checkpoint (the newest there)"
+    resume = f"resume from it with --load {ck} --ckpt-step 4"
+    # Missing: resuming, and a run that only saves there.
+    msg = case(lambda: tracker.unlink())
+    assert msg is not None and msg.startswith(f"--load {ck}: no latest_checkpointed_iteration.txt") and newest in msg \
+        and resume in msg, msg
+    msg = case(lambda: tracker.unlink(), load=None)
+    assert msg is not None and msg.startswith(f"--save {ck}: no latest") and newest in msg and resume in msg, msg
+    msg = case(lambda: tracker.unlink(), load=str(tmp_path / "elsewhere"))
+    assert msg is not None and newest in msg, msg
+    # Empty, blank, negative (reported as a bad tracker, not as a missing iter_-000003), not a number.
+    for text, what in (("", "empty"), ("\n  \n", "empty"), ("-3\n", "holds '-3', not an iteration number"),
+                       ("four\n", "holds 'four', not an iteration number")):
+        msg = case(lambda: tracker.write_text(text))
+        assert msg == (f"{tracker}: {what} (a bad tracker; nothing was loaded); the newest complete checkpoint "
+                       f"there is {it4}: resume from it with --ckpt-step 4"), msg
+    # Stale: naming the older iteration, or an iteration that is not there (or no longer complete).
+    msg = case(lambda: tracker.write_text("2\n"))
+    assert msg == (f"--save {ck}: {tracker} names iteration 2 (stale), but {it4} is a newer complete checkpoint "
+                   "that this run would write over; resume from it with --ckpt-step 4, or pass "
+                   "--overwrite-checkpoints to replace it"), msg
+    msg = case(lambda: tracker.write_text("6\n"))
+    assert msg is not None and msg.startswith(f"{ck / 'iter_0000006'}: missing") and \
+        msg.endswith(f"the newest complete older checkpoint is {it4}: resume from it with --ckpt-step 4"), msg
+    msg = case(lambda: (it4 / "config.yaml").unlink())
+    assert msg is not None and msg.startswith(f"{it4 / 'config.yaml'}: missing") and \
+        msg.endswith(f"the newest complete older checkpoint is {it2}: resume from it with --ckpt-step 2"), msg
+    # An older --ckpt-step or --finetune into the same folder would write over iteration 4 too.
+    msg = case(lambda: None, ckpt_step=2)
+    assert msg is not None and msg.startswith(f"--save {ck}: --ckpt-step 2 loads iteration 2, but {it4}"), msg
+    msg = case(lambda: None, finetune=True)
+    assert msg is not None and msg.startswith(f"--save {ck}: --finetune starts at iteration 0, but {it4}"), msg
+    # The newest intact one is named; a damaged newer one is no reason to refuse going back.
+    msg = case(lambda: (tracker.unlink(), (it4 / ".metadata").unlink()))
+    assert msg is not None and f"{it2} is a complete checkpoint" in msg and "--ckpt-step 2" in msg, msg
+    assert case(lambda: (it4 / ".metadata").unlink(), ckpt_step=2) is None
+    # Accepted: the newest, asked for; the same with the tracker gone; explicit overwrites; a resume.
+    assert case(lambda: None) is None
+    assert case(lambda: None, ckpt_step=4) is None
+    assert case(lambda: tracker.unlink(), ckpt_step=4) is None
+    assert case(lambda: tracker.unlink(), overwrite_checkpoints=True) is None
+    assert case(lambda: tracker.write_text("2\n"), overwrite_checkpoints=True) is None
+    assert case(lambda: None, ckpt_step=2, overwrite_checkpoints=True) is None
+    # Only unfinished saves (no metadata.json/config.yaml) and no tracker: a first run, from scratch.
+    assert case(lambda: (tracker.unlink(), (it2 / "metadata.json").unlink(), (it4 / "config.yaml").unlink())) is None
 
 
 def test_training_start_up_applies_the_refusal(tmp_path):

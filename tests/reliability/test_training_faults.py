@@ -209,6 +209,17 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
     assert (ck / TRACKER).read_text().strip() == "6"
     open_checkpoint(str(ck), 2)  # the damaged iteration was saved again
 
+    # The tracker deleted beside complete checkpoints: refused at start-up, naming the newest and the flag;
+    # nothing under iter_0000006 is rewritten (a fresh start used to train over it, exit 0).
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (ck / "iter_0000006").iterdir()}
+    (ck / TRACKER).unlink()
+    r = run_single(args)
+    errors = _error_lines(r)
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"{ck / 'iter_0000006'} is a complete checkpoint (the newest there)" in errors[0], errors
+    assert f"--ckpt-step 6" in errors[0] and "training from scratch" not in r.stdout + r.stderr, errors
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (ck / "iter_0000006").iterdir()} == before
+
 
 def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     ck = tmp_path / "ck"
