@@ -10,7 +10,7 @@ import re
 from typing import List
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
-from megatron_lev.models.config import check_parallel_settings
+from megatron_lev.models.config import check_mtp_stage, check_parallel_settings
 from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, \
     vocab_size_refusal
 
@@ -136,6 +136,8 @@ def _check_input_arm(args) -> None:
     # The LEV settings that need no vocabulary (the heads shard over TP in the lev arm only).
     tp = args.tensor_model_parallel_size if args.input_embedding == "lev" else 1
     LEVConfig.from_args(vars(args)).validate_settings(tp)
+    # MTP on the last stage needs this arm there (else rank 1's model build refuses while rank 0 waits).
+    check_mtp_stage(args.input_embedding, args.mtp_num_layers, args.pipeline_model_parallel_size)
 
 
 def _check_precision(args) -> None:

@@ -29,6 +29,8 @@ from .params import ARMS_MATCHED, match_flat_mlp_hidden, matched_widths
 
 # The input arms, in the order of the paper's tables; the flag's choices and the check use this tuple.
 INPUT_EMBEDDINGS = ("tied", "untied") + ARMS_MATCHED + ("lev",)
+# The arms whose input layer is megatron-core's own (its embedding table, shared with the head when tied).
+MEGATRON_ARMS = ("tied", "untied")
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
@@ -367,6 +369,17 @@ class LevModelConfig:
 def _check_choice(flag: str, value: Any, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{flag} must be one of {', '.join(choices)} (got {value!r})")
+
+
+def check_mtp_stage(input_embedding: str, mtp_num_layers: Optional[int], pp: int) -> None:
+    """One-line ``ConfigError`` for an MTP block this layout cannot hold: megatron-core puts it on the
+    last pipeline stage, and an input arm of ours (LEV, the matched baselines) embeds its shifted tokens,
+    which only the first stage can do (megatron's own tied/untied table is shared across stages)."""
+    if mtp_num_layers and pp > 1 and input_embedding not in MEGATRON_ARMS:
+        raise ConfigError(
+            f"--mtp-num-layers with --input-embedding {input_embedding} needs the MTP block on the first pipeline "
+            "stage (it embeds the shifted tokens with the input arm, which lives there); use "
+            "--pipeline-model-parallel-size 1 or --input-embedding tied/untied")
 
 
 def check_parallel_settings(

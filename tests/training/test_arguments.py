@@ -76,6 +76,9 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     (["--input-embedding", "lev", "--lev-heads", "3", "--tensor-model-parallel-size", "2"], 2, "--lev-heads"),
     (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size", "2",
       "--global-batch-size", "6"], 2, "--pipeline-model-parallel-size"),
+    # MTP sits on the last stage, an own input arm on the first: refused here, not in rank 1's model build
+    (["--input-embedding", "lev", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], 2,
+     "--mtp-num-layers with --input-embedding lev"),
 ])
 def test_invalid_combinations_name_the_flag(extra, world, flag):
     with pytest.raises(ConfigError) as e:
