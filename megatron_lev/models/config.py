@@ -197,10 +197,10 @@ class LevModelConfig:
     position_embedding_type: str = "rope"
     """"rope" (default), "learned_absolute" or "none" (no positions; flag --position-embedding-type)."""
 
-    rotary_percent: float = 1.0
+    rotary_percent: float = field(default=1.0, metadata={"above": 0, "max": 1})
     """Fraction of each head's channels that are rotated by RoPE (flag --rotary-percent)."""
 
-    rotary_base: int = 10000
+    rotary_base: int = field(default=10000, metadata={"min": 1})
     """RoPE base period (flag --rotary-base)."""
 
     init_seed: int = 0
@@ -213,14 +213,14 @@ class LevModelConfig:
     initialise: in megatron-core 0.16.1 ``perform_initialization=False`` also skips setting their
     tensor-parallel attributes, which the gradient norm relies on."""
 
-    albert_dim: Optional[int] = None
+    albert_dim: Optional[int] = field(default=None, metadata={"min": 1})
     """e of the albert arm (V x e table, then e -> D); None = parameter-matched to LEV
     (flag --albert-dim)."""
 
-    flat_mlp_dim: Optional[int] = None
+    flat_mlp_dim: Optional[int] = field(default=None, metadata={"min": 1})
     """e of the flat_mlp arm (V x e table, then MLP e -> m -> D); None = matched (flag --flat-mlp-dim)."""
 
-    mlp_hidden: Optional[int] = None
+    mlp_hidden: Optional[int] = field(default=None, metadata={"min": 1})
     """m, hidden width of the flat_mlp and factored_mlp MLPs; None = matched (flag --mlp-hidden)."""
 
     normalization: str = "RMSNorm"
