@@ -1,7 +1,8 @@
 """Command-line flags generated from the fields of a config dataclass.
 
-A field's type, default, ``choices`` metadata and docstring (the string literal after the field) make
-its flag, as megatron-core's ``core_transformer_config_from_args`` reads a ``TransformerConfig`` back from
+A field's type, default, ``choices`` metadata, range metadata (``min``/``max`` inclusive,
+``above``/``below`` exclusive, ``inf``: infinity allowed; see :class:`Number`) and docstring (the string
+literal after the field) make its flag, as megatron-core's ``core_transformer_config_from_args`` reads a ``TransformerConfig`` back from
 the flags of its fields: each default, choice list and help text is written once, on the dataclass.
 Used by the training arguments (``LEVConfig``, ``LevModelConfig``) and the tokenizer flags
 (``TokenizerSpec``) of every tool. Standard library only, so any package can use it.
@@ -9,8 +10,10 @@ Used by the training arguments (``LEVConfig``, ``LevModelConfig``) and the token
 
 from __future__ import annotations
 
+import argparse
 import ast
 import enum
+import math
 import functools
 import inspect
 import textwrap
@@ -22,6 +25,69 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 # CPython 3.11's AST construction is not safe from several threads at once (parsers built in a thread
 # pool fail with "AST constructor recursion depth mismatch"): read each class's source once, under a lock.
 _SOURCE_LOCK = threading.Lock()
+
+
+# The range keys of a numeric field's metadata (and of ``Number``).
+RANGE_KEYS = ("min", "max", "above", "below", "inf")
+
+
+class Number:
+    """The type of a numeric flag with its valid range, checked where argparse converts the value (so a
+    bad value is refused at parse time, in one line naming the flag) and where a ``--config`` file's value
+    is converted. ``kind``: int or float; ``min``/``max``: inclusive bounds, ``above``/``below``: exclusive
+    ones; ``inf``: infinity is a meaningful value (never NaN). The range is appended to the flag's help."""
+
+    def __init__(self, kind: type, *, min: Optional[float] = None, max: Optional[float] = None,
+                 above: Optional[float] = None, below: Optional[float] = None, inf: bool = False) -> None:
+        self.kind, self.min, self.max, self.above, self.below, self.inf = kind, min, max, above, below, inf
+        self.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+
+    @classmethod
+    def of_field(cls, kind: type, metadata: Dict[str, Any]) -> Optional["Number"]:
+        """The type of a field from its range metadata (None when the field has none)."""
+        bounds = {k: metadata[k] for k in RANGE_KEYS if k in metadata}
+        return cls(kind, **bounds) if bounds else None
+
+    def allows(self, value: float) -> bool:
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        if isinstance(value, float) and math.isinf(value):
+            return self.inf and value > 0
+        return ((self.min is None or value >= self.min) and (self.max is None or value <= self.max)
+                and (self.above is None or value > self.above) and (self.below is None or value < self.below))
+
+    def describe(self) -> str:
+        """The range in words: ``>= 1``, ``>= 0 and < 1``, ``> 0 (inf allowed)`` (+inf only)."""
+        parts = [f"{op} {v:g}" for op, v in ((">=", self.min), (">", self.above), ("<=", self.max),
+                                              ("<", self.below)) if v is not None]
+        text = " and ".join(parts) or "any number"
+        return text + (" (inf allowed)" if self.inf else "")
+
+    def check(self, value: float) -> float:
+        """``value`` if it lies in the range, else ArgumentTypeError (argparse adds the flag)."""
+        if not self.allows(value):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()} (got {value})")
+        return value
+
+    def __call__(self, text: str) -> float:
+        return self.check(self.kind(text))
+
+    def __repr__(self) -> str:
+        return f"Number({self.kind.__name__}, {self.describe()})"
+
+
+POSITIVE_INT = Number(int, min=1)
+NON_NEGATIVE_INT = Number(int, min=0)
+POSITIVE_FLOAT = Number(float, above=0)
+NON_NEGATIVE_FLOAT = Number(float, min=0)
+PROBABILITY = Number(float, min=0, below=1)  # dropout, Adam's betas, momentum
+
+
+def with_range(help_text: Optional[str], number: Any) -> Optional[str]:
+    """``help_text`` followed by the valid range of a ``Number`` type (unchanged for other types)."""
+    if not isinstance(number, Number) or help_text == argparse.SUPPRESS:
+        return help_text
+    return f"{help_text} [{number.describe()}]" if help_text else f"[{number.describe()}]"
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,15 +114,20 @@ def field_docs(cls) -> Dict[str, str]:
 
 
 def add_config_flags(group, cls, flag_of: Callable[[str], str], names: Optional[Iterable[str]] = None,
-                     defaults: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """One flag per field of dataclass ``cls`` (or of ``names``): type, default, ``choices`` metadata and
-    help (the field docstring) come from the field, as megatron-core's ``core_transformer_config_from_args``
-    reads a TransformerConfig from the flags of its fields. ``defaults`` replaces a field's default on the
-    command line (where the flag's default is resolved later). A field of a type without a flag form is an
-    error, so a new field cannot go without its flag. Returns the argparse actions by field name."""
+                     defaults: Optional[Dict[str, Any]] = None,
+                     ranges: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """One flag per field of dataclass ``cls`` (or of ``names``): type, default, ``choices`` metadata,
+    range metadata and help (the field docstring) come from the field, as megatron-core's
+    ``core_transformer_config_from_args`` reads a TransformerConfig from the flags of its fields.
+    ``defaults`` replaces a field's default on the command line (where the flag's default is resolved
+    later); ``ranges`` gives the range of fields of a class that is not ours (megatron-core's
+    TransformerConfig), in the keys of the metadata. A field of a type without a flag form, or a numeric
+    field without a range, is an error, so a new field cannot go without its flag and its range. Returns
+    the argparse actions by field name."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     defaults = defaults or {}
+    ranges = ranges or {}
     wanted = None if names is None else set(names)
     actions = {}
     for f in fields(cls):
@@ -74,8 +145,14 @@ def add_config_flags(group, cls, flag_of: Callable[[str], str], names: Optional[
             default = default.name if isinstance(default, enum.Enum) else default
         if typ not in (int, float, str) or (f.default is MISSING and f.name not in defaults):
             raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for a {typ!r} field without a default")
+        if typ in (int, float) and choices is None:
+            number = Number.of_field(typ, ranges.get(f.name, f.metadata))
+            if number is None:
+                raise TypeError(f"{cls.__name__}.{f.name}: a numeric flag needs its range (field metadata "
+                                f"{', '.join(RANGE_KEYS)})")
+            typ = number
         actions[f.name] = group.add_argument(flag_of(f.name), type=typ, default=default, choices=choices,
-                                             help=docs.get(f.name, "").replace("%", "%%"))
+                                             help=with_range(docs.get(f.name, "").replace("%", "%%"), typ))
     return actions
 
 

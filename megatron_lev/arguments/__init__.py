@@ -15,7 +15,10 @@ One module per flag group, in ``--help`` order:
 
 ``validate`` checks the combination and derives what Megatron-LM derives; ``config_file`` reads
 ``--config FILE.yaml`` and writes the resolved config (``config.yaml`` beside every checkpoint).
-Every failure is a :class:`ConfigError` whose message is one line naming the flag to change.
+Every failure is a :class:`ConfigError` whose message is one line naming the flag to change. Every
+numeric flag's type is a ``config_flags.Number`` holding its valid range (written where the flag is
+declared; a generated flag's comes from its field), checked as the value is parsed from the command line
+or a ``--config`` file and stated at the end of its ``--help``.
 
 Precedence: built-in defaults < ``--config FILE.yaml`` < flags on the command line.
 
@@ -30,6 +33,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from megatron_lev.config_flags import Number, with_range
 from megatron_lev.lev.config import ConfigError
 
 from .checkpointing import add_checkpointing_flags
@@ -79,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     for add_flags in _GROUPS:
         add_flags(p)
     _add_negations(p)
+    for action in p._actions:  # every numeric flag's help ends with its range (generated flags' already do)
+        if isinstance(action.type, Number) and not (action.help or "").endswith(f"[{action.type.describe()}]"):
+            action.help = with_range(action.help, action.type)
     return p
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from megatron_lev.config_flags import NON_NEGATIVE_INT, POSITIVE_INT
+
 
 def add_checkpointing_flags(p) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", type=POSITIVE_INT, default=None)
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
@@ -18,7 +20,7 @@ def add_checkpointing_flags(p) -> None:
                    help="save the distributed optimizer so that it reloads with any TP/PP (gathers on DP rank 0)")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
-    g.add_argument("--ckpt-step", type=int, default=None,
+    g.add_argument("--ckpt-step", type=NON_NEGATIVE_INT, default=None,
                    help="load iter_N of --load instead of the one latest_checkpointed_iteration.txt names")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="allow saving into a --save directory that holds another run's checkpoints "

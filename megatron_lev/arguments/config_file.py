@@ -15,6 +15,7 @@ import math
 import os
 from typing import Any, Dict
 
+from megatron_lev.config_flags import Number
 from megatron_lev.lev.config import ConfigError
 
 from .megatron_lm import refusal
@@ -98,11 +99,12 @@ def _convert(action: argparse.Action, value: Any) -> Any:
                 if v not in action.choices:
                     raise ValueError(f"choose from {', '.join(map(str, action.choices))}")
         return vals
-    if action.type is int:
+    kind = action.type.kind if isinstance(action.type, Number) else action.type
+    if kind is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError("expected an integer")
         v = int(value)
-    elif action.type is float:
+    elif kind is float:
         if isinstance(value, bool):
             raise ValueError("expected a number")
         v = float(value)
@@ -112,7 +114,7 @@ def _convert(action: argparse.Action, value: Any) -> Any:
             v = str(v)
     if action.choices is not None and v not in action.choices:
         raise ValueError(f"choose from {', '.join(map(str, action.choices))}")
-    return v
+    return action.type.check(v) if isinstance(action.type, Number) else v
 
 
 def resolved_config(args: argparse.Namespace) -> Dict[str, Any]:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from megatron_lev.config_flags import NON_NEGATIVE_INT
+
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG
 from megatron_lev.tokenizer.spec import TokenizerSpec
 
@@ -16,7 +18,7 @@ def add_data_flags(p) -> None:
     g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset (no files)")
     g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank")
+    g.add_argument("--num-workers", type=NON_NEGATIVE_INT, default=0, help="DataLoader worker processes per rank")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")

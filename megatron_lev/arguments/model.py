@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from megatron.core.transformer import TransformerConfig
 
-from megatron_lev.config_flags import add_config_flags, add_switch_flags
+from megatron_lev.config_flags import POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, add_config_flags, add_switch_flags
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, \
     use_transformer_engine
@@ -34,6 +34,8 @@ TRANSFORMER_SWITCHES = (
 )
 # TransformerConfig fields that are flags of their own name (--attention-backend, --fp8-margin, ...).
 TRANSFORMER_VALUE_FIELDS = ("attention_backend", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
+# The ranges of the numeric ones (TransformerConfig has no range metadata).
+TRANSFORMER_RANGES = {"fp8_margin": {"min": 0}, "fp8_amax_history_len": {"min": 1}}
 # Megatron-LM's command-line defaults where they differ from TransformerConfig's (attention softmax in
 # the input dtype unless asked; TransformerConfig says True but only its unfused attention reads it).
 _SWITCH_DEFAULTS = {"layernorm_zero_centered_gamma": False, "attention_softmax_in_fp32": False,
@@ -48,34 +50,34 @@ def field_flag(name: str) -> str:
 
 def add_model_flags(p) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
+    g.add_argument("--num-layers", type=POSITIVE_INT, default=None)
+    g.add_argument("--hidden-size", type=POSITIVE_INT, default=None)
+    g.add_argument("--ffn-hidden-size", type=POSITIVE_INT, default=None,
                    help="default 4*hidden, or int(8*hidden/3) rounded down to a multiple of 64 with --swiglu")
-    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=POSITIVE_INT, default=None)
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--num-query-groups", type=POSITIVE_INT, default=None)
+    g.add_argument("--kv-channels", type=POSITIVE_INT, default=None)
+    g.add_argument("--seq-length", type=POSITIVE_INT, default=None)
+    g.add_argument("--max-position-embeddings", type=POSITIVE_INT, default=None, help="default: --seq-length")
     # Megatron-LM's command-line defaults (learned positions, LayerNorm), not LevModelConfig's.
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES)
     g.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
     add_config_flags(g, LevModelConfig, field_flag, _MODEL_SHAPE_FLAG_FIELDS)
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", type=POSITIVE_FLOAT, default=1e-5)
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (default: GeLU, as Megatron-LM)")
     g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=POSITIVE_FLOAT, default=0.02)
+    g.add_argument("--hidden-dropout", type=PROBABILITY, default=0.1)
+    g.add_argument("--attention-dropout", type=PROBABILITY, default=0.1)
+    g.add_argument("--make-vocab-size-divisible-by", type=POSITIVE_INT, default=128)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Megatron's flag; the same as --input-embedding untied")
     g.add_argument("--recompute-activations", action="store_true",
                    help="recompute the core attention in the backward pass (= --recompute-granularity selective)")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-num-layers", type=POSITIVE_INT, default=None)
 
     g = p.add_argument_group("attention, norms and fusions (megatron-core TransformerConfig fields)")
     add_switch_flags(g, TransformerConfig, TRANSFORMER_SWITCHES, defaults=_SWITCH_DEFAULTS)

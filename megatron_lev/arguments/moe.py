@@ -19,7 +19,7 @@ from typing import List, Union
 
 from megatron.core.transformer import TransformerConfig
 
-from megatron_lev.config_flags import add_config_flags, add_switch_flags
+from megatron_lev.config_flags import NON_NEGATIVE_FLOAT, POSITIVE_INT, add_config_flags, add_switch_flags
 from megatron_lev.distributed.bootstrap import check_layout
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.models.config import use_transformer_engine
@@ -31,6 +31,10 @@ from .model import field_flag
 _VALUE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_z_loss_coeff", "moe_router_dtype",
                  "expert_model_parallel_size", "expert_tensor_parallel_size", "mtp_num_layers",
                  "mtp_loss_scaling_factor")
+# Their ranges (TransformerConfig has no range metadata): sizes >= 1, loss coefficients >= 0.
+_RANGES = {"moe_ffn_hidden_size": {"min": 1}, "moe_router_topk": {"min": 1}, "moe_z_loss_coeff": {"min": 0},
+           "expert_model_parallel_size": {"min": 1}, "expert_tensor_parallel_size": {"min": 1},
+           "mtp_num_layers": {"min": 1}, "mtp_loss_scaling_factor": {"min": 0}}
 _SWITCHES = (
     ("--moe-grouped-gemm", "moe_grouped_gemm", True),
     ("--moe-permute-fusion", "moe_permute_fusion", True),
@@ -70,7 +74,7 @@ def moe_layer_freq(text: Union[int, str]) -> Union[int, List[int]]:
 
 def add_moe_flags(p) -> None:
     g = p.add_argument_group("mixture of experts and multi-token prediction (megatron-core TransformerConfig fields)")
-    g.add_argument("--num-experts", type=int, default=None,
+    g.add_argument("--num-experts", type=POSITIVE_INT, default=None,
                    help="experts per MoE layer (TransformerConfig.num_moe_experts); unset: a dense model")
     g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
                    help="every N-th layer is an MoE layer (an int), or a list of 0/1 per layer, e.g. "
@@ -78,10 +82,10 @@ def add_moe_flags(p) -> None:
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss", choices=MOE_LOAD_BALANCING_TYPES,
                    help="the router's load balancing: aux_loss (GShard), seq_aux_loss (per sequence, "
                         "DeepSeek), sinkhorn (S-BASE), none")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="scale of the load-balancing loss")
+    g.add_argument("--moe-aux-loss-coeff", type=NON_NEGATIVE_FLOAT, default=0.0, help="scale of the load-balancing loss")
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=MOE_TOKEN_DISPATCHERS,
                    help="how tokens reach the experts' ranks (alltoall needs CUDA here)")
-    add_config_flags(g, TransformerConfig, field_flag, _VALUE_FIELDS)
+    add_config_flags(g, TransformerConfig, field_flag, _VALUE_FIELDS, ranges=_RANGES)
     add_switch_flags(g, TransformerConfig, _SWITCHES)
 
 

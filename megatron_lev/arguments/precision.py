@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from megatron.core.transformer import TransformerConfig
 
-from megatron_lev.config_flags import add_config_flags
+from megatron_lev.config_flags import Number, POSITIVE_FLOAT, POSITIVE_INT, add_config_flags
 from megatron_lev.lev.config import ConfigError
 
-from .model import TRANSFORMER_VALUE_FIELDS, field_flag
+from .model import TRANSFORMER_RANGES, TRANSFORMER_VALUE_FIELDS, field_flag
 
 
 # Megatron-LM's names of the precision-aware optimizer's dtypes (fp8 is stored as uint8, as there).
@@ -28,13 +28,14 @@ def add_precision_flags(p) -> None:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
     g.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"])
-    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=float, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--loss-scale", type=POSITIVE_FLOAT, default=None, help="static loss scale (fp16); default dynamic")
+    g.add_argument("--initial-loss-scale", type=POSITIVE_FLOAT, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=POSITIVE_FLOAT, default=1.0)
+    g.add_argument("--loss-scale-window", type=Number(float, min=1), default=1000)
+    g.add_argument("--hysteresis", type=POSITIVE_INT, default=2)
     # FP8 scaling: TransformerConfig fields of the installed megatron-core (they need --fp8-format).
-    add_config_flags(g, TransformerConfig, field_flag, [n for n in TRANSFORMER_VALUE_FIELDS if n.startswith("fp8")])
+    add_config_flags(g, TransformerConfig, field_flag, [n for n in TRANSFORMER_VALUE_FIELDS if n.startswith("fp8")],
+                     ranges=TRANSFORMER_RANGES)
     g.add_argument("--fp8-param-gather", action="store_true",
                    help="keep the parameters in FP8 and all-gather them in FP8 (TransformerConfig.fp8_param; "
                         "needs --fp8-format and --use-distributed-optimizer)")

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_lev.config_flags import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
 from megatron_lev.lev.config import ConfigError
 
 
 def add_run_flags(p) -> None:
     g = p.add_argument_group("run control")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at an iteration multiple of N")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--seed", type=NON_NEGATIVE_INT, default=1234)
+    g.add_argument("--exit-interval", type=POSITIVE_INT, default=None, help="stop (after saving) at an iteration multiple of N")
+    g.add_argument("--exit-duration-in-mins", type=POSITIVE_FLOAT, default=None)
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM: save a checkpoint at the end of the current iteration and exit 0")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
@@ -25,22 +26,22 @@ def add_run_flags(p) -> None:
     g.add_argument("--nan-action", default="save-and-stop", choices=["stop", "save-and-stop", "skip"],
                    help="on NaN/Inf: stop; save the last good state (when --save is given) and stop; "
                         "or skip the optimizer step and continue (counted as a nan iteration)")
-    g.add_argument("--inject-nan-at-iteration", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--inject-nan-at-iteration", type=POSITIVE_INT, default=None, help=argparse.SUPPRESS)
     g.add_argument("--debug-kill-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
     g.add_argument("--debug-stall-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
     g.add_argument("--debug-enospc-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=POSITIVE_INT, default=100)
+    g.add_argument("--eval-interval", type=POSITIVE_INT, default=1000)
+    g.add_argument("--eval-iters", type=NON_NEGATIVE_INT, default=100)
     g.add_argument("--skip-train", action="store_true", help="only evaluate (after --load)")
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-log-interval", type=POSITIVE_INT, default=1)
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
     g.add_argument("--log-throughput", action="store_true", help="accepted for Megatron compatibility (always on)")
-    g.add_argument("--peak-tflops-per-device", type=float, default=None,
+    g.add_argument("--peak-tflops-per-device", type=POSITIVE_FLOAT, default=None,
                    help="for MFU; default: known GPUs' dense bf16 peak, unknown (no MFU) on CPU")
     g.add_argument("--metrics-file", default=None,
                    help="append one JSON line per iteration/evaluation with exact values (rank 0)")
@@ -51,25 +52,25 @@ def add_run_flags(p) -> None:
                    help="turn Python's threshold-based garbage collector off and collect at fixed points "
                         "(the same on every rank): at start-up, around each evaluation (--manual-gc-eval) and "
                         "every --manual-gc-interval iterations")
-    g.add_argument("--manual-gc-interval", type=int, default=0,
+    g.add_argument("--manual-gc-interval", type=NON_NEGATIVE_INT, default=0,
                    help="with --manual-gc: collect every N training iterations (0: never between steps)")
     g.add_argument("--manual-gc-eval", dest="manual_gc_eval", action="store_true", default=True,
                    help="with --manual-gc: collect before and after each evaluation (the default)")
     g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", dest="manual_gc_eval", action="store_false",
                    help="with --manual-gc: no collection around evaluations")
-    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+    g.add_argument("--empty-unused-memory-level", type=NON_NEGATIVE_INT, default=0, choices=[0, 1, 2],
                    help="release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after "
                         "each step's backward and each evaluation step, 2 also after the optimizer step")
-    g.add_argument("--logging-level", type=int, default=None,
+    g.add_argument("--logging-level", type=NON_NEGATIVE_INT, default=None,
                    help="level of the root Python logger (10 DEBUG, 20 INFO, 30 WARNING, ...; default: "
                         "$MEGATRON_LOGGING_LEVEL, else unchanged)")
     g.add_argument("--profile", action="store_true",
                    help="profile iterations --profile-step-start to --profile-step-end on --profile-ranks: with "
                         "--use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else nsys ranges "
                         "(CUDA only)")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks to profile")
+    g.add_argument("--profile-step-start", type=NON_NEGATIVE_INT, default=10)
+    g.add_argument("--profile-step-end", type=POSITIVE_INT, default=12)
+    g.add_argument("--profile-ranks", type=NON_NEGATIVE_INT, nargs="+", default=[0], help="global ranks to profile")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="with --profile: torch.profiler, trace written under --tensorboard-dir "
                         "(TensorBoard, Perfetto/chrome://tracing)")
@@ -77,8 +78,6 @@ def add_run_flags(p) -> None:
 
 def check_run(args) -> None:
     """Garbage collection, memory and profiling flags (each needs the flag it modifies)."""
-    if args.manual_gc_interval < 0:
-        raise ConfigError(f"--manual-gc-interval must be >= 0 (got {args.manual_gc_interval})")
     if not args.manual_gc and (args.manual_gc_interval or not args.manual_gc_eval):
         flag = "--manual-gc-interval" if args.manual_gc_interval else "--no-manual-gc-eval"
         raise ConfigError(f"{flag} needs --manual-gc (Python's own collector runs otherwise)")

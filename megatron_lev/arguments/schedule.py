@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from megatron_lev.compat.versions import batch_size_calculator
+from megatron_lev.config_flags import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, \
+    Number
 from megatron_lev.lev.config import ConfigError
 
 
@@ -26,55 +28,56 @@ def add_schedule_flags(p) -> None:
     g = p.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
                    help="adam is AdamW (decoupled weight decay), as in megatron-core")
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--decoupled-lr", type=float, default=None,
+    g.add_argument("--lr", type=NON_NEGATIVE_FLOAT, default=None)
+    g.add_argument("--min-lr", type=NON_NEGATIVE_FLOAT, default=0.0)
+    g.add_argument("--decoupled-lr", type=NON_NEGATIVE_FLOAT, default=None,
                    help="learning rate of the input embedding and the output layer (with LEV: the whole input "
                         "arm, i.e. codebooks, spline heads and projections; with every arm: its input module "
                         "and the output head); the others follow --lr")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
+    g.add_argument("--decoupled-min-lr", type=NON_NEGATIVE_FLOAT, default=None,
                    help="minimum learning rate of the --decoupled-lr parameters (default: --min-lr)")
     g.add_argument("--lr-decay-style", default="linear",
                    choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-decay-samples", type=int, default=None,
+    g.add_argument("--lr-decay-iters", type=POSITIVE_INT, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=POSITIVE_INT, default=None,
                    help="with --train-samples: samples to decay the learning rate over (default: --train-samples)")
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+    g.add_argument("--lr-wsd-decay-iters", type=POSITIVE_INT, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=POSITIVE_INT, default=None,
                    help="with --train-samples: samples of the annealing phase of --lr-decay-style WSD")
     g.add_argument("--lr-wsd-decay-style", default="exponential",
                    choices=["exponential", "linear", "cosine", "minus_sqrt"])
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=0,
+    g.add_argument("--lr-warmup-iters", type=NON_NEGATIVE_INT, default=0)
+    g.add_argument("--lr-warmup-samples", type=NON_NEGATIVE_INT, default=0,
                    help="with --train-samples: samples to warm the learning rate up over")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--start-weight-decay", type=float, default=None)
-    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--lr-warmup-fraction", type=Number(float, min=0, max=1), default=None)
+    g.add_argument("--lr-warmup-init", type=NON_NEGATIVE_FLOAT, default=0.0)
+    g.add_argument("--weight-decay", type=NON_NEGATIVE_FLOAT, default=0.01)
+    g.add_argument("--start-weight-decay", type=NON_NEGATIVE_FLOAT, default=None)
+    g.add_argument("--end-weight-decay", type=NON_NEGATIVE_FLOAT, default=None)
     g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=PROBABILITY, default=0.9)
+    g.add_argument("--adam-beta2", type=PROBABILITY, default=0.999)
+    g.add_argument("--adam-eps", type=POSITIVE_FLOAT, default=1e-8)
+    g.add_argument("--sgd-momentum", type=PROBABILITY, default=0.9)
+    g.add_argument("--clip-grad", type=NON_NEGATIVE_FLOAT, default=1.0, help="gradient-norm clip (0: no clipping)")
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
                    dest="override_opt_param_scheduler", action="store_true")
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
                    dest="use_checkpoint_opt_param_scheduler", action="store_true")
 
     g = p.add_argument_group("batch size and training length")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro x data-parallel size")
-    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+    g.add_argument("--micro-batch-size", type=POSITIVE_INT, default=None)
+    g.add_argument("--global-batch-size", type=POSITIVE_INT, default=None, help="default: micro x data-parallel size")
+    g.add_argument("--rampup-batch-size", type=NON_NEGATIVE_INT, nargs=3, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="grow the global batch from START by INCREMENT to --global-batch-size over SAMPLES "
                         "samples (megatron-core's ramp-up calculator; needs --train-samples)")
     g.add_argument("--step-batch-size-schedule", default=None, metavar="'T0:B0 T1:B1 ...'",
                    help="global batch B_i from T_i tokens on (suffixes K/M/B/T; the first T is 0); the largest "
                         "is the global batch size (megatron-core >= 0.18)")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None,
+    g.add_argument("--train-iters", type=NON_NEGATIVE_INT, default=None,
+                   help="0: no training step (a model to convert or evaluate)")
+    g.add_argument("--train-samples", type=POSITIVE_INT, default=None,
                    help="train for this many samples (instead of --train-iters); the schedule flags are then "
                         "the --lr-*-samples ones")
 
@@ -240,8 +243,6 @@ def _ramp_iterations(args) -> int:
 
 def check_lr_schedule(args) -> None:
     """Learning-rate and weight-decay schedule, in iterations or in samples (as the training length)."""
-    if args.lr_warmup_iters < 0 or args.lr_warmup_samples < 0:
-        raise ConfigError("--lr-warmup-iters and --lr-warmup-samples must be >= 0")
     by_samples = args.train_samples is not None
     unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
     for name in (f"lr_decay_{other}", f"lr_wsd_decay_{other}", f"lr_warmup_{other}"):

@@ -10,7 +10,7 @@ import re
 from typing import List
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
-from megatron_lev.models.config import check_parallel_settings
+from megatron_lev.models.config import check_mtp_stage, check_parallel_settings
 from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, \
     vocab_size_refusal
 
@@ -36,29 +36,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         check(args)
 
 
-def _check_required_and_ranges(args) -> None:
-    """Required flags, and the ranges of single values."""
+def _check_required(args) -> None:
+    """Required flags (each value's range is its flag's type, checked as it is parsed)."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr"):
         _require(args, name)
-    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                "tensor_model_parallel_size", "pipeline_model_parallel_size", "log_interval", "eval_interval",
-                "make_vocab_size_divisible_by")
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
-    for name in ("eval_iters", "num_workers"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
-    if args.lr < 0 or args.min_lr < 0:
-        raise ConfigError(f"--lr and --min-lr must be >= 0 (got {args.lr}, {args.min_lr})")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
-    if args.clip_grad < 0:
-        raise ConfigError(f"--clip-grad must be >= 0 (got {args.clip_grad})")
-    for name in ("hidden_dropout", "attention_dropout"):
-        v = getattr(args, name)
-        if not 0.0 <= v < 1.0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1) (got {v})")
 
 
 def _check_parallel_sizes(args) -> None:
@@ -136,6 +119,8 @@ def _check_input_arm(args) -> None:
     # The LEV settings that need no vocabulary (the heads shard over TP in the lev arm only).
     tp = args.tensor_model_parallel_size if args.input_embedding == "lev" else 1
     LEVConfig.from_args(vars(args)).validate_settings(tp)
+    # MTP on the last stage needs this arm there (else rank 1's model build refuses while rank 0 waits).
+    check_mtp_stage(args.input_embedding, args.mtp_num_layers, args.pipeline_model_parallel_size)
 
 
 def _check_precision(args) -> None:
@@ -186,12 +171,8 @@ def _check_data(args) -> None:
 
 def _check_checkpointing(args) -> None:
     """Checkpointing."""
-    if args.save_interval is not None and args.save_interval < 1:
-        raise ConfigError(f"--save-interval must be >= 1 (got {args.save_interval})")
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
-    if args.exit_interval is not None and args.exit_interval < 1:
-        raise ConfigError(f"--exit-interval must be >= 1 (got {args.exit_interval})")
     if args.ckpt_step is not None and args.load is None:
         raise ConfigError("--ckpt-step needs --load DIR")
     if args.skip_train and args.load is None:
@@ -208,7 +189,7 @@ def _check_checkpointing(args) -> None:
 
 _CHECKS = (
     check_megatron_lm_flags,
-    _check_required_and_ranges,
+    _check_required,
     _check_parallel_sizes,
     check_parallel_flags,
     check_batch_sizes,
@@ -243,8 +224,6 @@ def _validate_tokenizer_files(args) -> None:
             raise ConfigError(f"--tokenizer-type {t} needs {flag}")
         if not os.path.exists(path):
             raise ConfigError(f"{flag} {path}: no such file")
-    if args.vocab_size is not None and args.vocab_size < 2:
-        raise ConfigError(f"--vocab-size must be >= 2 (got {args.vocab_size})")
     megatron_tiktoken = t == "TikTokenizer" and args.tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS
     refusal = vocab_size_refusal(t, args.vocab_size, args.tiktoken_pattern)
     if refusal:

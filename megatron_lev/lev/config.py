@@ -38,22 +38,22 @@ def smallest_base(vocab_size: int, num_digits: int) -> int:
 class LEVConfig:
     """Hyperparameters of the LEV embedding G: {0..V-1} -> R^D (see the spec's table)."""
 
-    num_digits: int = field(default=3, metadata={"flag": "--lev-digits"})
+    num_digits: int = field(default=3, metadata={"flag": "--lev-digits", "min": 1})
     """k: number of digits of the compositional index of a token id."""
 
-    base: Optional[int] = None
+    base: Optional[int] = field(default=None, metadata={"min": 1})
     """b: base of the digits; None selects the smallest integer with b**k >= V."""
 
-    seed_dim: int = 128
+    seed_dim: int = field(default=128, metadata={"min": 1})
     """d_s: width of each codebook row, i.e. of the seed z(i)."""
 
-    num_knots: int = field(default=16, metadata={"flag": "--lev-knots"})
+    num_knots: int = field(default=16, metadata={"flag": "--lev-knots", "min": 3})
     """kappa: uniform knots of each univariate quadratic B-spline, >= 3."""
 
-    rank: int = 64
+    rank: int = field(default=64, metadata={"min": 1})
     """r: rank of the separable tensor product, i.e. modes per head."""
 
-    num_heads: int = field(default=8, metadata={"flag": "--lev-heads"})
+    num_heads: int = field(default=8, metadata={"flag": "--lev-heads", "min": 1})
     """h: parallel heads; must be divisible by the tensor-parallel size."""
 
     compute_mode: str = field(default="unique", metadata={"choices": COMPUTE_MODES})
@@ -67,17 +67,17 @@ class LEVConfig:
     inputs), "triton" (the fused Triton kernel; an error where it is not available), or "auto" (triton
     on CUDA where Triton imports, else fused where registered, else dense on CPU and sparse on CUDA)."""
 
-    log_eps: float = 1e-30
+    log_eps: float = field(default=1e-30, metadata={"above": 0.0, "below": 1e-6})
     """Floor on |phi| before the log in the stable product; far below 1."""
 
-    chunk_size: int = 4096
+    chunk_size: int = field(default=4096, metadata={"min": 1})
     """Ids per chunk for the initialisation statistics, materialize() and the table mode."""
 
-    product_chunk: int = 16
+    product_chunk: int = field(default=16, metadata={"min": 1})
     """Seed dimensions per chunk inside the separable-product kernel; bounds its peak memory to
     N*h*product_chunk*r values."""
 
-    init_sample_size: Optional[int] = None
+    init_sample_size: Optional[int] = field(default=None, metadata={"min": MIN_INIT_SAMPLE_SIZE})
     """Ids used for the initialisation statistics: None = all V ids, otherwise a fixed-seed uniform
     sample of this many ids (at least 4096)."""
 
@@ -130,17 +130,12 @@ class LEVConfig:
     def validate_settings(self, tp_size: int = 1) -> None:
         """The checks that need no vocabulary (run when the flags are parsed): ranges, choices, and the
         heads' divisibility by the tensor-parallel size ``tp_size``."""
-        for name in ("num_digits", "seed_dim", "rank", "num_heads", "chunk_size", "product_chunk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                _fail(f"{lev_flag(name)} must be a positive integer (got {value!r})")
-        if not isinstance(self.num_knots, int) or self.num_knots < 3:
-            _fail(
-                f"--lev-knots must be an integer >= 3 for a quadratic B-spline (got {self.num_knots!r}); "
-                "use e.g. --lev-knots 16"
-            )
-        if self.base is not None and (not isinstance(self.base, int) or self.base < 1):
-            _fail(f"--lev-base must be a positive integer or unset (got {self.base!r})")
+        for f in fields(self):  # the ranges of the fields' metadata (the flags' ranges too)
+            value, low = getattr(self, f.name), f.metadata.get("min")
+            if low is not None and not (value is None and f.default is None):
+                if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                    unset = " or unset" if f.default is None else ""
+                    _fail(f"{lev_flag(f.name)} must be an integer >= {low}{unset} (got {value!r})")
         if not isinstance(tp_size, int) or tp_size < 1:
             _fail(f"tensor-parallel size must be a positive integer (got {tp_size!r})")
         if self.num_heads % tp_size != 0:
@@ -152,14 +147,10 @@ class LEVConfig:
             choices = _FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 _fail(f"{lev_flag(name)} must be one of {', '.join(choices)} (got {getattr(self, name)!r})")
-        if not (0.0 < float(self.log_eps) < 1e-6):
-            _fail(f"--lev-log-eps must be in (0, 1e-6), far below 1 (got {self.log_eps!r}); default 1e-30")
-        if self.init_sample_size is not None:
-            if not isinstance(self.init_sample_size, int) or self.init_sample_size < MIN_INIT_SAMPLE_SIZE:
-                _fail(
-                    f"--lev-init-sample-size must be unset (all ids) or >= {MIN_INIT_SAMPLE_SIZE} "
-                    f"(got {self.init_sample_size!r})"
-                )
+        eps = _FIELDS["log_eps"].metadata
+        if not (eps["above"] < float(self.log_eps) < eps["below"]):
+            _fail(f"--lev-log-eps must be in ({eps['above']:g}, {eps['below']:g}), far below 1 (got {self.log_eps!r}); "
+                  "default 1e-30")
 
 
 def _fail(msg: str) -> None:

@@ -29,6 +29,8 @@ from .params import ARMS_MATCHED, match_flat_mlp_hidden, matched_widths
 
 # The input arms, in the order of the paper's tables; the flag's choices and the check use this tuple.
 INPUT_EMBEDDINGS = ("tied", "untied") + ARMS_MATCHED + ("lev",)
+# The arms whose input layer is megatron-core's own (its embedding table, shared with the head when tied).
+MEGATRON_ARMS = ("tied", "untied")
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
@@ -195,10 +197,10 @@ class LevModelConfig:
     position_embedding_type: str = "rope"
     """"rope" (default), "learned_absolute" or "none" (no positions; flag --position-embedding-type)."""
 
-    rotary_percent: float = 1.0
+    rotary_percent: float = field(default=1.0, metadata={"above": 0, "max": 1})
     """Fraction of each head's channels that are rotated by RoPE (flag --rotary-percent)."""
 
-    rotary_base: int = 10000
+    rotary_base: int = field(default=10000, metadata={"min": 1})
     """RoPE base period (flag --rotary-base)."""
 
     init_seed: int = 0
@@ -211,14 +213,14 @@ class LevModelConfig:
     initialise: in megatron-core 0.16.1 ``perform_initialization=False`` also skips setting their
     tensor-parallel attributes, which the gradient norm relies on."""
 
-    albert_dim: Optional[int] = None
+    albert_dim: Optional[int] = field(default=None, metadata={"min": 1})
     """e of the albert arm (V x e table, then e -> D); None = parameter-matched to LEV
     (flag --albert-dim)."""
 
-    flat_mlp_dim: Optional[int] = None
+    flat_mlp_dim: Optional[int] = field(default=None, metadata={"min": 1})
     """e of the flat_mlp arm (V x e table, then MLP e -> m -> D); None = matched (flag --flat-mlp-dim)."""
 
-    mlp_hidden: Optional[int] = None
+    mlp_hidden: Optional[int] = field(default=None, metadata={"min": 1})
     """m, hidden width of the flat_mlp and factored_mlp MLPs; None = matched (flag --mlp-hidden)."""
 
     normalization: str = "RMSNorm"
@@ -367,6 +369,17 @@ class LevModelConfig:
 def _check_choice(flag: str, value: Any, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{flag} must be one of {', '.join(choices)} (got {value!r})")
+
+
+def check_mtp_stage(input_embedding: str, mtp_num_layers: Optional[int], pp: int) -> None:
+    """One-line ``ConfigError`` for an MTP block this layout cannot hold: megatron-core puts it on the
+    last pipeline stage, and an input arm of ours (LEV, the matched baselines) embeds its shifted tokens,
+    which only the first stage can do (megatron's own tied/untied table is shared across stages)."""
+    if mtp_num_layers and pp > 1 and input_embedding not in MEGATRON_ARMS:
+        raise ConfigError(
+            f"--mtp-num-layers with --input-embedding {input_embedding} needs the MTP block on the first pipeline "
+            "stage (it embeds the shifted tokens with the input arm, which lives there); use "
+            "--pipeline-model-parallel-size 1 or --input-embedding tied/untied")
 
 
 def check_parallel_settings(

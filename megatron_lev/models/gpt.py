@@ -41,16 +41,12 @@ from torch import Tensor
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
-from megatron_lev.lev.config import ConfigError
 
 from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
 
-from .config import LevModelConfig
+from .config import MEGATRON_ARMS, LevModelConfig, check_mtp_stage
 from .embedding import InputArmEmbedding
 from .specs import get_block_spec, get_mtp_block_spec
-
-MEGATRON_ARMS = ("tied", "untied")
-
 
 class LevGPTModel(GPTModel):
     """GPT on megatron-core whose input representation is ``model_config.input_embedding``.
@@ -84,11 +80,8 @@ class LevGPTModel(GPTModel):
         arm = model_config.input_embedding
         own_input = arm not in MEGATRON_ARMS
         mtp_spec = get_mtp_block_spec(config, model_config, transformer_layer_spec, vp_stage=vp_stage)
-        if own_input and mtp_spec is not None and not pre_process:
-            raise ConfigError(
-                f"--mtp-num-layers with --input-embedding {arm} needs the MTP block on the first pipeline "
-                "stage (it embeds the shifted tokens with the input arm, which lives there); use "
-                "--pipeline-model-parallel-size 1 or --input-embedding tied/untied")
+        if mtp_spec is not None and not pre_process:
+            check_mtp_stage(arm, config.mtp_num_layers, config.pipeline_model_parallel_size)
         super().__init__(
             config=config,
             transformer_layer_spec=transformer_layer_spec,

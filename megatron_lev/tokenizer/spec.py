@@ -33,7 +33,7 @@ class TokenizerSpec:
     tokenizer_model: Optional[str] = None
     """``tokenizer.json`` (or its folder), SentencePiece ``.model`` or ``.tiktoken`` rank file."""
 
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = field(default=None, metadata={"min": 2})
     """Ids of the NullTokenizer (its EOD is one more); with a TikTokenizer in Megatron-LM's v1/v2 layout, its
     ids in all, special tokens included (the file is cut to fit; default: the whole file, at most 2**17)."""
 
@@ -41,7 +41,7 @@ class TokenizerSpec:
     """Pre-tokenisation pattern of a TikTokenizer: OpenAI's gpt2/r50k/cl100k/o200k over a .tiktoken file, or
     Megatron-LM's v1/v2 (its id layout: the special tokens first, <s>=1, </s>=2 the EOD)."""
 
-    tiktoken_num_special_tokens: int = MEGATRON_NUM_SPECIAL_TOKENS
+    tiktoken_num_special_tokens: int = field(default=MEGATRON_NUM_SPECIAL_TOKENS, metadata={"min": 0})
     """Special-token ids before the vocabulary in Megatron-LM's v1/v2 layout (<unk> <s> </s> <mask> <pad> <cls>
     <sep>, then <SPECIAL_7>, ...)."""
 

@@ -76,6 +76,9 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     (["--input-embedding", "lev", "--lev-heads", "3", "--tensor-model-parallel-size", "2"], 2, "--lev-heads"),
     (["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size", "2",
       "--global-batch-size", "6"], 2, "--pipeline-model-parallel-size"),
+    # MTP sits on the last stage, an own input arm on the first: refused here, not in rank 1's model build
+    (["--input-embedding", "lev", "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], 2,
+     "--mtp-num-layers with --input-embedding lev"),
 ])
 def test_invalid_combinations_name_the_flag(extra, world, flag):
     with pytest.raises(ConfigError) as e:
@@ -199,3 +202,81 @@ def test_parsers_can_be_built_from_several_threads_at_once(monkeypatch):
         helps = list(pool.map(lambda _: build_parser().format_help(), range(16)))
     assert most[0] == 1
     assert len(set(helps)) == 1 and "--lev-heads" in helps[0]
+
+
+def _numeric_flags(parser):
+    from megatron_lev.config_flags import Number
+
+    return [a for a in parser._actions if a.option_strings and (isinstance(a.type, Number) or a.type in (int, float))]
+
+
+def test_every_numeric_flag_has_its_range_checked_at_parse_time(capsys):
+    """Each numeric flag is given 0, -1, nan and inf: refused in one line naming the flag, or accepted where
+    the range its --help states allows the value (the issue's cases among them: a negative MTP depth or
+    loss scale, zero expert widths and counts, a NaN learning rate all reached megatron-core before)."""
+    import math
+
+    from megatron_lev.arguments import build_parser, validate_args
+    from megatron_lev.config_flags import Number
+    from megatron_lev.training import loop
+
+    parser = build_parser()
+    numeric = _numeric_flags(parser)
+    assert len(numeric) > 90
+    untyped = [a.option_strings[0] for a in numeric if not isinstance(a.type, Number)]
+    assert not untyped, f"numeric flags without a range: {untyped}"
+    wrong = []
+    for action in numeric:
+        flag = action.option_strings[0]
+        rng = action.type
+        assert action.help == "==SUPPRESS==" or action.help.endswith(f"[{rng.describe()}]"), (flag, action.help)
+        for text in ("0", "-1", "nan", "inf"):
+            argv = [x for x in BASE]
+            if flag in argv:
+                argv[argv.index(flag) + 1] = text
+            else:
+                argv += [flag] + [text] * (action.nargs if isinstance(action.nargs, int) else 1)
+            try:
+                validate_args(parser.parse_args(argv), world_size=1)
+            except ConfigError as e:
+                if flag not in str(e) or "\n" in str(e):
+                    wrong.append((flag, text, f"refused without naming the flag: {e}"))
+                continue
+            value = float(text)
+            if not rng.allows(rng.kind(value) if not math.isnan(value) and not math.isinf(value) else value):
+                wrong.append((flag, text, f"accepted outside its range {rng.describe()}"))
+    assert not wrong, wrong
+    # The range checks run inside argparse: a --config file's value is checked alike, naming the flag.
+    # And on the command line, pretrain_lev.py ends in one line with exit 2, before any model is built.
+    capsys.readouterr()
+    assert loop.pretrain(BASE + ["--mtp-num-layers", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--mtp-num-layers" in err[0] and ">= 1" in err[0], err
+
+
+def test_a_config_file_value_outside_its_range_is_refused(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"num-experts": 0}))
+    with pytest.raises(ConfigError, match=r"--num-experts .*>= 1"):
+        parse_args(BASE + ["--config", str(cfg)], world_size=1)
+    cfg.write_text(yaml.safe_dump({"lr": float("nan")}))
+    with pytest.raises(ConfigError, match="--lr"):
+        parse_args([x for x in BASE if x not in ("--lr", "1e-3")] + ["--config", str(cfg)], world_size=1)
+
+
+def test_a_numeric_field_without_a_range_is_refused():
+    import argparse
+    from dataclasses import dataclass
+
+    from megatron_lev.config_flags import add_config_flags
+
+    @dataclass
+    class NoRange:
+        width: int = 4
+        """A size without its valid range."""
+
+    with pytest.raises(TypeError, match="NoRange.width: a numeric flag needs its range"):
+        add_config_flags(argparse.ArgumentParser(), NoRange, lambda n: f"--{n}")
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, NoRange, lambda n: f"--{n}", ranges={"width": {"min": 1}})
+    assert parser.parse_args(["--width", "3"]).width == 3

@@ -47,10 +47,11 @@ def _value(action: argparse.Action, flag: str):
     if action.choices:
         other = [c for c in action.choices if c != action.default]
         return [str(other[0])] if other else None  # one choice only (--ckpt-format torch_dist)
-    if action.type is int:
+    kind = getattr(action.type, "kind", action.type)  # a numeric flag's type is a Number (with its range)
+    if kind is int:
         default = action.default[0] if isinstance(action.default, list) else action.default
         return [str((default or 0) + 2)] * (action.nargs if isinstance(action.nargs, int) else 1)
-    if action.type is float:
+    if kind is float:
         return [str((action.default or 0.0) / 2 + 0.037)]
     return ["x"]
 
