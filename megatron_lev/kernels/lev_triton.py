@@ -75,6 +75,7 @@ _TARGET_PROGRAMS = 1024  # backward: at least about this many programs (several 
 BACKWARD_VARIANTS = ("reference", "grouped")
 DEFAULT_BACKWARD = "reference"
 GROUP_DIMS = 2  # seed dimensions per program of the "grouped" backward
+DIRECT_LOG = 80.0  # the grouped backward's direct form where |logsum| <= this: exp(logsum) normal in fp32
 
 
 def available() -> bool:
@@ -94,8 +95,7 @@ def devices() -> tuple:
 
 
 if triton is not None:
-    # The grouped backward's direct form needs exp(logsum) normal and finite in fp32 (|logsum| < 87.3).
-    _DIRECT_LOG = tl.constexpr(80.0)
+    _DIRECT_LOG = tl.constexpr(DIRECT_LOG)  # below 87.3, where exp leaves fp32's normal range
 
     @triton.jit
     def _basis(xv, K):
