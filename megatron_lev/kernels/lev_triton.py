@@ -22,6 +22,16 @@ element is written by exactly one program. The tile, warps and
 stages (``_fwd_config``, ``_bwd_config``) keep every default shape free of register spills on sm_80
 and sm_90; ``compile_report`` compiles both kernels ahead of time and says what ptxas allocates.
 
+Backward variants (``triton_separable_product(..., backward=...)``, ``BACKWARD_VARIANTS``; the
+default ``DEFAULT_BACKWARD`` = "reference" until a GPU measures otherwise, with
+``megatron_lev.kernels.lev_timing``): "reference" is the kernel above. "grouped" gives each program
+``GROUP_DIMS`` = 2 consecutive seed dimensions (grid ceil(d_s / 2) x h x P, P sized for the same
+~1,024 programs, so 2 partitions at the defaults): a tile's logsum and dL/dM x sign are read once for
+both, halving the reads from L2, and where the tile's logsum lies in [-80, 80] (exp(logsum) normal
+and finite in fp32) the product of the other factors is exp(logsum) / max(|phi|, log_eps), one exp per
+tile and a division instead of a log and an exp per factor; elsewhere it takes the log form. Both
+give the same gradients up to fp32 rounding (the reduction order differs: partitions and tiles of 16).
+
 Numerics (spec step 6): the product is accumulated in fp32 in sign/log form for every input dtype
 (bf16 or fp32 parameters): logsum = sum_d log(max(|phi_d|, log_eps)), sign from the parity of
 negative factors (sign(0) = +1), M = 0 exactly where a factor is exactly 0. The backward recomputes
@@ -60,6 +70,12 @@ __all__ = ["available", "interpreted", "devices", "triton_separable_product", "B
 
 BLOCK_N = 32  # ids per program tile at r <= 64 (16 above: see _fwd_config, _bwd_config)
 _TARGET_PROGRAMS = 1024  # backward: at least about this many programs (several per SM of an H100)
+# The backward kernels ``triton_separable_product(..., backward=...)`` can launch; "reference" (one seed
+# dimension per program, fp32 FMA slab matmul) is the default until a GPU measures the other faster.
+BACKWARD_VARIANTS = ("reference", "grouped")
+DEFAULT_BACKWARD = "reference"
+GROUP_DIMS = 2  # seed dimensions per program of the "grouped" backward
+DIRECT_LOG = 80.0  # the grouped backward's direct form where |logsum| <= this: exp(logsum) normal in fp32
 
 
 def available() -> bool:
@@ -79,6 +95,7 @@ def devices() -> tuple:
 
 
 if triton is not None:
+    _DIRECT_LOG = tl.constexpr(DIRECT_LOG)  # below 87.3, where exp leaves fp32's normal range
 
     @triton.jit
     def _basis(xv, K):
@@ -188,6 +205,65 @@ if triton is not None:
         slab = grad_s_ptr + ((part * H + head) * DS + d).to(tl.int64) * K * R
         tl.store(slab + knot[:, None] * R + rho[None, :], acc, mask=(knot[:, None] < K) & r_ok[None, :])
 
+    @triton.jit
+    def _bwd_grouped_kernel(x_ptr, delta_ptr, logsum_ptr, gsign_ptr, grad_x_ptr, grad_s_ptr, N, H, DS, K, R,
+                            TILES_PER_PART, log_eps, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_K: tl.constexpr, DIMS: tl.constexpr, PRECISION: tl.constexpr):
+        # The "grouped" backward: ``_bwd_kernel``'s sums for DIMS consecutive seed dimensions per program
+        # (grid (ceil(d_s / DIMS), head, partition)), so one load of a tile's logsum and gsign serves
+        # DIMS dimensions, as [DIMS, BLOCK_N, BLOCK_R] tiles. Where the tile's logsum lies in
+        # [-_DIRECT_LOG, _DIRECT_LOG] (everywhere near initialisation), exp(logsum) is normal and finite
+        # and the product of the other factors is exp(logsum) / max(|phi|, log_eps): one exp per tile
+        # and a division instead of a log and an exp per dimension, the same quantity as the log form's
+        # up to rounding. The DIMS dL/dS slabs are one batched dot per tile at PRECISION.
+        group = tl.program_id(0)
+        head = tl.program_id(1)
+        part = tl.program_id(2)
+        dim = group * DIMS + tl.arange(0, DIMS)
+        d_ok = dim < DS
+        row = head * DS + dim  # [DIMS]
+        rho = tl.arange(0, BLOCK_R)
+        knot = tl.arange(0, BLOCK_K)
+        r_ok = rho < R
+        base = delta_ptr + (row * K * R)[:, None, None] + rho[None, None, :]
+        x_rows = x_ptr + row.to(tl.int64)[:, None] * N
+        gx_rows = grad_x_ptr + row.to(tl.int64)[:, None] * N
+        acc = tl.zeros((DIMS, BLOCK_K, BLOCK_R), dtype=tl.float32)
+        first = part * TILES_PER_PART
+        last = tl.minimum(first + TILES_PER_PART, tl.cdiv(N, BLOCK_N))
+        for blk in range(first, last):  # consecutive id tiles, always in the same order
+            n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < N
+            ok = n_ok[:, None] & r_ok[None, :]
+            dn_ok = d_ok[:, None] & n_ok[None, :]
+            ok3 = d_ok[:, None, None] & ok[None, :, :]
+            xv = tl.load(x_rows + n[None, :], mask=dn_ok, other=0.5).to(tl.float32)  # [DIMS, BLOCK_N]
+            j0, j1, j2, w0, w1, w2, d0, d1, d2 = _basis(xv, K)
+            s0 = tl.load(base + j0[:, :, None] * R, mask=ok3, other=0.0).to(tl.float32) + 1.0
+            s1 = tl.load(base + j1[:, :, None] * R, mask=ok3, other=0.0).to(tl.float32) + 1.0
+            s2 = tl.load(base + j2[:, :, None] * R, mask=ok3, other=0.0).to(tl.float32) + 1.0
+            phi = w0[:, :, None] * s0 + w1[:, :, None] * s1 + w2[:, :, None] * s2
+            nhr = (n.to(tl.int64)[:, None] * H + head) * R + rho[None, :]
+            logsum = tl.load(logsum_ptr + nhr, mask=ok, other=0.0)
+            gsign = tl.load(gsign_ptr + nhr, mask=ok, other=0.0)
+            floored = tl.maximum(tl.abs(phi), log_eps)
+            lo = tl.min(tl.min(logsum, axis=1), axis=0)
+            hi = tl.max(tl.max(logsum, axis=1), axis=0)
+            if (lo >= -_DIRECT_LOG) & (hi <= _DIRECT_LOG):  # uniform per tile: no divergence
+                others = tl.exp(logsum)[None, :, :] / floored
+            else:
+                others = tl.exp(logsum[None, :, :] - tl.log(floored))
+            gphi = tl.where(phi < 0.0, -gsign[None, :, :], gsign[None, :, :]) * others
+            gx = tl.sum(gphi * (d0[:, :, None] * s0 + d1[:, :, None] * s1 + d2[:, :, None] * s2), axis=2)
+            tl.store(gx_rows + n[None, :], gx, mask=dn_ok)
+            dense = (tl.where(knot[None, None, :] == j0[:, :, None], w0[:, :, None], 0.0)
+                     + tl.where(knot[None, None, :] == j1[:, :, None], w1[:, :, None], 0.0)
+                     + tl.where(knot[None, None, :] == j2[:, :, None], w2[:, :, None], 0.0))
+            acc = tl.dot(tl.trans(dense, 0, 2, 1), gphi, acc, input_precision=PRECISION)
+        slabs = grad_s_ptr + (((part * H + head) * DS + dim).to(tl.int64) * K * R)[:, None, None]
+        tl.store(slabs + knot[None, :, None] * R + rho[None, None, :], acc,
+                 mask=d_ok[:, None, None] & (knot[None, :, None] < K) & r_ok[None, None, :])
+
 
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (int(n) - 1).bit_length())
@@ -200,7 +276,7 @@ def _fwd_config(kappa: int, r: int) -> dict:
     return dict(BLOCK_N=16 if wide else BLOCK_N, BLOCK_R=block_r, num_warps=8 if wide else 4)
 
 
-def _bwd_config(kappa: int, r: int) -> dict:
+def _bwd_config(kappa: int, r: int, variant: str = DEFAULT_BACKWARD) -> dict:
     """Tile, warps and stages of the backward launch (``compile_report`` compiles the same).
 
     About 8 values of each [BLOCK_N, BLOCK_R] tile per thread: the loop body holds some eight such
@@ -210,17 +286,25 @@ def _bwd_config(kappa: int, r: int) -> dict:
     multiples of 16, it pushed the loop body into spills on sm_80.
     """
     block_r = _pow2(r)
+    if variant == "grouped":
+        # [GROUP_DIMS, 16, BLOCK_R] tiles: the reference's 8 values per thread at r = 64 with 8 warps
+        # (16 at r > 64); 16 ids is the smallest K of ``tl.dot``. The slab matmul stays "ieee": tf32x3
+        # compiled to about as many instructions in the loop (the operand splitting replaces the FMAs)
+        # and to 164 registers instead of 112 on Triton 3.7, and the interpreter cannot check its rounding.
+        return dict(BLOCK_N=16, BLOCK_R=block_r, BLOCK_K=_pow2(kappa), DIMS=GROUP_DIMS, PRECISION="ieee",
+                    num_warps=8 if block_r <= 64 else 16, num_stages=1)
     block_n = BLOCK_N if block_r <= 64 else 16
     warps = max(4, min(8, block_n * block_r // 256))
     return dict(BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=_pow2(kappa), num_warps=warps, num_stages=1)
 
 
-def _partitions(n: int, h: int, ds: int, block_n: int) -> tuple[int, int]:
+def _partitions(n: int, h: int, ds: int, block_n: int, dims: int = 1) -> tuple[int, int]:
     """(P, tiles per partition): the backward splits the id tiles into P runs of consecutive tiles,
-    enough for about ``_TARGET_PROGRAMS`` programs over the h x d_s (head, dimension) pairs and never
-    more than there are tiles. A function of the shape only, so the reduction order is fixed."""
+    enough for about ``_TARGET_PROGRAMS`` programs over the h x ceil(d_s / dims) (head, dimension
+    group) pairs and never more than there are tiles. A function of the shape only, so the reduction
+    order is fixed."""
     tiles = -(-n // block_n)
-    want = min(tiles, -(-_TARGET_PROGRAMS // (h * ds)))
+    want = min(tiles, -(-_TARGET_PROGRAMS // (h * -(-ds // dims))))
     per = -(-tiles // max(1, want))
     return -(-tiles // per), per
 
@@ -238,42 +322,80 @@ def _fwd_launch(xt, dl, m, logsum, sign, log_eps):
     return (triton.cdiv(n, cfg["BLOCK_N"]), h), (xt, dl, m, logsum, sign, n, h, ds, kappa, r, float(log_eps)), cfg
 
 
-def _bwd_buffers(xt, kappa, r):
+def _bwd_partitions(n: int, h: int, ds: int, kappa: int, r: int, variant: str) -> tuple[int, int]:
+    """``_partitions`` for the tile and dimension group of ``variant``'s launch."""
+    cfg = _bwd_config(kappa, r, variant)
+    return _partitions(n, h, ds, cfg["BLOCK_N"], cfg.get("DIMS", 1))
+
+
+def _bwd_buffers(xt, kappa, r, variant: str = DEFAULT_BACKWARD):
     """grad_x [h, d_s, N] and the dL/dS partials [P, h, d_s, kappa, r] (fp32, P from ``_partitions``).
     Every element is written by exactly one program, so neither is zero-filled."""
     h, ds, n = xt.shape
-    parts, _ = _partitions(n, h, ds, _bwd_config(kappa, r)["BLOCK_N"])
+    parts, _ = _bwd_partitions(n, h, ds, kappa, r, variant)
     return (torch.empty(h, ds, n, dtype=torch.float32, device=xt.device),
             torch.empty(parts, h, ds, kappa, r, dtype=torch.float32, device=xt.device))
 
 
-def _bwd_launch(xt, dl, logsum, gsign, grad_xt, grad_s, log_eps):
-    """(grid, arguments, launch options) of the backward; ``compile_report`` compiles the same."""
+def _bwd_launch(xt, dl, logsum, gsign, grad_xt, grad_s, log_eps, variant: str = DEFAULT_BACKWARD):
+    """(kernel, grid, arguments, launch options) of ``variant``'s backward; ``compile_report`` compiles
+    the same."""
     h, ds, n = xt.shape
     kappa, r = dl.shape[2], dl.shape[3]
-    cfg = _bwd_config(kappa, r)
-    parts, per = _partitions(n, h, ds, cfg["BLOCK_N"])
+    cfg = _bwd_config(kappa, r, variant)
+    dims = cfg.get("DIMS", 1)
+    parts, per = _partitions(n, h, ds, cfg["BLOCK_N"], dims)
     assert grad_s.shape[0] == parts
     args = (xt, dl, logsum, gsign, grad_xt, grad_s, n, h, ds, kappa, r, per, float(log_eps))
-    return (ds, h, parts), args, cfg
+    kernel = _bwd_grouped_kernel if variant == "grouped" else _bwd_kernel
+    return kernel, (-(-ds // dims), h, parts), args, cfg
+
+
+def _check_variant(backward: str) -> str:
+    if backward not in BACKWARD_VARIANTS:
+        raise ValueError(f"triton product: backward must be one of {', '.join(BACKWARD_VARIANTS)} "
+                         f"(got {backward!r})")
+    return backward
+
+
+def _run_forward(xt, dl, log_eps):
+    """The forward launch: (M, logsum, sign), each [N, h, r] fp32, from xt [h, d_s, N] and dl = Delta."""
+    h, ds, n = xt.shape
+    r = dl.shape[3]
+    m = torch.empty(n, h, r, dtype=torch.float32, device=xt.device)
+    logsum = torch.empty_like(m)
+    sign = torch.empty_like(m)
+    if n > 0:
+        grid, args, cfg = _fwd_launch(xt, dl, m, logsum, sign, log_eps)
+        with _on_device(xt):
+            _fwd_kernel[grid](*args, **cfg)
+    return m, logsum, sign
+
+
+def _run_backward(xt, dl, logsum, gsign, log_eps, variant):
+    """The backward launch of ``variant``: (dL/dx as [h, d_s, N], dL/dDelta [h, d_s, kappa, r]), fp32."""
+    h, ds, n = xt.shape
+    kappa, r = dl.shape[2], dl.shape[3]
+    if n == 0:
+        return (torch.zeros(h, ds, 0, dtype=torch.float32, device=xt.device),
+                torch.zeros(h, ds, kappa, r, dtype=torch.float32, device=xt.device))
+    grad_xt, partials = _bwd_buffers(xt, kappa, r, variant)
+    kernel, grid, args, cfg = _bwd_launch(xt, dl, logsum, gsign, grad_xt, partials, log_eps, variant)
+    with _on_device(xt):
+        kernel[grid](*args, **cfg)
+    # One partition (the kernel wrote dL/dS itself); else a fixed-order sum over the partitions.
+    return grad_xt, partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
 
 
 class _TritonProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, delta, log_eps):
-        n, h, ds = x.shape
-        r = delta.shape[3]
+    def forward(ctx, x, delta, log_eps, backward=DEFAULT_BACKWARD):
         xt = x.detach().permute(1, 2, 0).contiguous()  # [h, d_s, N]: coalesced loads per seed dimension
         dl = delta.detach().contiguous()
-        m = torch.empty(n, h, r, dtype=torch.float32, device=x.device)
-        logsum = torch.empty_like(m)
-        sign = torch.empty_like(m)
-        if n > 0:
-            grid, args, cfg = _fwd_launch(xt, dl, m, logsum, sign, log_eps)
-            with _on_device(x):
-                _fwd_kernel[grid](*args, **cfg)
+        m, logsum, sign = _run_forward(xt, dl, log_eps)
         ctx.save_for_backward(xt, dl, logsum, sign)
         ctx.log_eps = float(log_eps)
+        ctx.variant = backward
         ctx.dtypes = (x.dtype, delta.dtype)
         return m
 
@@ -281,34 +403,25 @@ class _TritonProduct(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_m):
         xt, dl, logsum, sign = ctx.saved_tensors
-        h, ds, n = xt.shape
-        kappa, r = dl.shape[2], dl.shape[3]
         x_dtype, delta_dtype = ctx.dtypes
-        if n == 0:
-            grad_xt = torch.zeros(h, ds, 0, dtype=torch.float32, device=xt.device)
-            grad_s = torch.zeros(h, ds, kappa, r, dtype=torch.float32, device=xt.device)
-        else:
-            gsign = (grad_m.to(torch.float32) * sign).contiguous()
-            grad_xt, partials = _bwd_buffers(xt, kappa, r)
-            grid, args, cfg = _bwd_launch(xt, dl, logsum, gsign, grad_xt, partials, ctx.log_eps)
-            with _on_device(xt):
-                _bwd_kernel[grid](*args, **cfg)
-            # One partition at the defaults (the kernel wrote dL/dS itself); else a fixed-order sum.
-            grad_s = partials[0] if partials.shape[0] == 1 else partials.sum(dim=0)
+        gsign = (grad_m.to(torch.float32) * sign).contiguous()
+        grad_xt, grad_s = _run_backward(xt, dl, logsum, gsign, ctx.log_eps, ctx.variant)
         grad_x = grad_xt.permute(2, 0, 1).to(x_dtype) if ctx.needs_input_grad[0] else None
         grad_delta = grad_s.to(delta_dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_delta, None
+        return grad_x, grad_delta, None, None
 
 
-def triton_separable_product(x, delta, num_knots, *, fallback=None, log_eps: float = 1e-30):
+def triton_separable_product(x, delta, num_knots, *, fallback=None, log_eps: float = 1e-30,
+                             backward: str = DEFAULT_BACKWARD):
     """M [N, h, r] fp32 from x [N, h, d_s] and delta [h, d_s, kappa, r] (bf16 or fp32), with autograd.
 
     Same contract as the eager ``separable_product``; the log form needs no fallback (the argument is
-    accepted for the registry's signature).
+    accepted for the registry's signature). ``backward`` picks the backward kernel, one of
+    ``BACKWARD_VARIANTS`` (the same gradients up to fp32 rounding; see the module doc).
     """
     if delta.shape[2] != num_knots:
         raise ValueError(f"triton product: delta has {delta.shape[2]} knots, expected {num_knots}")
-    return _TritonProduct.apply(x, delta, log_eps)
+    return _TritonProduct.apply(x, delta, log_eps, _check_variant(backward))
 
 
 # --- Ahead-of-time compilation report (no GPU needed: Triton's bundled ptxas builds the cubin) ---
@@ -324,7 +437,7 @@ class KernelResources:
     """What ptxas reports for one compiled kernel (per thread unless said otherwise)."""
 
     kernel: str
-    """"forward" or "backward"."""
+    """"forward", "backward" (the reference backward) or "backward-<variant>" (e.g. "backward-grouped")."""
     arch: str
     """Target, e.g. "sm_90"."""
     label: str
@@ -348,7 +461,7 @@ class KernelResources:
     """Bytes of shared memory per program (Triton's allocation)."""
 
     def line(self) -> str:
-        return (f"{self.kernel:8s} {self.arch} {self.label:8s} Delta {self.delta_dtype:4s} "
+        return (f"{self.kernel:16s} {self.arch} {self.label:8s} Delta {self.delta_dtype:4s} "
                 f"(d_s={self.d_s} h={self.h} kappa={self.kappa} r={self.r} N={self.n}, {self.num_warps} warps): "
                 f"registers {self.registers}, spill {self.spill}, stack {self.stack}, "
                 f"shared memory {self.shared} B")
@@ -360,16 +473,24 @@ def report_shapes() -> list:
             ("r=128", {"rank": 128}, torch.bfloat16), ("r=128", {"rank": 128}, torch.float32)]
 
 
+def report_kernels() -> tuple:
+    """The kernels of the report: "forward", then one "backward[-<variant>]" per ``BACKWARD_VARIANTS``."""
+    return ("forward",) + tuple("backward" if v == "reference" else f"backward-{v}" for v in BACKWARD_VARIANTS)
+
+
 def _launch_arguments(kernel: str, n: int, h: int, ds: int, kappa: int, r: int, delta_dtype):
-    """The arguments the autograd function would launch ``kernel`` with, on meta tensors."""
+    """The kernel and (grid, arguments, launch options) the autograd function would launch ``kernel``
+    (a name of ``report_kernels()``) with, on meta tensors."""
     meta = dict(device="meta", dtype=torch.float32)
     xt = torch.empty(h, ds, n, **meta)
     dl = torch.empty(h, ds, kappa, r, device="meta", dtype=delta_dtype)
     out = torch.empty(n, h, r, **meta)
     if kernel == "forward":
         return _fwd_kernel, _fwd_launch(xt, dl, out, out, out, 1e-30)
-    grad_xt, partials = _bwd_buffers(xt, kappa, r)
-    return _bwd_kernel, _bwd_launch(xt, dl, out, out, grad_xt, partials, 1e-30)
+    variant = kernel.partition("-")[2] or "reference"
+    grad_xt, partials = _bwd_buffers(xt, kappa, r, variant)
+    fn, *launch = _bwd_launch(xt, dl, out, out, grad_xt, partials, 1e-30, variant)
+    return fn, tuple(launch)
 
 
 def _compile(fn, args, cfg, arch: int) -> tuple[str, int]:
@@ -413,12 +534,12 @@ def _ptxas_figure(log: str, pattern: str, what: str) -> int:
     return int(found.group(1))
 
 
-def compile_report(archs=REPORT_ARCHS, shapes=None, ids=REPORT_IDS) -> list:
-    """Compile the forward and backward for each arch (compute capability, e.g. 90), shape of
-    ``report_shapes()`` (or ``shapes``) and number of ids N in ``ids`` ahead of time, with the launch
-    options and argument specialisation of the layer's own launches, and return one
-    ``KernelResources`` per kernel, arch, shape and N. Needs triton, not a GPU; raises RuntimeError
-    with the reason when compilation cannot run here."""
+def compile_report(archs=REPORT_ARCHS, shapes=None, ids=REPORT_IDS, kernels=None) -> list:
+    """Compile the forward and every backward variant (``report_kernels()``, or ``kernels``) for each
+    arch (compute capability, e.g. 90), shape of ``report_shapes()`` (or ``shapes``) and number of ids
+    N in ``ids`` ahead of time, with the launch options and argument specialisation of the layer's own
+    launches, and return one ``KernelResources`` per kernel, arch, shape and N. Needs triton, not a
+    GPU; raises RuntimeError with the reason when compilation cannot run here."""
     from megatron_lev.lev.config import LEVConfig
 
     if triton is None:
@@ -431,7 +552,7 @@ def compile_report(archs=REPORT_ARCHS, shapes=None, ids=REPORT_IDS) -> list:
     for n, label, overrides, delta_dtype in cases:
         c = LEVConfig(**overrides)
         ds, h, kappa, r = c.seed_dim, c.num_heads, c.num_knots, c.rank
-        for kernel in ("forward", "backward"):
+        for kernel in (kernels if kernels is not None else report_kernels()):
             fn, (_grid, args, cfg) = _launch_arguments(kernel, n, h, ds, kappa, r, delta_dtype)
             for arch in archs:
                 try:

@@ -1,5 +1,5 @@
-"""The Triton kernels compiled ahead of time for sm_90 and sm_80 on this machine (no GPU needed):
-no register spill at the paper's default shapes, and ``bench/lev_layer.py --compile-report`` prints
+"""The Triton kernels (the forward and every backward variant) compiled ahead of time for sm_90 and
+sm_80 on this machine (no GPU needed): no register spill at the paper's default shapes, and ``bench/lev_layer.py --compile-report`` prints
 one line per kernel, arch and shape.
 
 Compilation runs in a child process without TRITON_INTERPRET (tests/conftest.py sets it here, and
@@ -39,7 +39,8 @@ def test_no_spill_at_the_default_shapes_on_sm90_and_sm80(report):
     records, _ = report
     defaults = [r for r in records if r["label"] == "default"]
     seen = {(r["kernel"], r["arch"], r["delta_dtype"], r["n"]) for r in defaults}
-    want = {(k, a, d, n) for k in ("forward", "backward") for a in ("sm_90", "sm_80") for d in ("bf16", "fp32")
+    assert lev_triton.report_kernels() == ("forward", "backward", "backward-grouped")
+    want = {(k, a, d, n) for k in lev_triton.report_kernels() for a in ("sm_90", "sm_80") for d in ("bf16", "fp32")
             for n in lev_triton.REPORT_IDS}
     assert seen == want
     spilled = [f"{r['kernel']} {r['arch']} Delta {r['delta_dtype']} N={r['n']}: {r['spill']} B stored, "
@@ -52,7 +53,9 @@ def test_no_spill_at_the_default_shapes_on_sm90_and_sm80(report):
 def test_the_report_prints_one_line_per_kernel_arch_and_shape(report):
     records, stdout = report
     lines = [line for line in stdout.splitlines() if "registers" in line and "spill" in line]
-    assert len(lines) == len(records) == 2 * 2 * len(lev_triton.report_shapes()) * len(lev_triton.REPORT_IDS)
+    kernels = lev_triton.report_kernels()
+    assert len(lines) == len(records) == len(kernels) * 2 * len(lev_triton.report_shapes()) * len(lev_triton.REPORT_IDS)
+    assert {line.split()[0] for line in lines} == set(kernels)  # each kernel named in the first column
     assert any("sm_80 r=128" in line and "Delta fp32" in line for line in lines)
     assert all("shared memory" in line for line in lines)
 

@@ -92,6 +92,59 @@ def test_backward_partitions_match_eager_fp64(monkeypatch, target, shape, parts)
     _assert_close_scaled(got, want, rtol=2e-5)
 
 
+def _grads(variant, x, delta, up, kappa):
+    xx = x.to(device=DEVICE, dtype=torch.float32).requires_grad_()
+    dd = delta.to(device=DEVICE, dtype=torch.float32).requires_grad_()
+    m = lev_triton.triton_separable_product(xx, dd, kappa, backward=variant)
+    (m * up.to(device=DEVICE, dtype=torch.float32)).sum().backward()
+    return [t.detach().double().cpu() for t in (m, xx.grad, dd.grad)]
+
+
+# The grouped backward against the reference and the fp64 eager product: several id partitions and a
+# group of 2 dimensions with d_s odd (a masked dimension); an exact zero factor (logsum about -69:
+# the direct form exp(logsum) / max(|phi|, log_eps)); a product below fp32's normal range (logsum about -92:
+# the log form).
+def _zero_factor():
+    x, delta, up = _case(6, 2, 4, 5, 3, seed=1)
+    delta[0, 1] = -1.0
+    return x, delta, up, 5
+
+
+def _underflow():
+    x, delta, up = _case(8, 2, 40, 4, 3, seed=2, scale=0.01)  # 40 factors near 0.1 (head 1: -0.1 on half)
+    delta -= 0.9
+    delta[1, ::2] *= -1.0
+    delta[1, ::2] -= 2.0
+    return x, delta, up, 4
+
+
+@pytest.mark.parametrize("case", ["partitions", "zero factor", "underflow"])
+def test_grouped_backward_matches_the_reference(case):
+    if case == "partitions":
+        shape = (6 * 16 + 3, 2, 3, 5, 6)
+        assert lev_triton._bwd_partitions(*shape, "grouped")[0] > 1
+        x, delta, up = _case(*shape, seed=7)
+        kappa, rtol = shape[3], 2e-5
+    else:
+        (x, delta, up, kappa), rtol = (_zero_factor() if case == "zero factor" else _underflow()), 1e-4
+        _, logsum, _ = lev_triton._run_forward(x.float().permute(1, 2, 0).contiguous().to(DEVICE),
+                                               delta.float().to(DEVICE), 1e-30)
+        assert (float(logsum.min()) >= -lev_triton.DIRECT_LOG) == (case == "zero factor")  # the form tested
+    want = _run("dense", x, delta, up, kappa, torch.float64, "cpu")
+    ref = _grads("reference", x, delta, up, kappa)
+    got = _grads("grouped", x, delta, up, kappa)
+    assert torch.equal(got[0], ref[0])  # one forward kernel
+    _assert_close_scaled(got, ref, rtol=1e-6)
+    _assert_close_scaled(got, want, rtol=rtol)
+
+
+def test_unknown_backward_variant_is_a_one_line_error():
+    x, delta, _ = _case(4, 1, 2, 3, 2)
+    with pytest.raises(ValueError, match="backward must be one of reference, grouped") as e:
+        lev_triton.triton_separable_product(x.float(), delta.float(), 3, backward="fast")
+    assert "\n" not in str(e.value)
+
+
 def test_partitions_cover_the_tiles_and_are_sized_by_n():
     block_n = lev_triton._bwd_config(16, 64)["BLOCK_N"]
     assert lev_triton._partitions(4096, 8, 128, block_n) == (1, 4096 // block_n)  # defaults: no partials
