@@ -327,3 +327,39 @@ def test_cuda_capability_asks_this_ranks_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert mconfig.cuda_capability() == (9, 0) and asked == [5]
+
+
+# ------------------------------------------------------------------------ attention softmax in fp32
+
+
+class _OneRankGroup:
+    def size(self):
+        return 1
+
+
+def test_softmax_in_fp32_keeps_16_bit_attention(monkeypatch):
+    """megatron's flag means the softmax in fp32: SDPA gets bf16 q, k and v (so flash / cuDNN can run), not
+    fp32 copies, and the result equals attention with an fp32 softmax to bf16 rounding."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_lev.models import attention
+
+    gcfg = build_transformer_config(_mc(), num_layers=1, hidden_size=32, num_attention_heads=2, bf16=True,
+                                    attention_dropout=0.0, attention_softmax_in_fp32=True)
+    attn = attention.SDPAttention(gcfg, 1, AttnMaskType.causal,
+                                  pg_collection=ProcessGroupCollection(tp=_OneRankGroup()))
+    seen = []
+    sdpa = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, **kw))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(6, 2, 2, 16, dtype=torch.bfloat16) for _ in range(3))  # [s, b, heads, dim]
+    out = attn(q, k, v, None)
+    assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
+    scores = torch.einsum("sbhd,tbhd->bhst", q.float(), k.float()) / 4.0
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v.float()).reshape(6, 2, 32)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", lambda: True)
+    _one_line(lambda: attn(q, k, v, None), "--attention-softmax-in-fp32", "allow_fp16_bf16_reduction_math_sdp")
