@@ -13,7 +13,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_lev.config_flags import POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, add_config_flags, add_switch_flags
 from megatron_lev.lev.config import ConfigError
-from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, \
+from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, check_lev_basis, \
     use_transformer_engine
 
 # LevModelConfig fields that are model-shape flags of their own name; the other shape fields come from
@@ -97,6 +97,8 @@ def check_model_flags(args) -> None:
             raise ConfigError(f"--recompute-activations is --recompute-granularity selective; it contradicts "
                               f"--recompute-granularity {args.recompute_granularity}")
         args.recompute_granularity = "selective"
+    if args.input_embedding == "lev":
+        check_lev_basis(args.lev_basis)
     backend = getattr(args, "attention_backend", "auto")
     try:
         te = use_transformer_engine(args.transformer_impl)

@@ -65,7 +65,8 @@ class LEVConfig:
     "fused" (a registered fused kernel for the device, e.g. ``megatron_lev.kernels``' numba kernel on
     CPU or Triton kernel on CUDA; falls back to the eager form where none is registered or for fp64
     inputs), "triton" (the fused Triton kernel; an error where it is not available), or "auto" (triton
-    on CUDA where Triton imports, else fused where registered, else dense on CPU and sparse on CUDA)."""
+    on CUDA where its kernel is registered: Triton imports and can build its launcher, see
+    ``megatron_lev.kernels``; else fused where registered, else dense on CPU and sparse on CUDA)."""
 
     log_eps: float = field(default=1e-30, metadata={"above": 0.0, "below": 1e-6})
     """Floor on |phi| before the log in the stable product; far below 1."""

@@ -12,7 +12,11 @@ Attention dropout uses megatron's RNG tracker outside sequence parallelism, as m
 
 ``config.attention_backend`` picks SDPA's kernels (``torch.nn.attention.sdpa_kernel``): flash -> flash,
 fused -> memory-efficient and cuDNN, unfused and local -> the math kernel, auto -> torch's choice.
-``config.attention_softmax_in_fp32`` with 16-bit activations runs SDPA on fp32 copies of q, k and v.
+``config.attention_softmax_in_fp32`` means what it means in megatron: the softmax is computed in fp32, the
+products stay in the activations' dtype. SDPA's kernels do that already (flash, cuDNN and memory-efficient
+keep the softmax in fp32; the math kernel upcasts 16-bit inputs unless
+``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` was set, which is refused with the flag), so
+q, k and v are never cast: an fp32 copy would only keep flash and cuDNN from running.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+from megatron_lev.lev.config import ConfigError
 
 
 class SDPAttention(MegatronModule):
@@ -103,9 +109,10 @@ class SDPAttention(MegatronModule):
         elif mask_type == AttnMaskType.causal:
             is_causal = True
         dropout_p = self.dropout_p if self.training else 0.0
-        dtype = q.dtype
-        if self.config.attention_softmax_in_fp32 and dtype in (torch.float16, torch.bfloat16):
-            q, k, v = q.float(), k.float(), v.float()
+        if (self.config.attention_softmax_in_fp32 and q.dtype in (torch.float16, torch.bfloat16)
+                and torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()):
+            raise ConfigError("--attention-softmax-in-fp32 with torch.backends.cuda.allow_fp16_bf16_reduction_"
+                             "math_sdp(True): SDPA's math kernel would run the softmax in 16 bits; drop one")
         with contextlib.ExitStack() as stack:
             if self.kernels is not None:
                 stack.enter_context(sdpa_kernel(self.kernels))
@@ -113,7 +120,7 @@ class SDPAttention(MegatronModule):
                 stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale
-            ).to(dtype)
+            )
         # [b, n, s, d] -> [s, b, n*d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 

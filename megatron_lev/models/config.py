@@ -14,14 +14,12 @@ gradient-accumulation-fusion flag), so this module and megatron agree on what wi
 from __future__ import annotations
 
 import os
-import shutil
-import sysconfig
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from megatron_lev.kernels import refuse_unbuildable_triton, triton_build_missing
 from megatron_lev.lev.config import ConfigError, LEVConfig
 
 from .moe import check_moe_settings, check_te_only_moe_flags
@@ -73,17 +71,20 @@ def te_version():
 
 def triton_available() -> bool:
     """Whether torch.compile has its GPU backend: Triton imports, and Triton can build its launcher at run
-    time (a C compiler and Python's headers; without them the first compiled call fails). megatron's
-    ``jit_fuser`` (torch.compile) builds the bias-dropout-add and bias-activation fusions with it. Asks no
+    time (``kernels.triton_build_missing``: a C compiler and Python's headers; without them the first
+    compiled call fails). megatron's ``jit_fuser`` (torch.compile) builds the bias-dropout-add and
+    bias-activation fusions with it, and LEV's Triton kernel is registered under the same rule. Asks no
     device: configs are built before each rank selects its GPU."""
     try:
         from torch.utils._triton import has_triton_package
     except ImportError:
         return False
-    if not has_triton_package():
-        return False
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return bool(compiler) and Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    return has_triton_package() and triton_build_missing() is None
+
+
+def check_lev_basis(basis: str) -> None:
+    """``--lev-basis triton`` refused in one line on a CUDA machine where Triton cannot build its launcher."""
+    refuse_unbuildable_triton(basis, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def apex_softmax_available() -> bool:

@@ -49,7 +49,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from megatron_lev.kernels import register_default_kernels
+from megatron_lev.kernels import refuse_unbuildable_triton, register_default_kernels
 from megatron_lev.lev.config import LEVConfig
 from megatron_lev.lev.layer import ComputeModes, LEVHeads, LEVSeed, compute_table, initialize_lev_parameters
 from megatron_lev.parallel.collectives import all_reduce_
@@ -83,6 +83,7 @@ class LEVParallelEmbedding(MegatronModule):
     ):
         super().__init__(config=config)
         register_default_kernels()
+        refuse_unbuildable_triton(lev_config.basis, parameter_device(config).type)
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         lev_config.validate(vocab_size, config.hidden_size, tp_size)

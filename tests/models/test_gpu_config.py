@@ -306,24 +306,96 @@ def test_compute_mode_rule():
                                                             data_parallel_size=32), "--global-batch-size 100")
 
 
-def test_triton_counts_only_where_it_can_build_its_launcher(monkeypatch):
-    """torch.compile's Triton backend builds a C launcher at the first compiled call: without a compiler
-    the fusions that use it stay off (instead of failing at the first step)."""
+def test_triton_counts_only_where_it_can_build_its_launcher(monkeypatch, tmp_path):
+    """Triton builds a C launcher at the first compiled call (torch.compile's fusions and LEV's kernel):
+    without a compiler or Python's headers it counts as absent (instead of failing at the first step), and
+    the probe names what is missing."""
     import shutil
+    import sysconfig
+
+    from megatron_lev import kernels
 
     monkeypatch.delenv("CC", raising=False)
-    have_compiler = any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+    have_compiler = any(shutil.which(c) for c in ("gcc", "clang"))
     assert mconfig.triton_available() is have_compiler  # triton is a dev dependency: installed here
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert mconfig.triton_available() is False
+    monkeypatch.setattr(shutil, "which", lambda name: name if name == "/usr/bin/cc" else None)
+    assert mconfig.triton_available() is False and "C compiler" in kernels.triton_build_missing()
     monkeypatch.setenv("CC", "/usr/bin/cc")
-    assert mconfig.triton_available() is True
+    assert mconfig.triton_available() is True and kernels.triton_build_missing() is None
+    monkeypatch.setenv("CC", "/no/such/cc")
+    assert "$CC='/no/such/cc'" in kernels.triton_build_missing()
+    monkeypatch.setenv("CC", "/usr/bin/cc")
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda scheme=None: dict(paths, include=str(tmp_path)))
+    assert mconfig.triton_available() is False and "Python.h" in kernels.triton_build_missing()
 
 
-def test_cuda_capability_asks_this_ranks_gpu(monkeypatch):
-    asked = []
+def test_lev_triton_only_where_it_can_build(monkeypatch, capsys):
+    """On a CUDA machine whose Triton cannot build its launcher, LEV's Triton kernel is not registered,
+    one warning line says why and auto runs "sparse"; an explicit --lev-basis triton is refused in one line
+    naming what is missing, at the flags and at the layer's build."""
+    from megatron_lev import kernels
+    from megatron_lev.arguments import parse_args
+    from megatron_lev.kernels import lev_triton
+    from megatron_lev.lev import functional
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
-    monkeypatch.setenv("LOCAL_RANK", "5")
-    assert mconfig.cuda_capability() == (9, 0) and asked == [5]
+    monkeypatch.setattr(lev_triton, "devices", lambda: ("cuda",))  # as without TRITON_INTERPRET on a GPU
+    monkeypatch.setattr(functional, "_FUSED_PRODUCTS", {})
+    monkeypatch.setattr(kernels, "_registered", False)
+    monkeypatch.setattr(kernels, "triton_build_missing", lambda: "a C compiler (gcc or clang on PATH, or $CC)")
+    monkeypatch.delenv("RANK", raising=False)
+    kernels.register_default_kernels()
+    assert not functional.has_fused_product("cuda", "triton") and not functional.has_fused_product("cuda")
+    assert LEVConfig().resolved_basis("cuda") == "sparse"
+    warning = capsys.readouterr().err.strip()
+    assert "\n" not in warning and "C compiler" in warning and "sparse" in warning, warning
+    args = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--vocab-size", "255",
+            "--input-embedding", "lev", "--lev-basis", "triton"]
+    _one_line(lambda: parse_args(args, world_size=1), "--lev-basis triton", "C compiler")
+    parse_args(args[:-1] + ["auto"], world_size=1)
+    _one_line(lambda: kernels.refuse_unbuildable_triton("triton", "cuda"), "--lev-basis triton", "C compiler")
+    # Where it can build: registered, and auto picks it.
+    monkeypatch.setattr(kernels, "_registered", False)
+    monkeypatch.setattr(kernels, "triton_build_missing", lambda: None)
+    kernels.register_default_kernels()
+    assert functional.has_fused_product("cuda", "triton") and LEVConfig().resolved_basis("cuda") == "triton"
+    assert "Triton" not in capsys.readouterr().err
+    parse_args(args, world_size=1)
+
+
+# ------------------------------------------------------------------------ attention softmax in fp32
+
+
+class _OneRankGroup:
+    def size(self):
+        return 1
+
+
+def test_softmax_in_fp32_keeps_16_bit_attention(monkeypatch):
+    """megatron's flag means the softmax in fp32: SDPA gets bf16 q, k and v (so flash / cuDNN can run), not
+    fp32 copies, and the result equals attention with an fp32 softmax to bf16 rounding."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_lev.models import attention
+
+    gcfg = build_transformer_config(_mc(), num_layers=1, hidden_size=32, num_attention_heads=2, bf16=True,
+                                    attention_dropout=0.0, attention_softmax_in_fp32=True)
+    attn = attention.SDPAttention(gcfg, 1, AttnMaskType.causal,
+                                  pg_collection=ProcessGroupCollection(tp=_OneRankGroup()))
+    seen = []
+    sdpa = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, **kw))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(6, 2, 2, 16, dtype=torch.bfloat16) for _ in range(3))  # [s, b, heads, dim]
+    out = attn(q, k, v, None)
+    assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
+    scores = torch.einsum("sbhd,tbhd->bhst", q.float(), k.float()) / 4.0
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v.float()).reshape(6, 2, 32)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", lambda: True)
+    _one_line(lambda: attn(q, k, v, None), "--attention-softmax-in-fp32", "allow_fp16_bf16_reduction_math_sdp")
