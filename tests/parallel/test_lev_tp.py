@@ -214,7 +214,9 @@ def _tp_checks_at_every_size():
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return run_distributed(_tp_checks_at_every_size, world_size=4, tp=4, seed=SEED)[0]
+    # fresh: the body checks that importing the layer registers no kernel, which only a new process shows
+    # (a reused rank holds what earlier jobs' layers registered).
+    return run_distributed(_tp_checks_at_every_size, world_size=4, tp=4, seed=SEED, fresh=True)[0]
 
 
 def test_tp_matches_pure_layer_and_modes_agree(tp_results):
