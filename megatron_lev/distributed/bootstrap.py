@@ -70,8 +70,8 @@ class DistributedSetup:
     teardown, so a later library in the same process (accelerate, transformers) does not take the process
     for one rank of a distributed job."""
     applied_cpu_backend: bool = False
-    """The CPU backend was installed by this call; teardown removes it, so a process that goes on (a test
-    process loading a Hugging Face model afterwards) gets torch back unpatched."""
+    """The CPU backend was installed by this call. It stays after teardown (later work in the process may
+    rely on it); a test process removes it with ``compat.remove()`` before loading other models."""
     destroyed: bool = False
 
     def __enter__(self) -> "DistributedSetup":
@@ -325,16 +325,6 @@ def destroy_distributed(setup: DistributedSetup) -> None:
         return
     setup.destroyed = True
     _unset(setup.env_set)
-    try:
-        _teardown_groups(setup)
-    finally:
-        if setup.applied_cpu_backend:
-            from megatron_lev import compat
-
-            compat.remove()
-
-
-def _teardown_groups(setup: DistributedSetup) -> None:
     try:
         if setup.created_parallel_state:
             from megatron.core import parallel_state as ps
