@@ -24,11 +24,11 @@ MCORE_NEXT  ?= megatron-core>=0.19,<0.20
 
 # Extra pytest flags (.ci/run passes --durations to print the slowest tests).
 PYTEST_FLAGS ?=
-# make test-next runs the suite in a shuffled order (modules, and the tests inside each module), fixed by
+# make test-shuffled runs the suite in a shuffled order (modules, and the tests inside each module), fixed by
 # this seed, so that a test depending on what an earlier one left behind fails here, not on a user's machine.
 SHUFFLE_SEED ?= 33
 
-.PHONY: setup demo test test-next test-fast test-fake-cuda bench clean-venv
+.PHONY: setup demo test test-next test-shuffled test-fast test-fake-cuda bench clean-venv
 
 setup: $(STAMP)
 
@@ -57,8 +57,12 @@ $(STAMP_CUDA): pyproject.toml
 	@touch $(STAMP_CUDA)
 
 test-next: $(STAMP_NEXT)
-	$(PY_NEXT) -m pytest -q -p no:cacheprovider --random-order-bucket=module --random-order-seed=$(SHUFFLE_SEED) \
-	  $(PYTEST_FLAGS)
+	$(PY_NEXT) -m pytest -q -p no:cacheprovider $(PYTEST_FLAGS)
+
+# The suite on the newer stack in a shuffled order, on pooled ranks (not yet part of CI).
+test-shuffled: $(STAMP_NEXT)
+	MEGATRON_LEV_RANK_POOL=1 $(PY_NEXT) -m pytest -q -p no:cacheprovider --random-order-bucket=module \
+	  --random-order-seed=$(SHUFFLE_SEED) $(PYTEST_FLAGS)
 
 $(STAMP_NEXT): pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: make test-next needs Python 3.12 (python3.12 on PATH or under ~/.pyenv/versions); set PYTHON312=/path/to/python3.12"; exit 2; }

@@ -2,12 +2,12 @@
 
     results = run_distributed(check_fn, world_size=4, tp=2, pp=2, args=(...))
 
-The ranks come from this process's rank pool (``megatron_lev.testing.pool``): a world of each size is
-started once and reused, megatron's parallel state set up for the job's layout and torn down after it,
-megatron's RNG tracker seeded (``seed``, default 1234). ``fresh=True`` runs the job on ranks started
-for it alone (``megatron_lev.distributed.spawn_ranks``): for a body that needs a new process (launcher
-variables, exit codes, process-wide patches it does not undo). ``MEGATRON_LEV_FRESH_RANKS=1`` makes
-every job fresh (to tell a pool effect from a real failure). A failure on any rank raises
+Each job runs on ranks started for it (``megatron_lev.distributed.spawn_ranks``), megatron's RNG tracker
+seeded (``seed``, default 1234). With ``MEGATRON_LEV_RANK_POOL=1`` (or ``pooled=True``) the ranks come
+from this process's rank pool instead (``megatron_lev.testing.pool``): a world of each size started once
+and reused, megatron's parallel state set up for the job's layout and torn down after it. ``fresh=True``
+always starts new ranks: for a body that needs a new process (launcher variables, exit codes, process-wide
+state such as the kernel registry). A failure on any rank raises
 ``DistributedFailure`` (an ``AssertionError``, so pytest reports it as a test failure) with every failed
 rank's traceback; ``fn`` must be a module-level function.
 """
@@ -39,9 +39,12 @@ def run_distributed(
     timeout: float = 600.0,
     collective_timeout: float = 120.0,
     fresh: bool = False,
+    pooled: Optional[bool] = None,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
-    if fresh or os.environ.get("MEGATRON_LEV_FRESH_RANKS") == "1":
+    if pooled is None:
+        pooled = os.environ.get("MEGATRON_LEV_RANK_POOL") == "1"
+    if fresh or not pooled:
         return spawn_ranks(fn, world_size, tp=tp, pp=pp, vpp=vpp, seed=seed, args=args, kwargs=kwargs,
                            timeout=timeout, collective_timeout=collective_timeout, failure_cls=DistributedFailure)
     return get_pool(world_size).run(fn, tp=tp, pp=pp, vpp=vpp, seed=seed, args=args, kwargs=kwargs,

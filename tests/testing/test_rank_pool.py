@@ -44,8 +44,8 @@ def _fail_on_rank(rank):
 
 
 def test_jobs_reuse_the_ranks_with_their_own_layout_and_a_clean_slate():
-    first = run_distributed(_layout_and_leftovers, 2, tp=2, args=(True,))
-    second = run_distributed(_layout_and_leftovers, 2, pp=2, args=(False,))
+    first = run_distributed(_layout_and_leftovers, 2, tp=2, args=(True,), pooled=True)
+    second = run_distributed(_layout_and_leftovers, 2, pp=2, args=(False,), pooled=True)
     assert [r["pid"] for r in first] == [r["pid"] for r in second], "the second job must run on the same ranks"
     assert [r["layout"] for r in first] == [(2, 1)] * 2 and [r["tp_sum"] for r in first] == [2.0, 2.0]
     assert [r["layout"] for r in second] == [(1, 2)] * 2 and [r["tp_sum"] for r in second] == [1.0, 1.0]
@@ -55,16 +55,16 @@ def test_jobs_reuse_the_ranks_with_their_own_layout_and_a_clean_slate():
 
 
 def test_a_failed_job_is_reported_and_retires_its_ranks():
-    before = {r["pid"] for r in run_distributed(_layout_and_leftovers, 2, args=(False,))}
+    before = {r["pid"] for r in run_distributed(_layout_and_leftovers, 2, args=(False,), pooled=True)}
     with pytest.raises(DistributedFailure) as e:
-        run_distributed(_fail_on_rank, 2, args=(1,), collective_timeout=30)
+        run_distributed(_fail_on_rank, 2, args=(1,), collective_timeout=30, pooled=True)
     assert "deliberate failure on rank 1" in str(e.value) and "--- rank 0 ---" not in str(e.value)
     assert not get_pool(2).alive
-    after = run_distributed(_layout_and_leftovers, 2, tp=2, args=(False,))
+    after = run_distributed(_layout_and_leftovers, 2, tp=2, args=(False,), pooled=True)
     assert {r["pid"] for r in after}.isdisjoint(before) and [r["tp_sum"] for r in after] == [2.0, 2.0]
 
 
 def test_fresh_jobs_get_ranks_of_their_own():
-    pooled = {r["pid"] for r in run_distributed(_layout_and_leftovers, 2, args=(False,))}
+    pooled = {r["pid"] for r in run_distributed(_layout_and_leftovers, 2, args=(False,), pooled=True)}
     fresh = {r["pid"] for r in run_distributed(_layout_and_leftovers, 2, args=(False,), fresh=True)}
     assert pooled.isdisjoint(fresh) and get_pool(2).alive
