@@ -399,3 +399,12 @@ def test_softmax_in_fp32_keeps_16_bit_attention(monkeypatch):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     monkeypatch.setattr(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", lambda: True)
     _one_line(lambda: attn(q, k, v, None), "--attention-softmax-in-fp32", "allow_fp16_bf16_reduction_math_sdp")
+
+
+def test_cuda_capability_asks_this_ranks_gpu(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert mconfig.cuda_capability() == (9, 0) and asked == [5]
