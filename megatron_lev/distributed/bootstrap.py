@@ -69,9 +69,6 @@ class DistributedSetup:
     """The launcher variables (RANK, WORLD_SIZE, ...) this call set because they were absent; removed at
     teardown, so a later library in the same process (accelerate, transformers) does not take the process
     for one rank of a distributed job."""
-    applied_cpu_backend: bool = False
-    """The CPU backend was installed by this call. It stays after teardown (later work in the process may
-    rely on it); a test process removes it with ``compat.remove()`` before loading other models."""
     destroyed: bool = False
 
     def __enter__(self) -> "DistributedSetup":
@@ -139,16 +136,14 @@ def _resolve_backend(backend: Optional[str], cuda: bool) -> str:
     return backend
 
 
-def _apply_cpu_backend() -> bool:
-    """Install the CPU backend without CUDA; True if this call installed it (teardown removes it)."""
+def _apply_cpu_backend() -> None:
     from megatron_lev import compat
     from megatron_lev.compat.without_te import define_missing_te_names
 
     compat.quiet_repeated_warnings()
     define_missing_te_names()  # megatron's MoE router without Transformer Engine
-    if torch.cuda.is_available() or compat.is_applied():
-        return False
-    return compat.apply()
+    if not torch.cuda.is_available():
+        compat.apply()
 
 
 def _live_groups() -> FrozenSet:
@@ -252,14 +247,14 @@ def init_distributed(
     (a long-lived rank that sets megatron's groups up per job, as the test harness's rank pool does).
     Bad input raises :class:`DistributedConfigError`.
     """
-    applied_here = _apply_cpu_backend()
+    _apply_cpu_backend()
     timeout = timedelta(minutes=timeout_minutes)
     groups_before = _live_groups()
     created_pg = not dist.is_initialized()
     env_set = _init_process_group(backend, timeout, init_method) if created_pg else ()
     setup = DistributedSetup(rank=dist.get_rank(), world_size=dist.get_world_size(),
                              created_process_group=created_pg, created_parallel_state=False,
-                             groups_before=groups_before, env_set=env_set, applied_cpu_backend=applied_here)
+                             groups_before=groups_before, env_set=env_set)
     try:
         if not model_parallel:
             return setup
@@ -297,15 +292,12 @@ def reset_after_job(env: dict, cwd: str, threads: int) -> None:
     (reported per job). Its process groups are torn down by its own ``destroy_distributed``."""
     import gc
 
+    from megatron.core import num_microbatches_calculator as nmc
+
     from megatron_lev import compat
     from megatron_lev.compat import versions
 
-    try:
-        from megatron.core import num_microbatches_calculator as nmc
-
-        nmc.unset_num_microbatches_calculator()
-    except (ImportError, AttributeError):  # pragma: no cover - every supported release has it
-        pass
+    nmc.unset_num_microbatches_calculator()
     versions.reset_moe_metrics()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
