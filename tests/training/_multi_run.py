@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional
@@ -76,8 +77,9 @@ def main(plan_path: str, result_path: str) -> int:
     workdir = os.path.dirname(os.path.abspath(result_path))
     dist.init_process_group("gloo", timeout=timedelta(minutes=30))
     rank = dist.get_rank()
-    codes = {}
+    codes, seconds = {}, {}
     for step in plan:
+        t0 = time.monotonic()
         if rank == 0:
             if step.get("copy_checkpoint"):
                 _copy_checkpoint(*step["copy_checkpoint"])
@@ -94,9 +96,13 @@ def main(plan_path: str, result_path: str) -> int:
             codes[step["name"]] = 0
         sys.stdout.flush()
         dist.barrier()
+        seconds[step["name"]] = round(time.monotonic() - t0, 2)
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(codes, f)
+        # each step's wall time, for finding what a test's job spends its time on
+        with open(result_path + ".seconds", "w") as f:
+            json.dump(seconds, f)
     dist.destroy_process_group()
     return 0
 
