@@ -306,11 +306,40 @@ def _no_space(error: BaseException) -> bool:
             return True
         if "No space left on device" in str(e) or "Errno 28" in str(e):
             return True
-        stack += [e.__cause__, e.__context__] + [a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]
-        for v in (getattr(e, "args", ()) or ()):
-            if isinstance(v, dict):
-                stack += [x for x in v.values() if isinstance(x, BaseException)]
+        stack += [e.__cause__, e.__context__] + _wrapped(e)
     return False
+
+
+def _wrapped(error: BaseException) -> List[BaseException]:
+    """The errors ``error`` carries in its arguments: torch's CheckpointException holds each rank's as
+    (exception, traceback) in a dict."""
+    found: List[BaseException] = []
+    for v in (getattr(error, "args", ()) or ()):
+        for x in (v.values() if isinstance(v, dict) else [v]):
+            found += [y for y in (x if isinstance(x, tuple) else (x,)) if isinstance(y, BaseException)]
+    return found
+
+
+def _disk_is_full(root: str) -> bool:
+    """Whether 1 MiB more can be written under ``root`` now: a full disk often reaches us without its
+    errno (torch's stream writer says only "file write failed")."""
+    import errno
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=root) as f:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return False
+
+
+def _failure_reason(error: BaseException) -> str:
+    """The first line of the error under torch's CheckpointException wrapping (which names only ranks)."""
+    inner = _wrapped(error)
+    return _first_line(inner[0] if inner and type(error).__name__ == "CheckpointException" else error)
 
 
 def _human_bytes(n: float) -> str:
@@ -324,14 +353,21 @@ def _human_bytes(n: float) -> str:
 _WRITTEN, _FAILED, _NO_SPACE = 0, 1, 2
 
 
-def _outcome_on_all_ranks(error: Optional[BaseException]) -> int:
+def _local_outcome(error: Optional[BaseException], root: str) -> int:
+    """This rank's outcome: _WRITTEN, _NO_SPACE (the error says ENOSPC, or ``root``'s disk is full now),
+    or _FAILED."""
+    if error is None:
+        return _WRITTEN
+    return _NO_SPACE if _no_space(error) or _disk_is_full(root) else _FAILED
+
+
+def _outcome_on_all_ranks(error: Optional[BaseException], root: str) -> int:
     """The worst outcome of this step over all ranks: _WRITTEN, _FAILED, or _NO_SPACE (a full disk on
     some rank, which the others' errors need not say: a rank's CheckpointException carries the other
     ranks' writer errors only as text, and from megatron-core 0.19 without their errno)."""
     from megatron_lev.parallel.collectives import all_reduce_
 
-    code = _WRITTEN if error is None else _NO_SPACE if _no_space(error) else _FAILED
-    t = torch.tensor([code], dtype=torch.int32)
+    t = torch.tensor([_local_outcome(error, root)], dtype=torch.int32)
     return int(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
 
 
@@ -351,7 +387,7 @@ def _save_failed(root: str, iteration: int, path: str, error: Optional[BaseExcep
     elif error is None:
         reason = "another rank failed to write its part"
     else:
-        reason = _first_line(error)
+        reason = _failure_reason(error)
     try:
         last = read_tracker(root)
     except CheckpointError:
@@ -405,7 +441,7 @@ def save_checkpoint(
         args=dict(config),
         layout=_layout(),
     )
-    if scheduler is not None and save_optim:
+    if scheduler is not None:  # small and layout-free: kept without the optimizer too (--no-save-optim, reshard)
         state["opt_param_scheduler"] = scheduler.state_dict()
 
     if kill_at is not None and tuple(int(x) for x in kill_at.split(":")) == (rank, iteration):
@@ -427,7 +463,7 @@ def save_checkpoint(
             error = e
     if writer_errors:  # this rank's writer failed: its own error says more than the save's wrapping of it
         error = writer_errors[0]
-    outcome = _outcome_on_all_ranks(error)
+    outcome = _outcome_on_all_ranks(error, root)
     if outcome != _WRITTEN:  # every rank's shards are on disk, or none goes on
         raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
     if rank == 0:
@@ -437,7 +473,7 @@ def save_checkpoint(
             write_tracker(root, iteration)
         except OSError as e:
             error = e
-    outcome = _outcome_on_all_ranks(error)
+    outcome = _outcome_on_all_ranks(error, root)
     if outcome != _WRITTEN:
         raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
     log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
@@ -544,10 +580,29 @@ def scheduler_mismatch_message(error: AssertionError, path: str) -> str:
         what = str(error).strip().splitlines()[0] if str(error).strip() else "a scheduler value"
     else:
         now, saved, name = m.groups()
-        unit = " (in samples)" if "iterations" in name else ""
-        what = f"{flags.get(name, name)} changed: {name} {saved} in the checkpoint, {now} now{unit}"
+        # The scheduler counts samples; megatron-core's names say iterations.
+        what = f"{flags.get(name, name)} changed: {name.replace('iterations', 'samples')} {saved} in the checkpoint, {now} now"
     return (f"{path}: {what}; pass --override-opt-param-scheduler to use this run's values or "
             "--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+
+
+def restore_schedule(scheduler, common: Dict[str, Any], path: str, log=print) -> None:
+    """Put the LR/weight-decay schedule where the checkpoint ``common`` left it, with or without its
+    optimizer state: its saved scheduler state, or (a checkpoint saved without one) the schedule advanced
+    to its consumed samples, said in one line."""
+    state = common.get("opt_param_scheduler")
+    if state is not None:
+        try:
+            scheduler.load_state_dict(state)
+        except AssertionError as e:
+            raise CheckpointError(scheduler_mismatch_message(e, path)) from None
+        return
+    consumed = int(common.get("consumed_train_samples", 0) or 0)
+    if consumed == 0:  # e.g. an imported model at iteration 0: the fresh schedule is the right one
+        return
+    scheduler.step(increment=consumed)  # the schedule counts samples (Megatron-LM)
+    log(f"WARNING: {path} holds no learning-rate scheduler state: the schedule is advanced to its "
+        f"{consumed} consumed samples (iteration {common.get('iteration')})")
 
 
 def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any], layout: Dict[str, int],
@@ -564,7 +619,17 @@ def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any],
     if name == "padded_vocab_size":
         return (f"{path}: padded vocabulary {saved} in the checkpoint, {current} in this run (another tokenizer, or "
                 "another --make-vocab-size-divisible-by); give the checkpoint's tokenizer and settings")
-    return f"--{name.replace('_', '-')} {current} differs from the checkpoint's {saved} ({path})"
+    flag = f"--{name.replace('_', '-')}"
+    was = f"with {_as_flag(flag, saved)}" if _as_flag(flag, saved) else f"without {flag}"
+    return (f"{path} was saved {was} but this run has {_as_flag(flag, current) or f'no {flag}'}; give the "
+            f"checkpoint's setting")
+
+
+def _as_flag(flag: str, value) -> str:
+    """A structural argument's value as on the command line; "" for None and False (the flag not given)."""
+    if value is None or value is False:
+        return ""
+    return flag if value is True else f"{flag} {value}"
 
 
 def _ckpt_step_hint(it: int, path: str) -> str:
@@ -644,13 +709,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
             optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)
-        if scheduler is not None and "opt_param_scheduler" in common:
-            try:
-                scheduler.load_state_dict(common["opt_param_scheduler"])
-            except AssertionError as e:
-                raise CheckpointError(scheduler_mismatch_message(e, path)) from None
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
+    if scheduler is not None and not finetune:
+        restore_schedule(scheduler, common, path, log)
     if load_rng:
         _set_rng_state(loaded["rng_state"])
     elif want_rng:

@@ -11,8 +11,8 @@ TP on dim 0, codebooks and offset replicated, as their sharded state dict says).
 
 Optimizer state is not converted (model-only conversion). To continue training from the result,
 run ``pretrain_lev.py --load DST`` at the new layout: the checkpoint has no optimizer, so the loader
-restores the weights, the iteration and the data position and starts Adam's moments afresh (as
-``--no-load-optim`` does). The converted ``config.yaml`` holds the new TP/PP and a
+restores the weights, the iteration, the data position and the LR schedule (the scheduler state is
+carried) and starts Adam's moments afresh (as ``--no-load-optim`` does). The converted ``config.yaml`` holds the new TP/PP and a
 ``make_vocab_size_divisible_by`` that pads the tokenizer's vocabulary to the checkpoint's row count
 at the new TP; pass ``--config DST/iter_XXXXXXX/config.yaml`` (or that flag) when resuming.
 """

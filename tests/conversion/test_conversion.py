@@ -162,7 +162,8 @@ def test_training_resumes_from_converted_checkpoint(runs, tmp_path):
     root = runs["root"]
     cfg = root / "lev_tp1" / "iter_0000002" / "config.yaml"
     r = subprocess.run([sys.executable, PRETRAIN, "--config", str(cfg), "--load", str(root / "lev_tp1"),
-                        "--save", str(tmp_path / "resumed"), "--train-iters", "3", "--metrics-file",
+                        "--save", str(tmp_path / "resumed"), "--train-iters", "3", "--override-opt-param-scheduler",
+                        "--metrics-file",
                         str(tmp_path / "m.jsonl")], capture_output=True, text=True, env=_env(), timeout=600,
                        cwd=str(REPO))
     assert r.returncode == 0, r.stderr[-4000:]

@@ -330,9 +330,64 @@ def test_scheduler_and_tp_mismatch_messages():
         msg = scheduler_mismatch_message(e.value, "ck/iter_0000002")
         assert msg.startswith("ck/iter_0000002: ") and flag in msg and "\n" not in msg, msg
         assert "--override-opt-param-scheduler" in msg and "--use-checkpoint-opt-param-scheduler" in msg
+        if flag == "--train-iters":  # the scheduler counts samples: the message says so
+            assert "total number of weight decay samples 40 in the checkpoint, 80 now" in msg, msg
     msg = _structure_mismatch("padded_vocab_size", 1024, 1280, {"tp": 1, "pp": 1}, {"tp": 2, "pp": 1}, "ck")
     assert "saved at TP=1, this run has TP=2" in msg and "tools/convert_checkpoint.py reshard" in msg
     assert "--target-tp 2" in msg
+    # A structural flag this run does not give, or gives without a value: said as on the command line.
+    msg = _structure_mismatch("mtp_num_layers", 1, None, {"tp": 1}, {"tp": 1}, "ck")
+    assert msg == "ck was saved with --mtp-num-layers 1 but this run has no --mtp-num-layers; give the checkpoint's setting"
+    msg = _structure_mismatch("swiglu", True, False, {"tp": 1}, {"tp": 1}, "ck")
+    assert msg == "ck was saved with --swiglu but this run has no --swiglu; give the checkpoint's setting"
+
+
+def test_a_checkpoint_without_scheduler_state_advances_the_schedule_to_its_samples():
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_lev.checkpoint.sharded import restore_schedule
+
+    def sched():
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=16,
+                                       lr_decay_steps=64, lr_decay_style="linear", start_wd=0.1, end_wd=0.1,
+                                       wd_incr_steps=64, wd_incr_style="constant",
+                                       use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False)
+
+    ref = sched()
+    for _ in range(3):  # three iterations of 8 samples
+        ref.step(increment=8)
+    lines = []
+    saved, absent = sched(), sched()
+    restore_schedule(saved, {"opt_param_scheduler": ref.state_dict(), "consumed_train_samples": 24}, "ck", lines.append)
+    restore_schedule(absent, {"consumed_train_samples": 24, "iteration": 3}, "ck", lines.append)
+    lr = lambda s: s.optimizer.param_groups[0]["lr"]  # noqa: E731
+    assert lr(saved) == lr(absent) == lr(ref) and lr(ref) not in (0.0, 1e-3), lr(ref)
+    assert lines == ["WARNING: ck holds no learning-rate scheduler state: the schedule is advanced to its 24 "
+                     "consumed samples (iteration 3)"], lines
+
+
+def test_a_failed_save_says_no_space_or_the_wrapped_error_not_checkpoint_exception(tmp_path, monkeypatch):
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_lev.checkpoint import sharded
+
+    def wrapped(e):  # as torch's writers report a rank's failure: (exception, traceback) per rank
+        return CheckpointException("write", {0: (e, [])})
+
+    denied = wrapped(PermissionError(errno.EACCES, "Permission denied", "ck/iter_0000004/__0_0.distcp"))
+    assert sharded._failure_reason(denied).startswith("PermissionError: [Errno 13] Permission denied"), \
+        sharded._failure_reason(denied)
+    # ENOSPC inside the wrapping, without its text; and a full disk torch reports without an errno.
+    quiet = OSError(errno.ENOSPC, "")
+    assert sharded._no_space(CheckpointException("write", {0: (quiet, [])}))
+    stream = wrapped(RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"))
+    assert sharded._local_outcome(stream, str(tmp_path)) == sharded._FAILED  # room there: another failure
+    monkeypatch.setattr(sharded, "_disk_is_full", lambda root: root == str(tmp_path))
+    assert sharded._local_outcome(stream, str(tmp_path)) == sharded._NO_SPACE
 
 
 # ------------------------------------------------------------------------------------------ export

@@ -201,9 +201,20 @@ def runs(tokenizer_files, tmp_path_factory):
         ["--global-batch-size", "8", "--rampup-batch-size", "4", "2", "16"] if HAS_RAMPUP
         else ["--step-batch-size-schedule", "0:4 256:6 512:8"])
     tok = LEV + real + ["--global-batch-size", "8", "--train-iters", "3", "--lr-warmup-iters", "1"]
+    wsd = iters + ["--train-iters", "6", "--lr-warmup-iters", "2", "--lr-wsd-decay-iters", "3"]
     plan = [
-        {"name": "iters", "argv": iters + ["--train-iters", "6", "--lr-warmup-iters", "2", "--lr-wsd-decay-iters", "3"]
-         + m("iters")},
+        {"name": "iters", "argv": wsd + ["--save", str(root / "iters_ck"), "--save-interval", "3"] + m("iters")},
+        # Resumed at iteration 3 without optimizer state: not loaded (saving none either), then a checkpoint
+        # that has none, then resharded to TP=2 (reshard writes no optimizer state).
+        {"name": "no-load-optim", "copy_checkpoint": [str(root / "iters_ck"), 3, str(root / "noopt_ck")],
+         "argv": wsd + ["--load", str(root / "noopt_ck"), "--save", str(root / "noopt_ck"), "--save-interval", "1",
+                        "--no-load-optim", "--no-save-optim"] + m("no-load-optim")},
+        {"name": "saved-without-optim", "copy_checkpoint": [str(root / "noopt_ck"), 4, str(root / "noopt_ck4")],
+         "argv": wsd + ["--load", str(root / "noopt_ck4")] + m("saved-without-optim")},
+        {"name": "reshard", "rank0": "tests.training.test_megatron_schedules:reshard_to_tp2",
+         "args": [str(root / "iters_ck"), 3, str(root / "tp2_ck")]},
+        {"name": "resharded", "argv": wsd + ["--load", str(root / "tp2_ck"), "--tensor-model-parallel-size", "2"]
+         + m("resharded")},
         {"name": "samples", "argv": iters + ["--train-samples", "48", "--lr-warmup-samples", "16",
                                              "--lr-wsd-decay-samples", "24"] + m("samples")},
         {"name": "ramp", "argv": ramp + ["--save", str(root / "ramp_ck")] + m("ramp")},
@@ -245,6 +256,26 @@ def test_train_samples_is_train_iters_bit_for_bit(runs):
         assert (b[i]["lm loss hex"], b[i]["lr"], b[i]["grad norm"]) == (a[i]["lm loss hex"], a[i]["lr"],
                                                                         a[i]["grad norm"]), i
     assert len({a[i]["lr"] for i in a}) > 3  # warmup, stable and decay phases all taken
+
+
+def test_learning_rate_resumes_without_optimizer_state_and_after_reshard(runs):
+    """The schedule is restored apart from the optimizer: after --no-load-optim, from a checkpoint saved
+    with --no-save-optim, and after reshard (no optimizer state), the learning rate of every iteration is
+    the uninterrupted run's (it used to restart from warmup)."""
+    _ok(runs["runs"], "iters", "no-load-optim", "saved-without-optim", "reshard", "resharded")
+    a = _metrics(runs["root"] / "iters.jsonl")
+    for name, first in (("no-load-optim", 4), ("saved-without-optim", 5), ("resharded", 4)):
+        b = _metrics(runs["root"] / f"{name}.jsonl")
+        assert sorted(b) == list(range(first, 7)), (name, sorted(b))
+        assert [b[i]["lr"] for i in b] == [a[i]["lr"] for i in b], name
+        assert "holds no learning-rate scheduler state" not in runs["runs"][name].stdout, name
+
+
+def reshard_to_tp2(src: str, iteration: int, dst: str) -> None:
+    """A "rank0" step: ``src``'s iteration resharded to TP=2 under ``dst``."""
+    from megatron_lev.conversion import reshard_checkpoint
+
+    reshard_checkpoint(src, dst, tp=2, pp=1, iteration=iteration, progress=False)
 
 
 def test_batch_size_schedule_follows_the_calculator_and_resumes_bit_exactly(runs):
