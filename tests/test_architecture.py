@@ -31,7 +31,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "_procutil": set(),
     "checkpoint": {"_procutil", "compat", "distributed", "lev", "models", "parallel", "tokenizer"},
     "arguments": {"compat", "config_flags", "distributed", "lev", "models", "tokenizer"},
-    "evaluation": {"checkpoint", "distributed", "jsonl", "lev", "models", "parallel", "tokenizer"},
+    "evaluation": {"checkpoint", "data", "distributed", "jsonl", "lev", "models", "parallel", "tokenizer"},
     "conversion": {"arguments", "checkpoint", "distributed", "evaluation", "kernels", "lev", "models", "parallel",
                    "tokenizer"},
     "training": {"_procutil", "arguments", "checkpoint", "compat", "data", "distributed", "lev", "models",

@@ -81,9 +81,7 @@ def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check
 
     Checks: both files exist; the .idx header and size are sane; the .bin size equals
     tokens x itemsize; the .idx pointers rise monotonically and stay inside the .bin; and
-    (``check_token_ids``) the largest id is < ``vocab_size``. The largest id comes from the
-    ``*_token_counts.npy`` file written by the preprocessing tool when it can be tied to this .bin
-    (same total, and written after the .bin was last modified), otherwise from a vectorised scan.
+    (``check_token_ids``) the largest id is < ``vocab_size`` (:func:`check_dataset_token_ids`).
     """
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     for p in (idx, bin_):
@@ -105,25 +103,36 @@ def validate_dataset_prefix(prefix: str, vocab_size: Optional[int] = None, check
     except ValueError as e:
         raise DatasetValidationError(f"{idx}: corrupt index: {e}; preprocess the data again") from None
     check_dataset_tokenizer(prefix, tokenizer_fp, allow_tokenizer_mismatch, warn)
-    if check_token_ids and vocab_size is not None and info.num_tokens:
-        max_id = None
-        counts_path = token_counts_path(prefix)
-        # A .bin changed after its counts were written (mtime) is scanned: the counts may be stale.
-        if os.path.isfile(counts_path) and os.stat(counts_path).st_mtime_ns >= os.stat(bin_).st_mtime_ns:
-            try:
-                counts = np.load(counts_path, mmap_mode="r")
-                if counts.ndim == 1 and int(counts.sum()) == info.num_tokens:
-                    max_id = int(np.flatnonzero(counts)[-1])
-            except (ValueError, OSError):
-                max_id = None
-        if max_id is None:
-            max_id = max_token_id(bin_, info.dtype)
-        if max_id >= vocab_size:
-            raise DatasetValidationError(
-                f"{bin_}: holds token id {max_id} >= the model's vocabulary size {vocab_size} "
-                "(preprocessed with another tokenizer?)"
-            )
+    if check_token_ids and vocab_size is not None:
+        check_dataset_token_ids(prefix, vocab_size, info=info)
     return info
+
+
+def check_dataset_token_ids(prefix: str, vocab_size: int, vocabulary: str = "the model's vocabulary size",
+                            info: Optional[IndexInfo] = None) -> None:
+    """Refuse (:class:`DatasetValidationError` naming the .bin) an indexed set holding a token id >=
+    ``vocab_size`` (``vocabulary`` says whose size it is). The largest id comes from the
+    ``*_token_counts.npy`` file written by the preprocessing tool when it can be tied to this .bin (same
+    total, and written after the .bin was last modified), otherwise from a vectorised scan."""
+    bin_ = prefix + ".bin"
+    info = info if info is not None else read_index_info(prefix + ".idx")
+    if not info.num_tokens:
+        return
+    max_id = None
+    counts_path = token_counts_path(prefix)
+    # A .bin changed after its counts were written (mtime) is scanned: the counts may be stale.
+    if os.path.isfile(counts_path) and os.stat(counts_path).st_mtime_ns >= os.stat(bin_).st_mtime_ns:
+        try:
+            counts = np.load(counts_path, mmap_mode="r")
+            if counts.ndim == 1 and int(counts.sum()) == info.num_tokens:
+                max_id = int(np.flatnonzero(counts)[-1])
+        except (ValueError, OSError):
+            max_id = None
+    if max_id is None:
+        max_id = max_token_id(bin_, info.dtype)
+    if max_id >= vocab_size:
+        raise DatasetValidationError(
+            f"{bin_}: holds token id {max_id} >= {vocabulary} {vocab_size} (preprocessed with another tokenizer?)")
 
 
 _SPLIT_NAMES = ("train", "valid", "test")

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_lev.data.datasets import check_dataset_token_ids
 from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
 from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, open_checkpoint
@@ -233,7 +234,8 @@ def _tokenizer_for_checkpoint(args, saved: Dict[str, Any]):
 def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, where: str = "") -> None:
     """Refuse (UsageError, one line naming both) a tokenizer other than the checkpoint's (``saved``
     arguments of ``where``) or than the one an indexed ``--valid-data``/``--zeroshot-data`` set was
-    made with, unless --allow-tokenizer-mismatch."""
+    made with, unless --allow-tokenizer-mismatch; and, mismatch allowed or not, an indexed set holding a
+    token id the tokenizer cannot decode or the checkpoint's model cannot embed (training's check)."""
     if tokenizer is None:
         return
     fp = tokenizer_fingerprint(tokenizer)
@@ -247,8 +249,17 @@ def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, whe
         if is_indexed_prefix(path):
             try:
                 check_dataset_tokenizer(path, fp, allow_mismatch=allow, warn=_log)
+                check_dataset_token_ids(path, *_vocabulary(tokenizer, saved))
             except ValueError as e:
                 raise UsageError(str(e)) from None
+
+
+def _vocabulary(tokenizer, saved: Optional[Dict[str, Any]]) -> Tuple[int, str]:
+    """The smaller of the tokenizer's vocabulary and the checkpoint's (padded) one, and whose it is."""
+    limits = [(int(tokenizer.vocab_size), "the tokenizer's vocabulary size")]
+    if saved and saved.get("padded_vocab_size"):
+        limits.append((int(saved["padded_vocab_size"]), "the checkpoint's vocabulary size"))
+    return min(limits)
 
 
 def _log(msg: str) -> None:

@@ -528,6 +528,38 @@ def test_evaluation_with_another_tokenizer_is_refused_before_loading(tmp_path, c
     assert code == 2 and out.err.startswith(f"error: {it / '.metadata'}: missing;"), out.err
 
 
+def test_evaluation_allowed_another_tokenizer_refuses_ids_beyond_its_vocabulary(tmp_path, capsys, dataset,
+                                                                                monkeypatch):
+    """--allow-tokenizer-mismatch lets another tokenizer through, but not ids it cannot decode or the model
+    cannot embed: one line naming the .bin, as training says it (before, the decoder's IndexError)."""
+    import yaml
+
+    from megatron_lev.evaluation import cli
+    from megatron_lev.tokenizer import build_tokenizer, tokenizer_fingerprint
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "init_distributed", no_model)
+    it = _fake_checkpoint(tmp_path / "ck", tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=1000)))
+    base = ["--load", str(tmp_path / "ck"), "--output-dir", str(tmp_path / "out"), "--valid-data", dataset,
+            "--allow-tokenizer-mismatch"]
+    from tokenizers import Tokenizer, models
+
+    other = str(tmp_path / "tokenizer.json")  # 4 ids; the set's ids reach 452
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2, "[UNK]": 3}, unk_token="[UNK]")).save(other)
+    code = cli.main(base + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", other])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"error: {dataset}.bin: holds token id 452 >= the tokenizer's vocabulary size 4 "
+                                 "(preprocessed with another tokenizer?)"], err
+    # The checkpoint's own tokenizer decodes them all, but its model has fewer ids.
+    cfg = yaml.safe_load((it / "config.yaml").read_text())
+    (it / "config.yaml").write_text(yaml.safe_dump(dict(cfg, padded_vocab_size=400)))
+    code = cli.main(base)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "holds token id 452 >= the checkpoint's vocabulary size 400" in err[0], err
+
+
 def test_checkpoint_tokenizer_check_old_checkpoints_and_the_override():
     from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer
     from megatron_lev.tokenizer import build_tokenizer, tokenizer_fingerprint
