@@ -244,7 +244,12 @@ class TikTokenizer(LevTokenizer):
             paths = (tokenizer_model,)
         else:
             _check_gpt2_files(vocab_file, merge_file)
-            ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(merge_file, vocab_file)
+            try:
+                ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(merge_file, vocab_file)
+            except (AssertionError, KeyError):  # tiktoken checks the pair with bare asserts
+                raise ValueError(f"--vocab-file {vocab_file} and --merge-file {merge_file} do not make one GPT-2 "
+                                 "BPE: vocab.json must hold the 256 byte tokens, then each merge's result with ids "
+                                 "in merge order (are they from the same tokenizer?)") from None
             paths = (vocab_file, merge_file)
         if megatron:
             if special_tokens is not None:

@@ -119,6 +119,9 @@ def test_swapped_gpt2_files_name_the_file(tmp_path, capsys):
     assert str(vocab) in err[0] and "swapped" in err[0], err
     with pytest.raises(ValueError, match="--vocab-file .*merges.txt: not a JSON vocabulary"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(merges), merge_file=str(merges))
+    # in the right order, but this vocab.json lacks the 256 byte tokens: one line, not tiktoken's bare assert
+    with pytest.raises(ValueError, match="--vocab-file .*vocab.json and --merge-file .*merges.txt do not make one"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
 
 
 # ------------------------------------------------------------------------------------------ datasets
