@@ -22,6 +22,8 @@ NO_OPS = {
                                "without it)",
     "--no-create-attention-mask-in-dataloader": "the loader never builds a dense attention mask here (attention "
                                                 "is causal in the kernel): already the behaviour",
+    "--use-flash-attn": "deprecated in Megatron-LM, which still accepts it and reads it nowhere; attention is "
+                        "chosen by --attention-backend",
     "--no-position-embedding": "deprecated in Megatron-LM, which accepts it only with --position-embedding-type "
                                "rope, where there is no learned position table to disable; refused with any other "
                                "type (use --position-embedding-type none)",
@@ -42,7 +44,6 @@ REFUSED = {
                                      "drop the flag",
     "--enable-cuda-graph": _CUDA_GRAPHS,
     "--external-cuda-graph": _CUDA_GRAPHS,
-    "--use-flash-attn": "deprecated in Megatron-LM; use --attention-backend flash",
     "--checkpoint-activations": "deprecated in Megatron-LM; use --recompute-activations or --recompute-granularity",
     "--spec": "layer specs are chosen by --transformer-impl (transformer_engine or local)",
     "--multi-latent-attention": "multi-latent attention is not implemented here; drop the flag",
@@ -80,7 +81,7 @@ class _NoOp(argparse.Action):
 def add_megatron_lm_flags(p) -> None:
     """The no-op flags that no other group defines."""
     g = p.add_argument_group("accepted from Megatron-LM, no effect here")
-    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader"):
+    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader", "--use-flash-attn"):
         g.add_argument(flag, action=_NoOp, help=NO_OPS[flag])
     # Seen by the check below only (a leading underscore keeps it out of the resolved arguments).
     g.add_argument("--no-position-embedding", dest="_no_position_embedding", action="store_true",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from typing import List
 
 from megatron_lev.lev.config import ConfigError, LEVConfig
@@ -21,6 +22,12 @@ from .parallel import check_parallel_flags
 from .precision import check_precision_flags
 from .run import check_run
 from .schedule import check_batch_sizes, check_loss, check_lr_schedule, check_training_length
+
+
+def _warn(message: str) -> None:
+    """One warning line on stderr, from the first rank only (every rank parses the same flags)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
 def _require(args, name: str) -> None:
@@ -81,6 +88,10 @@ def _check_parallel_sizes(args) -> None:
     vpp = args.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp < 1:
         raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1 (got {vpp})")
+    if args.sequence_parallel and tp == 1:
+        # As Megatron-LM: its scripts pass --sequence-parallel whatever their TP; at TP=1 it means nothing.
+        args.sequence_parallel = False
+        _warn("--sequence-parallel is switched off: it needs --tensor-model-parallel-size > 1 (this run has 1)")
     # Heads and layers against TP/PP/virtual stages, sequence parallelism: the model config's check.
     check_parallel_settings(tp=tp, pp=pp, vpp=vpp, num_layers=args.num_layers,
                             num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,

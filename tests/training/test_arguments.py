@@ -69,7 +69,6 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     (["--tensor-model-parallel-size", "3"], 4, "--tensor-model-parallel-size"),
     (["--num-attention-heads", "3", "--tensor-model-parallel-size", "2"], 2, "--num-attention-heads"),
     (["--pipeline-model-parallel-size", "3"], 3, "--num-layers"),
-    (["--sequence-parallel"], 1, "--sequence-parallel"),
     (["--bf16", "--fp16"], 1, "--bf16"),
     (["--save-interval", "5"], 1, "--save-interval"),
     (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters"),

@@ -64,9 +64,10 @@ def test_every_accepted_megatron_lm_flag_changes_the_resolved_arguments(tmp_path
     base = resolved_config(parse_args(BASE, world_size=1))
     unused, unnamed = [], []
     for flag in accepted:
-        # --mock-data is in BASE; the parallel sizes need more ranks (the multi-rank tests use them).
+        # --mock-data is in BASE; the parallel sizes need more ranks (the multi-rank tests use them), and so
+        # does --sequence-parallel (switched off at TP=1: the test below).
         if flag in NO_OPS or flag in ("--help", "--mock-data", "--tensor-model-parallel-size",
-                                      "--pipeline-model-parallel-size"):
+                                      "--pipeline-model-parallel-size", "--sequence-parallel"):
             continue
         action = parser._option_string_actions[flag]
         pre = NEEDS.get(flag, [])
@@ -89,7 +90,7 @@ def test_every_accepted_megatron_lm_flag_changes_the_resolved_arguments(tmp_path
 def test_no_ops_are_accepted_and_leave_the_arguments_alone():
     base = resolved_config(parse_args(BASE, world_size=1))
     assert set(NO_OPS) <= set(VOCABULARY) and set(NO_OPS) <= set(build_parser()._option_string_actions)
-    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader"):  # they set nothing
+    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader", "--use-flash-attn"):
         assert resolved_config(parse_args(BASE + [flag], world_size=1)) == base
 
 
@@ -115,3 +116,16 @@ def test_refused_flags_are_named_in_one_line(flag):
 def test_an_unknown_flag_is_still_an_error():
     with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
         parse_args(BASE + ["--no-such-flag"], world_size=1)
+
+
+def test_sequence_parallel_at_tp1_is_switched_off_with_one_warning_as_megatron_lm_does(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    args = parse_args(BASE + ["--sequence-parallel"], world_size=1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert args.sequence_parallel is False
+    assert len(err) == 1 and err[0].startswith("WARNING: --sequence-parallel is switched off"), err
+    monkeypatch.setenv("RANK", "1")  # the other ranks say nothing
+    parse_args(BASE + ["--sequence-parallel"], world_size=1)
+    assert capsys.readouterr().err == ""
+    tp2 = parse_args(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
+    assert tp2.sequence_parallel is True and capsys.readouterr().err == ""
