@@ -234,6 +234,13 @@ def _validate_tokenizer_files(args) -> None:
         if path is None:
             raise ConfigError(f"--tokenizer-type {t} needs {flag}")
         if not os.path.exists(path):
+            if (t == "HuggingFaceTokenizer" and name == "tokenizer_model"
+                    and re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(".")
+                    and not path.endswith((".json", ".model", ".tiktoken", ".txt"))):
+                # Megatron-LM would download a hub id; runs here read local files only (nodes are often offline)
+                raise ConfigError(f"{flag} {path}: no such file; it looks like a Hugging Face hub id, and a local "
+                                  f"path is needed: on a machine online, `huggingface-cli download {path} "
+                                  "--include 'tokenizer*' --local-dir DIR`, then pass --tokenizer-model DIR")
             raise ConfigError(f"{flag} {path}: no such file")
     megatron_tiktoken = t == "TikTokenizer" and args.tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS
     refusal = vocab_size_refusal(t, args.vocab_size, args.tiktoken_pattern)

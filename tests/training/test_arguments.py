@@ -94,6 +94,13 @@ def test_missing_data_and_tokenizer_files():
         parse_args(no_data + ["--data-path", "x", "--tokenizer-type", "GPT2BPETokenizer"], world_size=1)
     with pytest.raises(ConfigError, match="--lr"):
         parse_args([x for x in BASE if x not in ("--lr", "1e-3")], world_size=1)
+    # a hub id (Megatron-LM downloads it) is named as one, with the offline way to a local path
+    hf = BASE + ["--tokenizer-type", "HuggingFaceTokenizer"]
+    with pytest.raises(ConfigError, match=r"--tokenizer-model some-org/some-model: no such file; it looks like a "
+                                          r"Hugging Face hub id, and a local path is needed: .*--local-dir"):
+        parse_args(hf + ["--tokenizer-model", "some-org/some-model"], world_size=1)
+    with pytest.raises(ConfigError, match=r"--tokenizer-model missing/tok.json: no such file$"):
+        parse_args(hf + ["--tokenizer-model", "missing/tok.json"], world_size=1)
 
 
 def _cli(args, env_extra=None):
