@@ -58,17 +58,15 @@ def _function(spec: str):
 
 
 def _call(step: dict, rank: int, workdir: str) -> None:
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    # The bootstrap run_distributed uses (CPU backend, groups, seed), so a call step does not depend on an
+    # earlier pretrain step having installed the CPU backend; the job's default group is left as it is.
+    from megatron_lev.distributed import destroy_distributed, init_distributed
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=step.get("tp", 1),
-                                 pipeline_model_parallel_size=step.get("pp", 1))
-    torch.manual_seed(1234)
-    model_parallel_cuda_manual_seed(1234)
+    setup = init_distributed(tp=step.get("tp", 1), pp=step.get("pp", 1), backend="gloo", seed=1234)
     try:
         result = _function(step["call"])(*step.get("args", ()))
     finally:
-        ps.destroy_model_parallel()
+        destroy_distributed(setup)
     torch.save(result, os.path.join(workdir, f"{step['name']}.rank{rank}.pt"))
 
 

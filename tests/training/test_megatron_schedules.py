@@ -203,6 +203,11 @@ def runs(tokenizer_files, tmp_path_factory):
     tok = LEV + real + ["--global-batch-size", "8", "--train-iters", "3", "--lr-warmup-iters", "1"]
     wsd = iters + ["--train-iters", "6", "--lr-warmup-iters", "2", "--lr-wsd-decay-iters", "3"]
     plan = [
+        # First in the job: a call step must not rely on a pretrain step before it (the CPU backend, seeds).
+        {"name": "decoupled", "call": "tests.training.test_megatron_schedules:decoupled_lr_groups", "tp": 2,
+         "args": [LEV + MOCK + ["--micro-batch-size", "2", "--train-iters", "4", "--tensor-model-parallel-size",
+                               "2", "--lr-decay-style", "constant", "--decoupled-lr", "3e-3",
+                               "--decoupled-min-lr", "2e-4"]]},
         {"name": "iters", "argv": wsd + ["--save", str(root / "iters_ck"), "--save-interval", "3"] + m("iters")},
         # Resumed at iteration 3 without optimizer state: not loaded (saving none either), then a checkpoint
         # that has none, then resharded to TP=2 (reshard writes no optimizer state).
@@ -220,10 +225,6 @@ def runs(tokenizer_files, tmp_path_factory):
         {"name": "ramp", "argv": ramp + ["--save", str(root / "ramp_ck")] + m("ramp")},
         {"name": "ramp-resumed", "copy_checkpoint": [str(root / "ramp_ck"), 3, str(root / "ramp_ck3")],
          "argv": ramp + ["--load", str(root / "ramp_ck3"), "--save", str(root / "ramp_ck3")] + m("ramp-resumed")},
-        {"name": "decoupled", "call": "tests.training.test_megatron_schedules:decoupled_lr_groups", "tp": 2,
-         "args": [LEV + MOCK + ["--micro-batch-size", "2", "--train-iters", "4", "--tensor-model-parallel-size",
-                               "2", "--lr-decay-style", "constant", "--decoupled-lr", "3e-3",
-                               "--decoupled-min-lr", "2e-4"]]},
         {"name": "profile", "argv": LEV + MOCK + ["--micro-batch-size", "2", "--train-iters", "4", "--profile",
                                                  "--use-pytorch-profiler", "--profile-step-start", "1",
                                                  "--profile-step-end", "3", "--profile-ranks", "0", "1",
