@@ -5,11 +5,14 @@ does not know.
 
 A flag is every ``--name`` in the script (each counted once). "accepted": pretrain_lev.py has the flag;
 "refused in one line": megatron_lm.py refuses it naming the feature; "refused as unknown": neither.
-Prints a Markdown table; then, with ``--stops``, where each script stops: the script is run by bash with
-``torchrun`` replaced by a function that prints its arguments (in a scratch directory holding an empty
-``pretrain_gpt.py``; its positional arguments ``--script-args``, default none), the argv it passes is parsed
-with ``--input-embedding lev`` added at the world size its TP x PP x CP needs, and each one-line
-error is listed, the flag it names dropped and the parse repeated.
+Flags inside an ``nsys`` command and words that are no flag names (``--M-M-M-M``, a layer pattern's
+value) are not counted. Prints a Markdown table; then, with ``--stops``, where each script stops: the
+script is run by bash with its launcher replaced by a function that prints its arguments (``torchrun``,
+``python -m torch.distributed.run|launch``, either behind ``uv run``, and ``srun`` in sbatch scripts; in a
+scratch directory holding an empty ``pretrain_gpt.py``; its positional arguments ``--script-args``,
+default none), the argv it passes is parsed with ``--input-embedding lev`` added at the launch's world
+size (``--nproc-per-node`` x ``--nnodes``; for ``srun`` or no launcher option, TP x PP x CP), and each
+one-line error is listed, the flag it names dropped and the parse repeated.
 """
 
 from __future__ import annotations
@@ -30,16 +33,24 @@ from megatron_lev.arguments.megatron_lm import refusal  # noqa: E402
 from megatron_lev.lev.config import ConfigError  # noqa: E402
 
 # Launcher flags of torchrun, not of the training script.
-_LAUNCHER = {"--nproc_per_node", "--nnodes", "--node_rank", "--master_addr", "--master_port"}
+_LAUNCHER_NAMES = {"__nproc_per_node", "__nnodes", "__node_rank", "__master_addr", "__master_port", "__rdzv_id",
+                   "__rdzv_backend", "__rdzv_endpoint"}
+
+
+# nsys's own options on a line, up to the launcher or script they profile.
+_NSYS = re.compile(r"\bnsys\s+profile\b.*?(?=\btorchrun\b|\bpython3?\b|\S+\.py\b|$)")
+# A flag name: lower case, digits, - and _ (Megatron-LM's spelling); a word such as --M-M-M* is a value.
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*(?![\w*+|-])")
 
 
 def script_flags(text: str):
-    """The ``--flag`` names of a shell script, in order of first appearance (comments dropped)."""
+    """The ``--flag`` names of a shell script, in order of first appearance (comments and nsys's
+    options dropped)."""
     seen = []
     for line in text.splitlines():
-        line = line.split("#", 1)[0]
-        for flag in re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", line):
-            if flag not in seen and flag not in _LAUNCHER:
+        line = _NSYS.sub(" ", line.split("#", 1)[0])
+        for flag in _FLAG.findall(line):
+            if flag not in seen and flag.replace("-", "_") not in _LAUNCHER_NAMES:
                 seen.append(flag)
     return seen
 
@@ -52,31 +63,72 @@ def tally(flags):
     return accepted, refused, unknown
 
 
-_PRINT_ARGS = 'torchrun() { python3 -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@"; }; export -f torchrun'
+# Launchers replaced by functions: torchrun prints its arguments as JSON; `python -m torch.distributed.run`
+# and `uv run ...` go to it; srun drops its own options and runs the rest (python pretrain_gpt.py prints).
+_SHIMS = r"""
+__print() {{ {py} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@"; }}
+torchrun() {{ __print "$@"; }}
+python() {{ case "$1 $2" in "-m torch.distributed.run"|"-m torch.distributed.launch") shift 2; __print "$@";;
+  *) if [[ "$1" == *.py ]]; then __print "$@"; else command python "$@"; fi;; esac; }}
+python3() {{ python "$@"; }}
+uv() {{ if [ "$1" = run ]; then shift; while [[ "$1" == -* ]]; do shift; done; "$@"; else command uv "$@"; fi; }}
+srun() {{ while [[ "$1" == -* ]]; do case "$1" in -[NnctpAJoe]) shift 2;; *) shift;; esac; done; "$@"; }}
+export -f __print torchrun python python3 uv srun
+"""
+
+
+def launch(path: str, script_args=()):
+    """(launcher words, training words): what the script (run with ``script_args``) passes to its launcher
+    before the ``*.py`` entry point, and to the entry point after it, as bash expands them. A script whose
+    launch is none of the replaced ones raises ValueError naming it."""
+    with tempfile.TemporaryDirectory() as scratch:
+        Path(scratch, "pretrain_gpt.py").touch()
+        shims = _SHIMS.format(py=sys.executable)
+        r = subprocess.run(["bash", "-c", f'{shims}\nsource "$0"', os.path.abspath(path), *script_args],
+                           cwd=scratch, capture_output=True, text=True, timeout=60)
+    for line in reversed(r.stdout.strip().splitlines()):
+        try:
+            words = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(words, list) and any(str(w).endswith(".py") for w in words):
+            i = next(i for i, w in enumerate(words) if w.endswith(".py"))
+            return words[:i], words[i + 1:]
+    raise ValueError(f"{path}: no training command was launched (torchrun, python -m torch.distributed.run, "
+                     f"uv run, srun or python *.py); exit {r.returncode}: "
+                     f"{(r.stderr.strip().splitlines() or [''])[-1]}")
 
 
 def expanded_argv(path: str, script_args=()):
-    """The words the script (run with ``script_args``) passes to its training entry point (after the
-    ``*.py`` argument), as bash expands them."""
-    with tempfile.TemporaryDirectory() as scratch:
-        Path(scratch, "pretrain_gpt.py").touch()
-        r = subprocess.run(["bash", "-c", f'{_PRINT_ARGS}; source "$0"', os.path.abspath(path), *script_args],
-                           cwd=scratch,
-                           capture_output=True, text=True, timeout=60)
-    words = json.loads(r.stdout.strip().splitlines()[-1])
-    return words[next(i for i, w in enumerate(words) if w.endswith(".py")) + 1:]
+    """The words the script passes to its training entry point (see :func:`launch`)."""
+    return launch(path, script_args)[1]
+
+
+def launcher_world_size(words) -> int:
+    """``--nproc-per-node`` x ``--nnodes`` of torchrun's words (``=`` or separate values, either
+    spelling); None where the launch names no process count."""
+    def get(name):
+        for i, w in enumerate(words):
+            key, _, val = w.partition("=")
+            if key.replace("_", "-") == name:
+                val = val or (words[i + 1] if i + 1 < len(words) else "")
+                return int(val.split(":")[-1]) if val.split(":")[-1].isdigit() else None
+        return None
+    nproc = get("--nproc-per-node")
+    return None if nproc is None else nproc * (get("--nnodes") or 1)
 
 
 def _value(argv, flag: str, default: int = 1) -> int:
     return int(argv[argv.index(flag) + 1]) if flag in argv else default
 
 
-def stops(argv):
-    """Each one-line error of the parser on ``argv`` (+ ``--input-embedding lev``), dropping the flag it
-    names and parsing again, until it parses or an error names no flag of ``argv``."""
+def stops(argv, world_size=None):
+    """Each one-line error of the parser on ``argv`` (+ ``--input-embedding lev``) at ``world_size``
+    ranks (default: TP x PP x CP), dropping the flag it names and parsing again, until it parses or an
+    error names no flag of ``argv``."""
     argv, out = list(argv) + ["--input-embedding", "lev"], []
-    world = (_value(argv, "--tensor-model-parallel-size") * _value(argv, "--pipeline-model-parallel-size")
-             * _value(argv, "--context-parallel-size"))
+    world = world_size or (_value(argv, "--tensor-model-parallel-size")
+                           * _value(argv, "--pipeline-model-parallel-size") * _value(argv, "--context-parallel-size"))
     while True:
         try:
             parse_args(argv, world_size=world)
@@ -111,7 +163,12 @@ def main(argv=None) -> int:
     if args.stops:
         for path in args.scripts:
             print(f"\n`{Path(path).name}` stops on:")
-            for msg in stops(expanded_argv(path, args.script_args)) or ["nothing: it parses"]:
+            try:
+                launcher, argv = launch(path, args.script_args)
+            except ValueError as e:
+                print(f"- cannot tell: {e}")
+                continue
+            for msg in stops(argv, launcher_world_size(launcher)) or ["nothing: it parses"]:
                 print(f"- {msg}")
     return 0
 
