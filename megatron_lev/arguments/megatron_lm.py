@@ -35,6 +35,12 @@ _INFERENCE = "the inference server and engine are not part of this fork; train h
 _MOE = ("this mixture-of-experts option is not implemented here; the MoE flags here are those of "
         "megatron_lev/arguments/moe.py (see --help)")
 
+_NCCL_UB = "NCCL user buffers are not used here; drop the flag"
+_TP_COMM = ("Transformer Engine's tensor-parallel communication overlap (userbuffers) is not wired here; drop the "
+            "flag (TP all-reduces run un-overlapped)")
+_GPT_OSS = ("this GPT-OSS architecture option (sliding-window attention, attention sinks, clamped/offset GLU) is "
+            "not implemented in the layer specs here; drop the flag")
+
 # Exact flags: the reason and the fix.
 REFUSED = {
     "--use-megatron-fsdp": _FSDP,
@@ -47,6 +53,18 @@ REFUSED = {
     "--checkpoint-activations": "deprecated in Megatron-LM; use --recompute-activations or --recompute-granularity",
     "--spec": "layer specs are chosen by --transformer-impl (transformer_engine or local)",
     "--multi-latent-attention": "multi-latent attention is not implemented here; drop the flag",
+    "--use-nccl-ub": _NCCL_UB,
+    "--tp-comm-overlap": _TP_COMM,
+    "--tp-comm-overlap-cfg": _TP_COMM,
+    "--enable-experimental": "megatron-core's experimental features are not enabled here; drop the flag",
+    # GPT-OSS's architecture: refused until the layer specs here honour it (accepting it would train
+    # another model than the one asked for)
+    "--window-size": _GPT_OSS,
+    "--window-attn-skip-freq": _GPT_OSS,
+    "--softmax-type": _GPT_OSS,
+    "--glu-linear-offset": _GPT_OSS,
+    "--activation-func-clamp-value": _GPT_OSS,
+    "--quick-geglu": _GPT_OSS,
 }
 
 # Families by prefix: the reason and the fix.
@@ -54,6 +72,11 @@ REFUSED_PREFIXES = {
     "--cuda-graph-": _CUDA_GRAPHS,
     "--moe-": _MOE,
     "--inference-": _INFERENCE,
+    "--fsdp-": _FSDP,
+    "--megatron-fsdp-": _FSDP,
+    "--tp-comm-": _TP_COMM,
+    "--disable-tp-comm-": _TP_COMM,
+    "--no-tp-comm-": _TP_COMM,
     "--fp4-": "FP4 training is not supported here; use --bf16 (or --fp8-format with Transformer Engine)",
 }
 

@@ -104,7 +104,8 @@ def test_no_position_embedding_is_taken_with_rope_only_as_in_megatron_lm():
                             "rope (got learned_absolute); use --position-embedding-type none")
 
 
-@pytest.mark.parametrize("flag", sorted(REFUSED) + ["--moe-expert-capacity-factor", "--cuda-graph-scope", "--inference-max-requests"])
+@pytest.mark.parametrize("flag", sorted(REFUSED) + ["--moe-expert-capacity-factor", "--cuda-graph-scope", "--inference-max-requests",
+                                  "--fsdp-double-buffer", "--megatron-fsdp-main-params-dtype", "--no-tp-comm-overlap-ag"])
 def test_refused_flags_are_named_in_one_line(flag):
     assert flag in VOCABULARY, flag
     with pytest.raises(ConfigError) as e:
