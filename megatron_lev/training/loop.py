@@ -895,6 +895,14 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
         "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
         "consumed_samples": state.consumed_train_samples, "global_batch_size": global_batch_size,
         **{name: values[-1] for name, values in interval.aux_losses.items()}})
+    if state.iteration % args.tensorboard_log_interval == 0:
+        # As Megatron-LM: this iteration's values every --tensorboard-log-interval iterations (TensorBoard
+        # and wandb); the interval's throughput with the log line below.
+        logger.scalars(state.iteration, {
+            "lm loss": loss, **{name: values[-1] for name, values in interval.aux_losses.items()},
+            "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm, "batch-size": global_batch_size,
+            "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
+        }, consumed_samples=state.consumed_train_samples)
     if state.iteration % args.log_interval != 0:
         return
     elapsed = max(time.time() - interval.start, 1e-9)
@@ -910,11 +918,7 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
         lr=lr, global_batch_size=global_batch_size, losses=losses,
         loss_scale=loss_scale, grad_norm=grad_norm, skipped=state.skipped_iterations,
         nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu))
-    logger.scalars(state.iteration, {
-        **losses, "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm,
-        "batch-size": global_batch_size, "tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
-        "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
-    }, consumed_samples=state.consumed_train_samples)
+    logger.scalars(state.iteration, {"tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops})
     interval.start, interval.iters, interval.samples, interval.flops, interval.losses = time.time(), 0, 0, 0.0, []
     interval.aux_losses = {}
 

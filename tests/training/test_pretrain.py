@@ -118,8 +118,8 @@ def two_rank_runs(corpus, tmp_path_factory):
                   "iter3": [(ck / "iter_0000003" / n).is_file() for n in ("metadata.json", "config.yaml")],
                   "iter6_config": (ck / "iter_0000006" / "config.yaml").exists()}
     plan = [
-        {"name": "tp2-ref", "argv": tp2 + ["--metrics-file", str(root / "ref.jsonl"),
-                                           "--tensorboard-dir", str(root / "tb")]},
+        {"name": "tp2-ref", "argv": tp2 + ["--metrics-file", str(root / "ref.jsonl"), "--log-interval", "5",
+                                           "--tensorboard-dir", str(root / "tb"), "--tensorboard-log-interval", "3"]},
         {"name": "tp2-resumed", "argv": tp2 + ["--save", str(ck), "--load", str(ck), "--save-interval", "3",
                                                "--metrics-file", str(root / "resumed.jsonl")]},
         {"name": "pp2-a", "argv": pp2 + ["--save", str(root / "pp2_ck"), "--save-interval", "4",
@@ -157,7 +157,16 @@ def test_tp2_loss_falls_resume_is_bit_exact_and_kill_during_save(two_rank_runs):
         assert field in " ".join(lines[0].split()).replace("| ", "| "), field
     assert ref.stdout.count("validation loss at iteration 4 |") == 1
     assert "lm loss PPL:" in ref.stdout
-    assert any(p.name.startswith("events.out.tfevents") for p in (root / "tb").iterdir())
+    # TensorBoard as Megatron-LM writes it: each --tensorboard-log-interval (3) iteration's own values, the
+    # throughput with each --log-interval (5) line
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(root / "tb")).Reload()
+    assert [e.step for e in tb.Scalars("lm loss")] == [3, 6, 9]
+    for e in tb.Scalars("lm loss"):
+        assert e.value == pytest.approx(a[e.step]["lm loss"], rel=1e-6), e
+    assert [e.step for e in tb.Scalars("grad-norm")] == [3, 6, 9]
+    assert [e.step for e in tb.Scalars("tokens-per-second")] == [5, 10]
 
     # A run that saves every 3 iterations and loses rank 1 (kill -9) in the middle of the save at 6.
     ck = root / "tp2_ck"
