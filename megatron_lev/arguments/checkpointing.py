@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from typing import Optional
+
 from megatron_lev.config_flags import NON_NEGATIVE_INT, POSITIVE_INT
+from megatron_lev.lev.config import ConfigError
 
 
 def add_checkpointing_flags(p) -> None:
@@ -25,3 +30,30 @@ def add_checkpointing_flags(p) -> None:
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="allow saving into a --save directory that holds another run's checkpoints "
                         "(without it, such a run is refused unless --load names the same directory)")
+
+
+def unwritable(path: str) -> Optional[str]:
+    """Why directory ``path`` cannot be written ("cannot write in DIR (reason)"), or None: a probe file is
+    written and removed in it or, when it does not exist yet, in the nearest folder above it."""
+    where = os.path.abspath(path)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    try:
+        if not os.path.isdir(where):
+            raise NotADirectoryError(20, f"{where} is a file")
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-test-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"cannot write in {where} ({e.strerror or e})"
+    return None
+
+
+def check_output_dirs(args) -> None:
+    """The directories a run writes into, checked before any work (else a read-only --save is found at the
+    first save, after the training it was to keep)."""
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir),
+                       ("--wandb-save-dir", args.wandb_save_dir), ("--data-cache-path", args.data_cache_path)):
+        why = unwritable(path) if path else None
+        if why:
+            raise ConfigError(f"{flag} {path}: {why}; choose a writable directory")

@@ -15,6 +15,7 @@ from megatron_lev.models.config import check_mtp_stage, check_parallel_settings
 from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, \
     vocab_size_refusal
 
+from .checkpointing import check_output_dirs
 from .megatron_lm import check_megatron_lm_flags
 from .model import check_model_flags
 from .moe import check_moe_flags
@@ -216,6 +217,7 @@ _CHECKS = (
     _check_data,
     _check_checkpointing,
     check_run,
+    check_output_dirs,  # last: file-system probes only for an otherwise valid run
 )
 
 

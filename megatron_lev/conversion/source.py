@@ -6,10 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
 from contextlib import contextmanager
 from typing import Optional
 
+from megatron_lev.arguments.checkpointing import unwritable
 from megatron_lev.checkpoint import TRACKER, CheckpointError, SavedCheckpoint
 from megatron_lev.checkpoint import open_checkpoint as _open_checkpoint
 from megatron_lev.distributed import RankFailure
@@ -32,18 +32,9 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
 def check_writable(save: str) -> None:
     """Refuse in one line, before any work, a ``save`` directory that cannot be written: a probe file is
     written and removed in it, or (when it does not exist yet) in the nearest folder above it."""
-    where = save
-    while not os.path.exists(where):
-        where = os.path.dirname(where)
-    try:
-        if not os.path.isdir(where):
-            raise NotADirectoryError(20, f"{where} is a file")
-        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-test-")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise ConversionError(f"--save {save}: cannot write in {where} ({e.strerror or e}); choose a writable "
-                              "directory") from None
+    why = unwritable(save)
+    if why:
+        raise ConversionError(f"--save {save}: {why}; choose a writable directory")
 
 
 def _no_space(error: BaseException) -> bool:
