@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,9 +33,9 @@ from megatron_lev.arguments import build_parser, parse_args  # noqa: E402
 from megatron_lev.arguments.megatron_lm import refusal  # noqa: E402
 from megatron_lev.lev.config import ConfigError  # noqa: E402
 
-# Launcher flags of torchrun, not of the training script.
-_LAUNCHER_NAMES = {"__nproc_per_node", "__nnodes", "__node_rank", "__master_addr", "__master_port", "__rdzv_id",
-                   "__rdzv_backend", "__rdzv_endpoint"}
+# Launcher flags of torchrun (either spelling, _ or -), not of the training script.
+_LAUNCHER = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-id",
+             "--rdzv-backend", "--rdzv-endpoint"}
 
 
 # nsys's own options on a line, up to the launcher or script they profile.
@@ -50,7 +51,7 @@ def script_flags(text: str):
     for line in text.splitlines():
         line = _NSYS.sub(" ", line.split("#", 1)[0])
         for flag in _FLAG.findall(line):
-            if flag not in seen and flag.replace("-", "_") not in _LAUNCHER_NAMES:
+            if flag not in seen and flag.replace("_", "-") not in _LAUNCHER:
                 seen.append(flag)
     return seen
 
@@ -104,7 +105,7 @@ def expanded_argv(path: str, script_args=()):
     return launch(path, script_args)[1]
 
 
-def launcher_world_size(words) -> int:
+def launcher_world_size(words) -> Optional[int]:
     """``--nproc-per-node`` x ``--nnodes`` of torchrun's words (``=`` or separate values, either
     spelling); None where the launch names no process count."""
     def get(name):
