@@ -31,7 +31,12 @@ def test_modules_tests_and_outcomes(tmp_path):
     slow = [r for r in rows if r.startswith("| 50.5 |") or r.startswith("| 30.0 |")]
     assert slow[:2] == ["| 50.5 | tests/training/test_pretrain.py::test_a |",
                         "| 30.0 | tests/models/test_gpt.py::test_c[tied] |"]
-    assert "test_d" not in text.split("slowest 2:")[1].split("a.xml")[0]  # 25 s is third: not listed
+    assert "::test_d" not in text  # 25 s is the third slowest: not listed
+    # A module only the second file has (fake-CUDA tests run on one stack only) is listed, 0 for the first.
+    other = tmp_path / "b.xml"
+    other.write_text(XML.replace("tests.models.test_gpt.TestShapes", "tests.models.test_fake_cuda"))
+    rows = sd.report([str(path), str(other)], top=0).splitlines()
+    assert "| tests/models/test_fake_cuda.py | 0.0 | 0.0% | 0 | 30.0 | 28.0% | 1 |" in rows
 
 
 def test_a_file_that_is_not_junit_is_one_line(tmp_path):
