@@ -49,13 +49,7 @@ def guard_process_tree() -> None:
 
 def ignore_stop_signals(*_) -> None:
     """Leave SIGTERM/SIGINT to the rank. Slurm (--signal, preemption) and a terminal signal every process
-    of the job: a rank's helper (the checkpoint writer's queue, a data-loader worker) killed by it would
+    of the job: a rank's helper (a data-loader worker) killed by it would
     break the checkpoint that the rank saves in answer. The helpers still end with their rank."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def rank_helper_init() -> None:
-    """Initializer of a rank's long-lived helper process: ignores stop signals, dies with the rank."""
-    ignore_stop_signals()
-    die_with_parent()

@@ -22,7 +22,6 @@ A leftover incomplete ``iter_*`` directory is removed before the same iteration 
 
 from __future__ import annotations
 
-import atexit
 import os
 import random
 import shutil
@@ -204,52 +203,22 @@ def _save_strategy():
     return strategy
 
 
-_WRITE_MANAGER = None
-
-
 def _install_write_queue() -> None:
-    """Start the result queue that dist_checkpointing's writer uses, in a process that dies with us.
+    """Give dist_checkpointing's writer an in-process result queue.
 
-    megatron-core creates it lazily with ``mp.get_context("spawn").Manager()``; that server process
-    outlives a rank killed by the launcher (e.g. after another rank failed) and keeps the job's
-    output pipes open. The same manager, started with an initializer that sets the parent-death
-    signal, goes away with the rank; it ignores SIGTERM, which the rank answers by saving through it.
+    Saves here are synchronous: the writer's results are put and got by this same process (its forked
+    writer processes report through queues of their own). megatron-core's default, a
+    ``mp.get_context("spawn").Manager()`` queue, starts a fresh interpreter per rank that imports torch
+    to unpickle the results (about 2 s of CPU a rank at the first save, more on a loaded node), may
+    re-run the launching script, outlives a rank killed by the launcher and can keep it from exiting.
+    A ``queue.Queue`` has the ``put``/``get_nowait`` the writer uses and none of that.
     """
-    global _WRITE_MANAGER
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    from megatron_lev._procutil import rank_helper_init
-
-    if getattr(fa, "_results_queue", None) is not None:
-        return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=rank_helper_init)
-    _WRITE_MANAGER = manager
-    fa._results_queue = manager.Queue()
-    # Registered after multiprocessing's own exit hook, so it runs first (atexit is last in, first out).
-    atexit.register(_stop_write_queue, manager)
-
-
-def _stop_write_queue(manager, wait_s: float = 30.0) -> None:
-    """Stop the result-queue server at exit, whatever the load.
-
-    multiprocessing's exit hook asks a manager to shut down, waits 1 s, sends SIGTERM (which this server
-    ignores) and then joins every child without a limit: on a loaded machine, a server slower than 1 s
-    to stop kept the rank from ever exiting. Here it gets ``wait_s`` seconds, then SIGKILL."""
-    process = getattr(manager, "_process", None)
-    if process is None or not process.is_alive():
-        return
-    try:
-        manager.shutdown()
-    except Exception:  # the server is already going away: the join below decides
-        pass
-    process.join(timeout=wait_s)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout=5.0)
+    if getattr(fa, "_results_queue", None) is None:
+        fa._results_queue = queue.Queue()
 
 
 def _stall_writers() -> None:

@@ -1,57 +1,57 @@
-"""The checkpoint writers' result-queue server cannot keep a rank from exiting (checkpoint.sharded).
+"""The checkpoint writers' result queue lives in the rank (checkpoint.sharded._install_write_queue).
 
-multiprocessing's own exit hook gives a manager 1 s, then SIGTERM (which this server ignores), then joins
-without a limit; ``_stop_write_queue`` ends a server that does not stop with SIGKILL."""
+Saves are synchronous, so the writer's results never leave the rank: megatron-core's default spawn-based
+manager queue would start an interpreter per rank (importing torch to unpickle the results), outlive a
+killed rank and could keep one from exiting."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import signal
-import time
+import queue
 
-from megatron_lev.checkpoint.sharded import _stop_write_queue
+import torch
 
-
-def _deaf_server(ready):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ready.set()
-    while True:
-        time.sleep(1)
+from megatron_lev.testing import run_distributed
 
 
-class _DeafManager:
-    """A manager whose shutdown request is not answered (a server too slow, or stuck)."""
+def test_the_queue_is_installed_in_process_once(monkeypatch):
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.ready = ctx.Event()
-        self._process = ctx.Process(target=_deaf_server, args=(self.ready,))
-        self._process.start()
-        self.shutdown_calls = 0
+    from megatron_lev.checkpoint.sharded import _install_write_queue
 
-    def shutdown(self):
-        self.shutdown_calls += 1
-        self._process.terminate()  # what multiprocessing's own finaliser ends with
-
-
-def test_a_server_that_does_not_stop_is_killed():
-    manager = _DeafManager()
-    try:
-        assert manager.ready.wait(60)  # the child ignores SIGTERM from here on
-        _stop_write_queue(manager, wait_s=1.0)
-        assert manager.shutdown_calls == 1
-        assert not manager._process.is_alive()
-        assert manager._process.exitcode == -signal.SIGKILL
-    finally:
-        if manager._process.is_alive():
-            manager._process.kill()
+    monkeypatch.setattr(fa, "_results_queue", None)
+    before = set(mp.active_children())
+    _install_write_queue()
+    installed = fa._results_queue
+    assert isinstance(installed, queue.Queue)
+    _install_write_queue()
+    assert fa._results_queue is installed, "a second save must keep the queue (results of a save in flight)"
+    assert set(mp.active_children()) == before, "installing the queue must start no process"
 
 
-def test_a_real_write_queue_server_stops_at_once():
-    from multiprocessing.managers import SyncManager
+def _save_and_reload(ckpt_dir: str):
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing import ShardedTensor
 
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start()
-    manager.Queue().put(1)
-    _stop_write_queue(manager, wait_s=30.0)
-    assert manager._process.exitcode == 0
+    from megatron_lev.checkpoint.sharded import _install_write_queue, _save_strategy
+
+    rank = parallel_state.get_data_parallel_rank()
+    world = parallel_state.get_data_parallel_world_size()
+    local = torch.arange(6.0).reshape(2, 3) + 10 * rank
+
+    def state(t):
+        return {"w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world), replica_id=0)}
+
+    _install_write_queue()
+    dist_checkpointing.save(state(local), ckpt_dir, sharded_strategy=_save_strategy())
+    lingering = [p.name for p in mp.active_children()]
+    loaded = dist_checkpointing.load(state(torch.zeros(2, 3)), ckpt_dir)["w"]
+    return lingering, torch.equal(loaded, local)
+
+
+def test_a_sharded_save_leaves_no_process_behind_and_reloads(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    results = run_distributed(_save_and_reload, world_size=2, args=(str(tmp_path / "ckpt"),))
+    for rank, (lingering, equal) in enumerate(results):
+        assert lingering == [], f"rank {rank}: processes left after the save: {lingering}"
+        assert equal, f"rank {rank}: the reloaded shard differs from the saved one"
