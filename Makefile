@@ -59,9 +59,9 @@ $(STAMP_CUDA): pyproject.toml
 test-next: $(STAMP_NEXT)
 	$(PY_NEXT) -m pytest -q -p no:cacheprovider $(PYTEST_FLAGS)
 
-# The suite on the newer stack in a shuffled order, on pooled ranks (not yet part of CI).
+# The suite on the newer stack in a shuffled order (not yet part of CI).
 test-shuffled: $(STAMP_NEXT)
-	MEGATRON_LEV_RANK_POOL=1 $(PY_NEXT) -m pytest -q -p no:cacheprovider --random-order-bucket=module \
+	$(PY_NEXT) -m pytest -q -p no:cacheprovider --random-order-bucket=module \
 	  --random-order-seed=$(SHUFFLE_SEED) $(PYTEST_FLAGS)
 
 $(STAMP_NEXT): pyproject.toml

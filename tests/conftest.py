@@ -40,6 +40,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite's distributed checks run on reused gloo worlds (megatron_lev.testing.pool): a fresh world costs
+# every rank the imports of torch and megatron-core. MEGATRON_LEV_RANK_POOL=0 starts ranks per check.
+os.environ.setdefault("MEGATRON_LEV_RANK_POOL", "1")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MEGATRON_LEV_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 CACHE = Path(os.environ.get("MEGATRON_LEV_TEST_CACHE", REPO_ROOT / ".cache"))
