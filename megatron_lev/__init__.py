@@ -3,5 +3,7 @@
 __version__ = "0.1.0"
 
 from megatron_lev.compat.versions import quiet_cuda_runtime_notice as _quiet_cuda_runtime_notice
+from megatron_lev.compat.versions import quiet_fallback_warnings as _quiet_fallback_warnings
 
 _quiet_cuda_runtime_notice()  # before megatron-core is imported (see compat/versions.py)
+_quiet_fallback_warnings()

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import importlib.util
 import logging
 import os
+import warnings
 from typing import Iterator, List, Optional
 
 from packaging.version import Version
@@ -86,6 +88,28 @@ def quiet_cuda_runtime_notice() -> None:
     ahead of everything else a command prints (its one-line errors included). Logging only: no torch import."""
     logging.getLogger("torch.utils.cpp_extension").addFilter(
         lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
+
+
+# megatron-core's import-time notices that it runs its torch fallbacks (optimizers, grad clipping,
+# multi-tensor ops, norms) without Transformer Engine and Apex; the wording is the same in 0.16 and 0.19.
+_FALLBACK_WARNINGS = r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back"
+
+
+def quiet_fallback_warnings() -> None:
+    """Drop megatron-core's TE/Apex fallback ``UserWarning``s (six blocks, twelve lines, on every start, even
+    ``--help``). On CPU the fallbacks are the design; on CUDA training says it once (``fallback_notice``).
+    Only these messages: megatron-core's other warnings still show. No torch import."""
+    warnings.filterwarnings("ignore", message=_FALLBACK_WARNINGS, category=UserWarning)
+
+
+def fallback_notice() -> Optional[str]:
+    """The one line a CUDA training start prints when neither Transformer Engine nor Apex is installed, else
+    None (asked only on CUDA: on CPU the torch fallbacks are the design)."""
+    if importlib.util.find_spec("transformer_engine") is not None or importlib.util.find_spec("apex") is not None:
+        return None
+    return ("note: Transformer Engine and Apex are not installed: megatron-core uses its torch fallbacks (Adam, "
+            "grad clipping, multi-tensor ops, norms), slower on GPU, and FP8 is unavailable; "
+            "pip install transformer-engine[pytorch] for the fused kernels")
 
 
 def quiet_repeated_warnings() -> None:

@@ -686,6 +686,12 @@ def _start(args, config, model_config) -> _Run:
                             "which needs CUDA; add --use-pytorch-profiler for a torch.profiler trace")
     logging_level = _set_logging_level(args)
     logger = TrainingLogger(args)
+    if torch.cuda.is_available():
+        from megatron_lev.compat.versions import fallback_notice
+
+        notice = fallback_notice()
+        if notice is not None:
+            logger.log(notice)
     cfg = resolved_config(args)
     if not args.quiet_config:
         logger.log(format_config(cfg))

@@ -94,3 +94,33 @@ def test_checkpoint_writer_errors_are_recorded_where_the_save_drops_them(tmp_pat
             assert Writer.__dict__["write_preloaded_data"] is before
             assert errors == []
     assert Writer.__dict__["write_preloaded_data"] is before
+
+
+def test_te_apex_fallback_warnings_are_dropped_and_others_kept(monkeypatch):
+    """megatron-core's six import-time TE/Apex fallback warnings stay out of every start (here: --help with
+    Python's default warning filters); other warnings still show; a CUDA start says it in one line."""
+    import subprocess
+    import sys
+    import warnings
+    from pathlib import Path
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONWARNINGS"}
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(repo / "pretrain_lev.py"), "--help"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0 and "--input-embedding" in r.stdout, r.stderr[-2000:]
+    assert "not installed. Falling back" not in r.stderr, r.stderr
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        versions.quiet_fallback_warnings()
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+        warnings.warn("a megatron-core warning users can act on (test_versions)", UserWarning)
+    assert [str(w.message) for w in seen] == ["a megatron-core warning users can act on (test_versions)"]
+
+    found = {"transformer_engine": None, "apex": None}
+    monkeypatch.setattr(versions.importlib.util, "find_spec", lambda name: found.get(name))
+    notice = versions.fallback_notice()
+    assert notice.startswith("note: Transformer Engine and Apex are not installed") and "\n" not in notice
+    found["apex"] = object()
+    assert versions.fallback_notice() is None
