@@ -17,7 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_lev.training import pretrain  # noqa: E402
-
-if __name__ == "__main__":  # the guard matters: dist_checkpointing starts spawn-based helpers
+if __name__ == "__main__":  # imported inside: a spawned helper re-runs this file without the heavy imports
+    try:
+        from megatron_lev.training import pretrain
+    except KeyboardInterrupt:  # torch and megatron-core take seconds to import
+        print("error: interrupted (Ctrl-C) during start-up; nothing was written", file=sys.stderr)
+        sys.exit(130)
     sys.exit(pretrain(sys.argv[1:]))

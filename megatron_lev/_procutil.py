@@ -1,4 +1,5 @@
-"""Helpers for child processes (kept free of heavy imports: spawned children import this module)."""
+"""Helpers for child processes and for stopping a command (kept free of heavy imports: spawned children
+import this module)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 
 _PRCTL = None
 PR_SET_PDEATHSIG = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
 
 
 def _prctl():
@@ -53,3 +55,18 @@ def ignore_stop_signals(*_) -> None:
     break the checkpoint that the rank saves in answer. The helpers still end with their rank."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def ignore_interrupt() -> None:
+    """Initializer of a command's worker processes: Ctrl-C (SIGINT to the whole foreground process group)
+    is left to the parent, which stops the workers; SIGTERM still ends them (``Pool.terminate``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def interrupted(line: str, *, show: bool = True) -> int:
+    """Report a Ctrl-C in one line (``error: line`` on stderr, where ``show``) and return the exit code 130."""
+    import sys
+
+    if show:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED

@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore")
+    from megatron_lev._procutil import interrupted
     from megatron_lev.conversion import ConversionError, export_hf, export_lev, import_hf, reshard_checkpoint, to_lev
+    from megatron_lev.conversion.source import ConversionInterrupted
     from megatron_lev.conversion.dense_to_lev import FitConfig
 
     progress = not a.quiet
@@ -124,9 +126,14 @@ def main(argv=None) -> int:
                             device=a.device, progress=progress)
             to_lev(a.load, a.save, lev=lev, token_counts=a.token_counts, fit=fit, iteration=a.iteration,
                    report_file=a.report, progress=progress)
+    except ConversionInterrupted as err:
+        return interrupted(str(err))
     except ConversionError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # before anything was written (the writes above say what they left)
+        return interrupted(f"{a.command}: interrupted (Ctrl-C) before its output was written; nothing was "
+                           f"written to --save {a.save}")
     return 0
 
 

@@ -12,7 +12,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lev.evaluation.cli import main  # noqa: E402
-
 if __name__ == "__main__":
+    try:
+        from megatron_lev.evaluation.cli import main
+    except KeyboardInterrupt:  # torch and megatron-core take seconds to import
+        print("error: interrupted (Ctrl-C) during start-up; nothing was written", file=sys.stderr)
+        sys.exit(130)
     sys.exit(main())

@@ -9,10 +9,10 @@ truncated/corrupt input file (unless --allow-truncated-input), or no document at
 import argparse
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lev._procutil import interrupted  # noqa: E402
 from megatron_lev.data.preprocessing import BadInputError, EmptyOutputError, OutputWriteError, PreprocessConfig, \
     PreprocessError, preprocess  # noqa: E402
 from megatron_lev.tokenizer import TokenizerSpec  # noqa: E402
@@ -64,8 +64,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    # megatron-core's import notes that fused kernels are missing; the indexed-dataset writer needs none.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
     cfg = PreprocessConfig(
         **vars(TokenizerSpec.from_args(a)),
         inputs=a.input, output_prefix=a.output_prefix, json_keys=a.json_keys,
@@ -85,6 +83,9 @@ def main(argv=None) -> int:
     except PreprocessError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return interrupted(f"interrupted (Ctrl-C); nothing was written to --output-prefix {a.output_prefix} "
+                           "(its partial files were removed)")
     print(stats.summary(), file=sys.stderr)
     for path in stats.outputs:
         print(f"wrote {path}", file=sys.stderr)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .hf import OUTPUT, head_layout, mapped_names, megatron_tensors
-from .source import ConversionError, save_target
+from .source import ConversionError, disk_full_is_one_line, save_target
 
 # Tensors some Llama checkpoints carry that are derived from config.json (not parameters).
 IGNORED = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),)
@@ -318,16 +318,25 @@ def import_hf(hf_model: str, save: str, *, tp: int = 1, pp: int = 1, seq_length:
               progress: bool = True) -> str:
     """Convert the ``LlamaForCausalLM`` directory ``hf_model`` into a megatron-lev checkpoint root ``save``
     at TP=``tp`` x PP=``pp``; return the ``iter_0000000`` directory."""
-    from .launch import run_ranks
-    from .model_io import layout_args
-    from .reshard import reshard_checkpoint
-
     log = print if progress else (lambda m: None)
     model = read_hf_model(hf_model)
     save = save_target(save)
     if int(model.config["num_hidden_layers"]) % pp:
         raise ConversionError(f"--pipeline-model-parallel-size {pp} does not divide the model's "
                               f"{model.config['num_hidden_layers']} layers")
+    with disk_full_is_one_line(save, "the imported checkpoint"):
+        _write_import(model, save, tp, pp, seq_length, make_vocab_size_divisible_by, dtype, tokenizer, progress, log)
+    out = os.path.join(save, "iter_0000000")
+    log(f"done: {out}. Continue with pretrain_lev.py --config {out}/config.yaml --load {save} "
+        "--lr ... --train-iters ... --data-path ...")
+    return out
+
+
+def _write_import(model, save, tp, pp, seq_length, make_vocab_size_divisible_by, dtype, tokenizer, progress, log):
+    from .launch import run_ranks
+    from .model_io import layout_args
+    from .reshard import reshard_checkpoint
+
     os.makedirs(save, exist_ok=True)
     a = import_args(model, save, tp=tp, pp=pp, seq_length=seq_length,
                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype, tokenizer=tokenizer,
@@ -345,7 +354,3 @@ def import_hf(hf_model: str, save: str, *, tp: int = 1, pp: int = 1, seq_length:
     if not direct:
         reshard_checkpoint(first, save, tp=tp, pp=pp, progress=progress)
         shutil.rmtree(first)
-    out = os.path.join(save, "iter_0000000")
-    log(f"done: {out}. Continue with pretrain_lev.py --config {out}/config.yaml --load {save} "
-        "--lr ... --train-iters ... --data-path ...")
-    return out

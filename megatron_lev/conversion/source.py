@@ -21,6 +21,10 @@ class ConversionError(RuntimeError):
     """A checkpoint cannot be converted (missing, incomplete, inconsistent, unsupported); one line."""
 
 
+class ConversionInterrupted(ConversionError):
+    """Ctrl-C while a conversion wrote its output; one line saying what became of the partial output."""
+
+
 def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: bool = True) -> SavedCheckpoint:
     """Locate and check the checkpoint at ``path`` (a root with a tracker file, or an ``iter_*`` dir)."""
     try:
@@ -48,12 +52,18 @@ def disk_full_is_one_line(save: str, what: str, again: str = "run again"):
     """A full disk while writing ``what`` into ``save`` (here or on a conversion rank) becomes one
     :class:`ConversionError` line naming ``--save``, the free space and what became of the partial
     output: what the block added to ``save`` is removed (named where it cannot be), so that ``again``
-    (how to rerun) finds the folder as it was."""
+    (how to rerun) finds the folder as it was. Ctrl-C removes it alike (:class:`ConversionInterrupted`)."""
     before = set(os.listdir(save)) if os.path.isdir(save) else None
     try:
         yield
+    except ConversionInterrupted:  # in a nested block (import-hf's reshard): what this block added goes too
+        _remove_new(save, before)
+        raise
     except ConversionError:
         raise
+    except KeyboardInterrupt:
+        raise ConversionInterrupted(f"--save {save}: interrupted (Ctrl-C) while writing {what}; "
+                                    f"{_remove_new(save, before)}") from None
     except (OSError, RankFailure) as e:
         if not _no_space(e):
             raise

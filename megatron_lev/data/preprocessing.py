@@ -174,6 +174,9 @@ def _init_state(spec: TokenizerSpec, opts: Dict[str, Any], tokenizer=None) -> No
 
 
 def _worker_init(spec: TokenizerSpec, opts: Dict[str, Any]) -> None:
+    from megatron_lev._procutil import ignore_interrupt
+
+    ignore_interrupt()  # Ctrl-C: this process stops the pool and removes the partial output (one line)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     _init_state(spec, opts)

@@ -76,7 +76,12 @@ def run_task(fn, args, kwargs, layout, seed, collective_timeout, passthrough, in
 
 
 def start_rank(rank: int, world: int, quiet: bool, hide_cuda: bool) -> None:
-    """What every local rank does first: its launcher variables, warnings, devices and threads."""
+    """What every local rank does first: its launcher variables, Ctrl-C, warnings, devices and threads."""
+    from megatron_lev._procutil import ignore_interrupt
+
+    # Ctrl-C signals the terminal's whole process group: the process that started the ranks stops them
+    # (its wait for their reports is interrupted) and reports it in one line; the ranks print nothing.
+    ignore_interrupt()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if quiet:  # megatron-core's notes on missing fused kernels, deprecations
         import warnings

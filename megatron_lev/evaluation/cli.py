@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_lev._procutil import interrupted
 from megatron_lev.data.datasets import check_dataset_token_ids
 from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
@@ -377,6 +378,9 @@ def _evaluate(args, command: str) -> int:
         return 0
     except (UsageError, EvalSetupError, DataFormatError, ValueError, FileNotFoundError) as e:
         return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    except KeyboardInterrupt:
+        return interrupted(f"interrupted (Ctrl-C); --output-dir {args.output_dir}: each file of this run there is "
+                           "whole or absent (results.json and results.md are written at the end)", show=os.environ.get("RANK", "0") == "0")
     finally:
         if dist_setup is not None:
             destroy_distributed(dist_setup)

@@ -73,6 +73,9 @@ def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1
     a.update(sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None,
              recompute_method=None, recompute_num_layers=None, micro_batch_size=micro_batch_size,
              global_batch_size=micro_batch_size * a["data_parallel_size"], num_microbatches=1)
+    # Evaluation scores the main head: the multi-token-prediction block is built only for its training
+    # loss (megatron-core's forward needs labels for it); its saved weights are left unread.
+    a["mtp_num_layers"] = None
     return a
 
 
@@ -88,6 +91,9 @@ def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 
 
     cfg, iteration, path = checkpoint_config(load_dir)
     args = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
+    if cfg.get("mtp_num_layers") and log is not None:
+        log(f"  {path}: trained with --mtp-num-layers {cfg['mtp_num_layers']}; the main head is scored "
+            f"(the MTP block is not loaded)")
     try:
         config, model_config = build_configs(args, for_loading=True)
     except ConfigError as e:

@@ -216,7 +216,10 @@ class PerplexityResult:
                 "seq_length": self.seq_length, "stride": self.stride}
 
     def save_per_token(self, path: str) -> None:
-        np.savez_compressed(path, nll_by_id=self.nll_by_id, count_by_id=self.count_by_id)
+        from .report import atomic_path
+
+        with atomic_path(path) as tmp:  # ends in .npz: numpy keeps the name
+            np.savez_compressed(tmp, nll_by_id=self.nll_by_id, count_by_id=self.count_by_id)
 
 
 def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], *, eod: int, name: str = "ppl",

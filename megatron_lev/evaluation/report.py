@@ -15,10 +15,11 @@ reference), plus the change of the overall PPL and the accuracy differences on t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -48,13 +49,33 @@ def _table(header: Sequence[str], rows: List[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """A temporary name beside ``path`` (same extension) to write to: renamed to ``path`` when the block
+    ends, removed when it fails or is interrupted (a full disk, Ctrl-C), so that a result file is whole or
+    absent, never truncated."""
+    head, base = os.path.split(os.path.abspath(path))
+    stem, ext = os.path.splitext(base)
+    tmp = os.path.join(head, f".{stem}.partial{ext}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def write_json(results: Dict[str, Any], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, sort_keys=False, default=_json_default)
         f.write("\n")
-    os.replace(tmp, path)
+
+
+def _save_figure(fig, path: str) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def _json_default(o):
@@ -150,7 +171,7 @@ def plot_results(results: Dict[str, Any], out_dir: str, prefix: str = "") -> Lis
         ax.legend()
         fig.tight_layout()
         p = os.path.join(out_dir, f"{prefix}freq_ppl.png")
-        fig.savefig(p, dpi=120)
+        _save_figure(fig, p)
         plt.close(fig)
         paths.append(p)
     tasks = results.get("tasks") or {}
@@ -170,7 +191,7 @@ def plot_results(results: Dict[str, Any], out_dir: str, prefix: str = "") -> Lis
         ax.legend()
         fig.tight_layout()
         p = os.path.join(out_dir, f"{prefix}tasks.png")
-        fig.savefig(p, dpi=120)
+        _save_figure(fig, p)
         plt.close(fig)
         paths.append(p)
     return paths
@@ -183,7 +204,7 @@ def _write_files(data: Dict[str, Any], out_dir: str, name: str, markdown: str, p
     write_json(data, paths["json"])
     if pngs:
         markdown += "\n" + "\n".join(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in pngs) + "\n"
-    with open(paths["markdown"], "w", encoding="utf-8") as f:
+    with atomic_path(paths["markdown"]) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(markdown)
     for p in pngs:
         paths[os.path.splitext(os.path.basename(p))[0]] = p
@@ -307,7 +328,7 @@ def plot_comparison(cmp: Dict[str, Any], out_dir: str) -> List[str]:
         fig.tight_layout()
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
         p = os.path.join(out_dir, f"compare_{safe}.png")
-        fig.savefig(p, dpi=120)
+        _save_figure(fig, p)
         plt.close(fig)
         paths.append(p)
     return paths

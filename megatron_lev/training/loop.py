@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_lev import checkpoint
+from megatron_lev._procutil import EXIT_INTERRUPTED
 from megatron_lev.arguments import format_config, parse_args, resolved_config
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
@@ -55,7 +56,6 @@ from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
 EXIT_SAVE_FAILED = 4
-EXIT_INTERRUPTED = 130
 EXIT_RANK_LOST = 5
 EXIT_TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a process that SIGTERM ended
 
@@ -516,11 +516,19 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
     except (_StartupError, DistributedConfigError) as e:
         report_error(str(e), show=rank_env == 0)
         return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        report_error("interrupted (Ctrl-C) during start-up, before the model was built; nothing was written",
+                     show=rank_env == 0)
+        return EXIT_INTERRUPTED
     try:
         return _run(args, tokenizer, config, model_config)
     except _StartupError as e:
         report_error(str(e), show=rank_is0())
         return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:  # in _run's start-up (model, checkpoint load, data): the loop reports its own
+        report_error(f"interrupted (Ctrl-C) during start-up, before training started; {_last_checkpoint(args)[1]}",
+                     show=rank_is0())
+        return EXIT_INTERRUPTED
     except checkpoint.CheckpointSaveError as e:
         report_error(str(e), show=rank_is0())
         torch.distributed.barrier()  # no rank exits (and gets the others killed) before the line is out

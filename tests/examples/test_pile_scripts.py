@@ -307,8 +307,8 @@ def test_sbatch_sigterm_saves_requeues_and_the_requeued_job_resumes(slurm_run):
     assert len(stops) == 1, s["log1"][-6000:]
     k = int(stops[0].split()[-1])
     assert 4 <= k < TRAIN_ITERS
-    # Two torchrun agents, two ranks, and each rank's checkpoint writer queue and data-loader worker.
-    assert s["signalled"] >= 8, s["signalled"]
+    # Two torchrun agents, two ranks and each rank's data-loader worker (saves start no writer process).
+    assert s["signalled"] >= 6, s["signalled"]
     assert f"successfully saved checkpoint from iteration {k:7d}" in s["log1"]
     assert "forcefully exiting" not in s["log1"]  # no rank was killed: all saved and exited
     assert f"stopped at iteration {k} of {TRAIN_ITERS}" in s["log1"] and "requeueing job 4242" in s["log1"]

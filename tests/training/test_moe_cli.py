@@ -1,8 +1,8 @@
 """A LEV mixture-of-experts model from the command line, with the flags of Megatron-LM's Mixtral script,
 on 4 gloo ranks in one torchrun launch: TP=2 x EP=2 and PP=2 (MoE layers on both stages) equal the
 TP=1/EP=1 run of the same model and global batch in losses and gradient norms; a run stopped at
-iteration 2 and resumed at EP=2 is bit-exact; MTP logs its loss; the load-balancing loss is in the
-metrics file and on the log line."""
+iteration 2 and resumed at EP=2 is bit-exact; MTP logs its loss and its checkpoint evaluates (main head);
+the load-balancing loss is in the metrics file and on the log line."""
 
 from __future__ import annotations
 
@@ -77,11 +77,25 @@ def runs(tmp_path_factory):
     plan.append({"name": "ep1-load", "argv": resume + LEV + ["--tensor-model-parallel-size", "2",
                  "--sequence-parallel", "--load", ck, "--train-iters", "4"]})
     plan.append({"name": "mtp", "argv": MIXTRAL + LEV + LAYOUTS["tp2-ep2"] + [
-        "--mtp-num-layers", "1", "--train-iters", "2", "--metrics-file", str(tmp / "mtp.jsonl")]})
+        "--mtp-num-layers", "1", "--train-iters", "2", "--metrics-file", str(tmp / "mtp.jsonl"),
+        "--save", str(tmp / "mtp-ck")]})
+    # Evaluation of the MTP checkpoint in the same job (TP=2 x DP=2, experts unsplit as evaluation builds them).
+    plan.append({"name": "mtp-eval", "call": "tests.training.test_moe_cli:score_checkpoint", "tp": 2, "pp": 1,
+                 "args": [str(tmp / "mtp-ck")]})
     res = launch_plan(4, plan, tmp, timeout=1800)
     assert all(r.code == 0 for n, r in res.items() if n != "ep1-load"), {
         n: (r.code, r.stdout[-2000:]) for n, r in res.items()}
     return tmp, res
+
+
+def score_checkpoint(path: str):
+    """(log lines, per-token log-probabilities of two sequences) of the checkpoint ``path``, on this rank."""
+    from megatron_lev.evaluation.megatron_scorer import MegatronScorer
+
+    lines = []
+    scorer, _, _ = MegatronScorer.from_checkpoint(path, tp=2, pp=1, micro_batch_size=1, log=lines.append)
+    scores = scorer.score([list(range(3, 20)), list(range(40, 70, 2))])
+    return lines, [np.asarray(s.logprobs).tolist() for s in scores]
 
 
 @pytest.mark.parametrize("layout", ["tp2-ep2", "pp2"])
@@ -117,6 +131,12 @@ def test_aux_and_mtp_losses_are_logged(runs):
     # Cross-entropy of the token after next on random tokens: near ln(vocab) like the LM loss.
     assert all(abs(mtp[i]["mtp_1 loss"] - mtp[i]["lm loss"]) < 1.0 for i in mtp)
     assert any("mtp_1 loss:" in ln for ln in res["mtp"].stdout.splitlines())
+    # Its checkpoint evaluates: the main head is scored, and the log says the MTP block is not.
+    assert res["mtp-eval"].code == 0, res["mtp-eval"].job_stderr[-3000:]
+    lines, logprobs = res["mtp-eval"].results[0]
+    assert any("--mtp-num-layers 1; the main head is scored" in ln for ln in lines), lines
+    assert [len(lp) for lp in logprobs] == [16, 14]
+    assert all(np.isfinite(lp).all() and (np.asarray(lp) < 0).all() for lp in logprobs)
 
 
 def test_optimizer_state_of_another_ep_is_refused(runs):
