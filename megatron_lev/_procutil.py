@@ -1,10 +1,12 @@
-"""Helpers for child processes and for stopping a command (kept free of heavy imports: spawned children
-import this module)."""
+"""Helpers for child processes, for stopping a command and for checking where it writes (kept free of heavy
+imports: spawned children import this module)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
+from typing import Optional
 
 _PRCTL = None
 PR_SET_PDEATHSIG = 1
@@ -70,3 +72,20 @@ def interrupted(line: str, *, show: bool = True) -> int:
     if show:
         print(f"error: {line}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
+
+
+def unwritable(path: str) -> Optional[str]:
+    """Why directory ``path`` cannot be written ("cannot write in DIR (reason)"), or None: a probe file is
+    written and removed in it or, when it does not exist yet, in the nearest folder above it."""
+    where = os.path.abspath(path)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    try:
+        if not os.path.isdir(where):
+            raise NotADirectoryError(20, f"{where} is a file")
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-test-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"cannot write in {where} ({e.strerror or e})"
+    return None

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-from typing import Optional
-
+from megatron_lev._procutil import unwritable
 from megatron_lev.config_flags import NON_NEGATIVE_INT, POSITIVE_INT
 from megatron_lev.lev.config import ConfigError
 
@@ -27,26 +24,13 @@ def add_checkpointing_flags(p) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-step", type=NON_NEGATIVE_INT, default=None,
                    help="load iter_N of --load instead of the one latest_checkpointed_iteration.txt names")
+    g.add_argument("--no-ckpt-checksums", action="store_true",
+                   help="saves record no checksums.json and --load checks files by size only (by default every "
+                        "save records each file's CRC32 and every load verifies them, reading the checkpoint once "
+                        "more, spread over the ranks)")
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="allow saving into a --save directory that holds another run's checkpoints "
                         "(without it, such a run is refused unless --load names the same directory)")
-
-
-def unwritable(path: str) -> Optional[str]:
-    """Why directory ``path`` cannot be written ("cannot write in DIR (reason)"), or None: a probe file is
-    written and removed in it or, when it does not exist yet, in the nearest folder above it."""
-    where = os.path.abspath(path)
-    while not os.path.exists(where):
-        where = os.path.dirname(where)
-    try:
-        if not os.path.isdir(where):
-            raise NotADirectoryError(20, f"{where} is a file")
-        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-test-")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        return f"cannot write in {where} ({e.strerror or e})"
-    return None
 
 
 def check_output_dirs(args) -> None:

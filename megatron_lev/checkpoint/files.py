@@ -258,11 +258,55 @@ def damaged_checkpoint_message(root: str, iteration: int, path: str, file: str, 
     return f"{file}: {what}; checkpoint {path} cannot be loaded (nothing was loaded); {way}"
 
 
+# Checksum verdicts of this process, by directory and the (name, size, mtime) of its files: evaluation
+# opens a checkpoint more than once, and reading it whole each time would be wasted.
+_VERIFIED: Dict[Tuple, Optional[Tuple[str, str]]] = {}
+
+
+def _listing_key(path: str) -> Tuple:
+    with os.scandir(path) as entries:
+        stats = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+    return (os.path.abspath(path), tuple(stats))
+
+
+def checksum_damage(path: str, warn: Callable[[str], None]) -> Optional[Tuple[str, str]]:
+    """(file, what is wrong) for the first file of ``path`` that differs from its ``checksums.json``
+    (every file read in this process), else None; no manifest: one ``warn`` line, None."""
+    from . import checksums
+
+    manifest_file = os.path.join(path, checksums.MANIFEST)
+    key = _listing_key(path)
+    if not os.path.isfile(manifest_file):
+        if key not in _VERIFIED:  # one warning a checkpoint, however often it is opened
+            _VERIFIED[key] = None
+            warn(checksums.no_manifest_warning(path))
+        return None
+    if key not in _VERIFIED:
+        try:
+            manifest = checksums.read_manifest(path)
+        except checksums.ManifestError as e:
+            return manifest_file, str(e)
+        found = checksums.first_damage(path, manifest or {})
+        _VERIFIED[key] = None if found is None else checksums.describe(path, manifest, *found)
+    return _VERIFIED[key]
+
+
+def _warn_once_per_job(line: str) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
 def check_intact(root: str, iteration: int, path: str,
-                 older_hint: Callable[[int, str], str] = iteration_hint) -> None:
+                 older_hint: Callable[[int, str], str] = iteration_hint, *, checksums: bool = True,
+                 warn: Callable[[str], None] = _warn_once_per_job) -> None:
     """Raise :class:`CheckpointError` (one line, :func:`damaged_checkpoint_message`) when a file of
-    ``path`` is damaged."""
+    ``path`` is damaged: missing or short (:func:`find_damage`), or, with ``checksums``, changed since
+    the save (:func:`checksum_damage`, which reads the whole checkpoint once in this process)."""
     damage = find_damage(path)
+    if damage is None and checksums:
+        damage = checksum_damage(path, warn)
     if damage is not None:
         raise CheckpointError(damaged_checkpoint_message(root, iteration, path, *damage, older_hint=older_hint))
 
@@ -319,8 +363,8 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
                     older_hint: Callable[[int, str], str] = iteration_hint) -> SavedCheckpoint:
     """Locate and check the checkpoint at ``path`` (a root with a tracker file, or an ``iter_*`` dir).
 
-    With ``read_common`` its files are checked first (:func:`check_intact`); a damaged one names the
-    newest complete older checkpoint with ``older_hint(iteration, directory)``, the way to load it."""
+    With ``read_common`` its files are checked first (:func:`check_intact`: sizes and checksums); a
+    damaged one names the newest complete older checkpoint with ``older_hint(iteration, directory)``, the way to load it."""
     root, it, iter_path = _locate(path, iteration, older_hint)
     for name in ("metadata.json", CONFIG_NAME):  # the save's last files: without them it did not complete
         if not os.path.isfile(os.path.join(iter_path, name)):

@@ -5,6 +5,7 @@ Layout (Megatron-LM's)::
     SAVE_DIR/latest_checkpointed_iteration.txt     "N": the newest *complete* checkpoint
     SAVE_DIR/iter_000000N/                         dist_checkpointing directory
         metadata.json, common.pt, .metadata, __*.distcp   (written by every rank)
+        checksums.json                              size and CRC32 of each of those files
         config.yaml                                 the resolved run configuration
 
 A checkpoint holds the model chunks (``model`` or ``model0``, ``model1``... with virtual stages),
@@ -14,7 +15,8 @@ states of every rank (python, numpy, torch CPU, CUDA and megatron's model-parall
 the iteration, consumed samples, skipped/NaN counters and the resolved arguments.
 
 Completion protocol: every rank writes its shards (``dist_checkpointing.save`` ends with a
-barrier), then a second barrier, then rank 0 writes ``config.yaml`` and finally replaces the tracker
+barrier), then a second barrier; each rank hashes the files it wrote (``checksums``), rank 0 gathers
+them into ``checksums.json``, then writes ``config.yaml`` and finally replaces the tracker
 file atomically (write to a temporary name, fsync, ``os.replace``, fsync the directory). A crash at
 any point before that leaves the tracker naming the previous checkpoint, which ``--load`` then uses.
 A leftover incomplete ``iter_*`` directory is removed before the same iteration is saved again.
@@ -33,9 +35,11 @@ import torch
 
 from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core_version
 
+from . import checksums
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
-    check_intact, checkpoint_dir, complete_iterations, damaged_checkpoint_message, find_checkpoint, find_damage, \
-    load_common, looks_like_one_checkpoint, newest_complete_checkpoint, read_tracker, write_tracker
+    check_intact, checkpoint_dir, checksum_damage, complete_iterations, damaged_checkpoint_message, \
+    find_checkpoint, find_damage, load_common, looks_like_one_checkpoint, newest_complete_checkpoint, read_tracker, \
+    write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -366,14 +370,15 @@ def _save_failed(root: str, iteration: int, path: str, error: Optional[BaseExcep
     gone = "removed" if not os.path.exists(path) else "left in place (remove it)"
     return CheckpointSaveError(
         f"--save {root}: the checkpoint of iteration {iteration} could not be written ({reason}; {free} free "
-        f"there); its partial folder {path} was {gone}; {kept}; make room and resume with --load {root}")
+        f"there); its partial folder {path} was {gone}; {kept}; "
+        f"{'make room and resume' if no_space else 'once --save can be written, resume'} with --load {root}")
 
 
 def save_checkpoint(
     root: str, iteration: int, model, optimizer, scheduler, *, consumed_train_samples: int,
     counters: Dict[str, int], config: Dict[str, Any], save_optim: bool = True, save_rng: bool = True,
     optim_fully_reshardable: bool = False, kill_at: Optional[str] = None, stall_at: Optional[str] = None,
-    enospc_at: Optional[str] = None, log=print,
+    enospc_at: Optional[str] = None, record_checksums: bool = True, log=print,
 ) -> str:
     """Save a complete checkpoint of this iteration on every rank; return its directory.
 
@@ -381,7 +386,8 @@ def save_checkpoint(
     megatron-core's distributed-optimizer layout fully_reshardable (gathers on DP rank 0; reloads with
     any TP/PP/DP) instead of dp_reshardable (fast; reloads with the same TP/PP). ``kill_at`` /
     ``stall_at`` / ``enospc_at`` ("RANK:ITERATION"): test hooks that kill this rank, stall its writers or
-    fail them as on a full disk, in this save. A failed save raises :class:`CheckpointSaveError` on every
+    fail them as on a full disk, in this save. ``record_checksums``: write ``checksums.json`` (each rank
+    hashes the files it wrote; see :mod:`.checksums`). A failed save raises :class:`CheckpointSaveError` on every
     rank (one line: ``--save``, the iteration, the free space, the last complete checkpoint) after the
     partial folder is removed; the tracker still names the last complete checkpoint."""
     import yaml
@@ -390,12 +396,18 @@ def save_checkpoint(
     rank = torch.distributed.get_rank()
     path = checkpoint_dir(root, iteration)
     _install_write_queue()
+    error: Optional[BaseException] = None
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.isdir(path):  # an incomplete attempt at this iteration (or an older run): replace it
-            shutil.rmtree(path)
-        os.makedirs(path)
-    torch.distributed.barrier()
+        try:
+            os.makedirs(root, exist_ok=True)
+            if os.path.isdir(path):  # an incomplete attempt at this iteration (or an older run): replace it
+                shutil.rmtree(path)
+            os.makedirs(path)
+        except OSError as e:  # --save made read-only (or full) during the run: one line on every rank
+            error = e
+    outcome = _outcome_on_all_ranks(error, root)  # also the barrier before the other ranks write
+    if outcome != _WRITTEN:
+        raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
 
     sharding = "fully_reshardable" if optim_fully_reshardable else "dp_reshardable"
     state = _sharded_state_dict(model, optimizer, include_optim=save_optim,
@@ -422,7 +434,6 @@ def save_checkpoint(
     if enospc_at is not None and tuple(int(x) for x in enospc_at.split(":")) == (rank, iteration):
         _fail_writers_with_enospc()
 
-    error: Optional[BaseException] = None
     with checkpoint_writer_errors() as writer_errors:
         try:
             dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
@@ -435,8 +446,11 @@ def save_checkpoint(
     outcome = _outcome_on_all_ranks(error, root)
     if outcome != _WRITTEN:  # every rank's shards are on disk, or none goes on
         raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
+    parts = _gather_own_checksums(path, rank) if record_checksums else None
     if rank == 0:
         try:
+            if parts is not None:
+                _write_checksums(path, parts)
             with open(os.path.join(path, CONFIG_NAME), "w", encoding="utf-8") as f:
                 yaml.safe_dump(dict(config), f, sort_keys=True)
             write_tracker(root, iteration)
@@ -447,6 +461,56 @@ def save_checkpoint(
         raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
     log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
     return path
+
+
+def _gather_own_checksums(path: str, rank: int) -> Optional[list]:
+    """Each rank's (entries, error text) for the files it wrote, on rank 0 (read back at once: they are
+    still in the page cache)."""
+    from megatron_lev.parallel.collectives import gather_objects
+
+    try:
+        part = (checksums.hash_files(path, checksums.files_written_by(path, rank)), None)
+    except OSError as e:
+        part = ({}, f"{e.filename or path}: {e.strerror or e}")
+    return gather_objects(part)
+
+
+def _write_checksums(path: str, parts: list) -> None:
+    """Rank 0: merge the ranks' entries, hash any covered file none of them named, write the manifest."""
+    entries: Dict[str, checksums.Entry] = {}
+    for part, error in parts:
+        if error:
+            raise OSError(f"cannot read back a file just written to compute its checksum ({error})")
+        entries.update(part)
+    entries.update(checksums.hash_files(path, checksums.uncovered(path, entries)))
+    checksums.write_manifest(path, entries)
+
+
+def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=print) -> None:
+    """Check the files of ``path`` against its ``checksums.json`` on every rank together (rank ``r``
+    reads files ``r, r + world, ...``); damage is :class:`CheckpointError` on every rank, one line naming
+    the file and the newest complete older checkpoint. A checkpoint without a manifest gets one warning
+    line (rank 0)."""
+    from megatron_lev.parallel.collectives import all_reduce_
+
+    hint = older_hint or _ckpt_step_hint
+    manifest_file = os.path.join(path, checksums.MANIFEST)
+    try:
+        manifest = checksums.read_manifest(path)
+    except checksums.ManifestError as e:
+        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, manifest_file, str(e), hint)) from None
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if manifest is None:
+        if rank == 0:
+            log(checksums.no_manifest_warning(path))
+        return
+    found = checksums.first_damage(path, manifest, rank, world)
+    none = 4 * len(manifest)
+    code = torch.tensor([none if found is None else 4 * found[0] + found[1]], dtype=torch.int64)
+    code = int(all_reduce_(code, op=torch.distributed.ReduceOp.MIN).item())  # once per load, before any read
+    if code < none:
+        file, what = checksums.describe(path, manifest, code // 4, code % 4)
+        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, file, what, hint))
 
 
 def check_save_and_load(args) -> None:
@@ -504,8 +568,11 @@ def check_save_and_load(args) -> None:
         if complete_iterations(save):
             raise CheckpointError(_untracked_message(save, "--save"))
         return
+    # A newer checkpoint with changed bytes may be trained over (it is why an older one is loaded); checking
+    # reads it whole, on this rare path only (a tracker older than the newest complete checkpoint).
     newer = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
-             and find_damage(checkpoint_dir(save, it)) is None]
+             and find_damage(checkpoint_dir(save, it)) is None
+             and checksum_damage(checkpoint_dir(save, it), warn=lambda _line: None) is None]
     if newer:
         loads = (f"--ckpt-step {step} loads iteration {step}" if step is not None else
                  f"--finetune starts at iteration 0" if getattr(args, "finetune", False) else
@@ -607,11 +674,13 @@ def _ckpt_step_hint(it: int, path: str) -> str:
 
 def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[str, Any], load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, exit_on_missing: bool = False,
-                    iteration: Optional[int] = None, log=print) -> Optional[Dict[str, Any]]:
+                    iteration: Optional[int] = None, verify: bool = True,
+                    log=print) -> Optional[Dict[str, Any]]:
     """Load the newest complete checkpoint under ``root`` (or ``iteration``'s) into model/optimizer/scheduler/RNG.
 
     A damaged file is refused in one line naming it and the newest complete older checkpoint
-    (``--ckpt-step N`` loads that one); nothing is loaded from a damaged checkpoint.
+    (``--ckpt-step N`` loads that one); nothing is loaded from a damaged checkpoint. ``verify``: check
+    the files against their recorded checksums too (:func:`verify_checksums`), not only their sizes.
 
     ``run_args``: this run's resolved arguments (the model structure must match the checkpoint's).
     ``finetune``: model weights only, from iteration 0. Returns the checkpoint's common state (iteration,
@@ -637,7 +706,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
         return None
     iteration, path = found
-    check_intact(root, iteration, path, _ckpt_step_hint)
+    check_intact(root, iteration, path, _ckpt_step_hint, checksums=False)
+    if verify:
+        verify_checksums(root, iteration, path, _ckpt_step_hint, log)
     common = load_common(path)  # refuses, in one line, a checkpoint of a newer megatron-core
     saved_args = common.get("args", {})
     check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),

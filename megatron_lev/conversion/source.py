@@ -9,7 +9,7 @@ import shutil
 from contextlib import contextmanager
 from typing import Optional
 
-from megatron_lev.arguments.checkpointing import unwritable
+from megatron_lev._procutil import unwritable
 from megatron_lev.checkpoint import TRACKER, CheckpointError, SavedCheckpoint
 from megatron_lev.checkpoint import open_checkpoint as _open_checkpoint
 from megatron_lev.distributed import RankFailure

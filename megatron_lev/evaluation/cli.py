@@ -18,14 +18,16 @@ Compare result files (the first is the reference)::
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shutil
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_lev._procutil import interrupted
+from megatron_lev._procutil import interrupted, unwritable
 from megatron_lev.data.datasets import check_dataset_token_ids
 from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
@@ -355,12 +357,27 @@ def _checkpoint_model(args, meta: Dict[str, Any], tokenizer):
     return scorer, tokenizer
 
 
+def _write_failure(out_dir: str, e: OSError) -> str:
+    """One line for an OSError of the evaluation: where it happened and, for a full disk, the free space."""
+    where = e.filename or out_dir
+    if e.errno == errno.ENOSPC or "No space left on device" in str(e):
+        free = f"{shutil.disk_usage(out_dir).free / 2**30:.1f} GiB" if os.path.isdir(out_dir) else "unknown"
+        return (f"--output-dir {out_dir}: no space left on the device while writing the results ({free} free); "
+                "each result file there is whole or absent (the one under way was removed); free space and run again")
+    inside = os.path.abspath(str(where)).startswith(os.path.abspath(out_dir))
+    return (f"--output-dir {out_dir}: cannot write {where} ({e.strerror or e}); each result file there is whole or "
+            "absent" if inside else f"{where}: {e.strerror or e}")
+
+
 def _evaluate(args, command: str) -> int:
     """Check the inputs, load the model, evaluate and write the report."""
     meta: Dict[str, Any] = {"label": args.label, "command": command, "limit": args.limit,
                             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     dist_setup = None
     try:
+        why = unwritable(args.output_dir)  # before the work whose results it is to keep
+        if why:
+            raise UsageError(f"--output-dir {args.output_dir}: {why}; choose a writable directory")
         examples = check_inputs(args)  # before loading anything
         if args.hf_model:
             scorer, tokenizer = _hf_model(args, meta)
@@ -378,6 +395,8 @@ def _evaluate(args, command: str) -> int:
         return 0
     except (UsageError, EvalSetupError, DataFormatError, ValueError, FileNotFoundError) as e:
         return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    except OSError as e:  # writing the results: a disk that filled, a folder made read-only during the work
+        return _fail(_write_failure(args.output_dir, e))
     except KeyboardInterrupt:
         return interrupted(f"interrupted (Ctrl-C); --output-dir {args.output_dir}: each file of this run there is "
                            "whole or absent (results.json and results.md are written at the end)", show=os.environ.get("RANK", "0") == "0")

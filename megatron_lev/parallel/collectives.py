@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_device", "all_reduce_", "broadcast_"]
+__all__ = ["group_device", "all_reduce_", "broadcast_", "gather_objects"]
 
 
 def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -40,3 +40,11 @@ def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group: Optional[dist
 def broadcast_(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """In-place broadcast of ``tensor`` from global rank ``src`` wherever it lives; returns ``tensor``."""
     return _on_group_device(tensor, group, lambda t: dist.broadcast(t, src=src, group=group))
+
+
+def gather_objects(obj, dst: int = 0, group: Optional[dist.ProcessGroup] = None) -> Optional[list]:
+    """Every rank's picklable ``obj``, in rank order, on global rank ``dst``; None on the other ranks.
+    (torch's ``gather_object``: its NCCL path packs the objects on the current CUDA device.)"""
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out

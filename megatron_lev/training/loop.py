@@ -749,7 +749,8 @@ def _load(run: _Run, state: _State) -> None:
         loaded = checkpoint.load_checkpoint(
             args.load, run.model, run.optimizer, run.scheduler, run_args=vars(args),
             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-            exit_on_missing=args.exit_on_missing_checkpoint, iteration=args.ckpt_step, log=run.logger.log)
+            exit_on_missing=args.exit_on_missing_checkpoint, iteration=args.ckpt_step,
+            verify=not args.no_ckpt_checksums, log=run.logger.log)
     except checkpoint.CheckpointError as e:
         raise _StartupError(str(e)) from None
     if loaded is not None:
@@ -832,7 +833,8 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
             consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
             save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
             optim_fully_reshardable=args.dist_ckpt_optim_fully_reshardable, kill_at=args.debug_kill_during_save,
-            stall_at=args.debug_stall_during_save, enospc_at=args.debug_enospc_during_save, log=run.logger.log)
+            stall_at=args.debug_stall_during_save, enospc_at=args.debug_enospc_during_save,
+            record_checksums=not args.no_ckpt_checksums, log=run.logger.log)
         state.last_saved = iteration
     state.saving = None
     return True

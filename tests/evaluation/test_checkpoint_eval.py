@@ -63,7 +63,31 @@ def _rank_direct_and_cli(tiny, flags):
             per_seq.append(model(t[:, :-1], torch.arange(len(s) - 1)[None], None, labels=t[:, 1:])[0].double().numpy())
     rc = main(flags)
     return {"direct_nll": direct.numpy(), "tokens": res.tokens, "nll": res.nll, "ppl": res.ppl,
-            "scored": [-g.logprobs for g in got], "per_seq": per_seq, "rc": rc}
+            "scored": [-g.logprobs for g in got], "per_seq": per_seq, "rc": rc, "full": _full_disk_run(tiny)}
+
+
+def _full_disk_run(tiny):
+    """The CLI again, with the disk filling while it writes the per-token file: (exit code, stderr, files)."""
+    import contextlib
+    import errno
+    import io
+    import os
+    import tempfile
+    from unittest import mock
+
+    from megatron_lev.evaluation.cli import main
+
+    def full(path, **_arrays):
+        with open(path, "wb") as f:
+            f.write(b"PK\3\4 eight KiB")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # numpy's zip writer names no file
+
+    out = tempfile.mkdtemp(prefix="eval-full-")
+    err = io.StringIO()
+    with mock.patch.object(np, "savez_compressed", full), contextlib.redirect_stderr(err):
+        rc = main(["--load", tiny["dir"], "--valid-data", tiny["prefix"], "--max-tokens", "200",
+                   "--output-dir", out, "--no-progress"])
+    return rc, err.getvalue(), sorted(os.listdir(out)), out
 
 
 def _rank_cli(flags):
@@ -131,6 +155,47 @@ def test_cli_results_files_and_buckets(tp1_run, tiny_ckpt):
         assert (out / f).stat().st_size > 100
     md = (out / "results.md").read_text()
     assert "| valid |" in md and "| hellaswag | 4 |" in md and "≥ 1e-4" in md
+
+
+def test_a_disk_that_fills_while_results_are_written_is_one_line_and_leaves_no_partial_file(tp1_run):
+    rc, err, files, out = tp1_run[0]["full"]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]  # torch's load warnings aside
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error: --output-dir {out}: no space left on the device while writing the results ("), lines
+    assert lines[0].endswith("each result file there is whole or absent (the one under way was removed); free space "
+                             "and run again"), lines
+    assert files == [], files  # no truncated valid_per_token.npz, no partial name
+
+
+def test_a_damaged_checkpoint_or_an_unwritable_output_dir_is_one_line_before_any_work(tiny_ckpt, tmp_path, capsys,
+                                                                                      monkeypatch):
+    import shutil
+
+    from megatron_lev.evaluation import cli
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt["dir"], ck)
+    it = ck / "iter_0000006"
+    largest = max(it.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 512] = bytes(512)  # 512 bytes zeroed, the size kept
+    largest.write_bytes(bytes(data))
+    flags = ["--valid-data", tiny_ckpt["prefix"], "--max-tokens", "200", "--no-progress"]
+    assert cli.main(["--load", str(ck), "--output-dir", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {largest}: its bytes changed after the save (CRC32 differs"), err
+    assert err[0].endswith(f"nothing was loaded); no complete older checkpoint under {ck}"), err
+    assert not (tmp_path / "out").exists()
+
+    def no_work(_args):
+        raise AssertionError("the evaluation started before its --output-dir was checked")
+
+    monkeypatch.setattr(cli, "check_inputs", no_work)
+    for out in ("/proc/self/eval-out", str(largest / "out")):  # not writable: a kernel folder, under a file
+        assert cli.main(["--load", tiny_ckpt["dir"], "--output-dir", out, *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --output-dir {out}: cannot write in "), err
+        assert err[0].endswith("; choose a writable directory"), err
 
 
 def test_tp2_and_pp2_equal_tp1(tp1_run, tiny_ckpt, task_files, tmp_path):

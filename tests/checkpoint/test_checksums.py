@@ -1,0 +1,145 @@
+"""Checkpoint checksums (megatron_lev.checkpoint.checksums): what a save records, what a load refuses.
+
+The flipped-bytes cases of whole training checkpoints (training, the conversions, evaluation) are in
+tests/reliability/test_training_faults.py; here the manifest itself, and the two-rank save and load,
+where each rank hashes its own shards and verifies its share of the files."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lev.checkpoint import checksums
+from megatron_lev.testing import run_distributed
+
+
+def _flip(path, offset=None, n=512):
+    """Change ``n`` bytes inside ``path`` (its size unchanged)."""
+    data = bytearray(path.read_bytes())
+    start = len(data) // 3 if offset is None else offset
+    for i in range(start, min(start + n, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_the_manifest_records_every_file_and_finds_each_kind_of_damage(tmp_path):
+    files = {"__0_0.distcp": os.urandom(3 << 20), "__1_0.distcp": os.urandom(1000), ".metadata": b"m" * 99,
+             "common.pt": b"c" * 10, "metadata.json": b"{}", "config.yaml": b"a: 1\n", ".write-test-x": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    assert checksums.files_written_by(str(tmp_path), 1) == ["__1_0.distcp"]
+    own0 = checksums.files_written_by(str(tmp_path), 0)
+    assert own0 == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    entries = checksums.hash_files(str(tmp_path), own0)
+    assert checksums.uncovered(str(tmp_path), entries) == ["__1_0.distcp"]
+    entries.update(checksums.hash_files(str(tmp_path), ["__1_0.distcp"]))
+    assert entries["__0_0.distcp"] == (3 << 20, zlib.crc32(files["__0_0.distcp"]))  # streamed = whole
+    checksums.write_manifest(str(tmp_path), entries)
+    body = json.loads((tmp_path / checksums.MANIFEST).read_text())
+    assert body["algorithm"] == "crc32" and set(body["files"]) == set(entries)  # config.yaml is not covered
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+    manifest = checksums.read_manifest(str(tmp_path))
+    assert manifest == entries and checksums.first_damage(str(tmp_path), manifest) is None
+
+    # Any rank count covers each file once.
+    names = sorted(manifest)
+    for world in (1, 2, 3, 8):
+        shares = [names[r::world] for r in range(world)]
+        assert sorted(sum(shares, [])) == names
+
+    big = tmp_path / "__0_0.distcp"
+    _flip(big)
+    assert big.stat().st_size == 3 << 20
+    index, kind = checksums.first_damage(str(tmp_path), manifest)
+    file, what = checksums.describe(str(tmp_path), manifest, index, kind)
+    assert (file, kind) == (str(big), checksums.WRONG_SUM)
+    assert what == f"its bytes changed after the save (CRC32 differs from the {manifest[big.name][1]:08x} " \
+                   "recorded in checksums.json)"
+    # The rank whose share it is finds it; the other does not.
+    i = names.index(big.name)
+    assert checksums.first_damage(str(tmp_path), manifest, i % 2, 2) == (i, checksums.WRONG_SUM)
+    assert checksums.first_damage(str(tmp_path), manifest, (i + 1) % 2, 2) is None
+    big.write_bytes(files["__0_0.distcp"])
+
+    (tmp_path / "common.pt").write_bytes(b"c" * 11)
+    assert checksums.describe(str(tmp_path), manifest, *checksums.first_damage(str(tmp_path), manifest))[1] == \
+        "11 bytes where the save wrote 10"
+    (tmp_path / "common.pt").unlink()
+    assert checksums.first_damage(str(tmp_path), manifest) == (names.index("common.pt"), checksums.MISSING)
+
+    (tmp_path / checksums.MANIFEST).write_text('{"algorithm": "crc32", "files": {"a": {"bytes": 1}}}')
+    with pytest.raises(checksums.ManifestError, match=r"^unreadable \(KeyError"):
+        checksums.read_manifest(str(tmp_path))
+    (tmp_path / checksums.MANIFEST).write_text('{"algorithm": "sha1", "files": {}}')
+    with pytest.raises(checksums.ManifestError, match="algorithm 'sha1' is not 'crc32'"):
+        checksums.read_manifest(str(tmp_path))
+    (tmp_path / checksums.MANIFEST).unlink()
+    assert checksums.read_manifest(str(tmp_path)) is None
+
+
+def _save_then_damage_and_verify(ckpt_dir: str):
+    """A real two-rank dist_checkpointing save with save_checkpoint's checksum steps, then a byte flipped
+    in the file of the other rank's share: both ranks refuse, with the same line."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_lev.checkpoint import CheckpointError
+    from megatron_lev.checkpoint.sharded import _gather_own_checksums, _install_write_queue, _save_strategy, \
+        _write_checksums, verify_checksums
+
+    rank = torch.distributed.get_rank()
+    world = parallel_state.get_data_parallel_world_size()
+    local = torch.arange(4096.0).reshape(2, 2048) + 10 * rank
+    state = {"w": ShardedTensor.from_rank_offsets("w", local, (0, rank, world), replica_id=0)}
+    _install_write_queue()
+    dist_checkpointing.save(state, ckpt_dir, sharded_strategy=_save_strategy())
+    parts = _gather_own_checksums(ckpt_dir, rank)
+    if rank == 0:
+        _write_checksums(ckpt_dir, parts)
+    torch.distributed.barrier()
+    manifest = checksums.read_manifest(ckpt_dir)
+    written = {n for n in os.listdir(ckpt_dir) if n != checksums.MANIFEST}
+    warnings = []
+    verify_checksums(os.path.dirname(ckpt_dir), 1, ckpt_dir, log=warnings.append)  # intact: passes
+    torch.distributed.barrier()
+    names = sorted(manifest)
+    victim = names[1]  # rank 1's share at world 2
+    if rank == 0:
+        _flip(Path(ckpt_dir) / victim, offset=0, n=8)
+    torch.distributed.barrier()
+    try:
+        verify_checksums(os.path.dirname(ckpt_dir), 1, ckpt_dir, log=warnings.append)
+        refusal = None
+    except CheckpointError as e:
+        refusal = str(e)
+    torch.distributed.barrier()
+    if rank == 0:
+        os.remove(os.path.join(ckpt_dir, checksums.MANIFEST))  # as an older release wrote it
+    torch.distributed.barrier()
+    older = []
+    verify_checksums(os.path.dirname(ckpt_dir), 1, ckpt_dir, log=older.append)
+    own = sorted(n for n in parts[0][0]) if rank == 0 else None
+    return {"manifest": sorted(manifest), "written": sorted(written), "victim": victim, "refusal": refusal,
+            "warnings": warnings, "older": older, "rank0_parts": own, "parts_len": None if parts is None else len(parts)}
+
+
+def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
+    ck = tmp_path / "iter_0000001"
+    ck.mkdir()
+    results = run_distributed(_save_then_damage_and_verify, world_size=2, args=(str(ck),))
+    r0, r1 = results
+    assert r0["manifest"] == r0["written"], "the manifest covers every file of the save"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(r0["manifest"])
+    assert r0["parts_len"] == 2 and r1["parts_len"] is None  # gathered on rank 0 only
+    assert "__1_0.distcp" not in r0["rank0_parts"], "rank 1's shard is hashed by rank 1"
+    assert r0["warnings"] == [] and r1["warnings"] == []
+    assert r0["refusal"] is not None and r0["refusal"] == r1["refusal"], (r0["refusal"], r1["refusal"])
+    assert r0["refusal"].startswith(f"{ck / r0['victim']}: its bytes changed after the save"), r0["refusal"]
+    assert "nothing was loaded" in r0["refusal"] and "\n" not in r0["refusal"]
+    # Without a manifest: one warning line, on rank 0 only.
+    assert r0["older"] == [checksums.no_manifest_warning(str(ck))] and r1["older"] == []
