@@ -12,8 +12,10 @@ Training, evaluation and conversion all use this package; it imports ``models`` 
 from .build import build_configs, build_model_chunks, lev_table_modules, model_config_from_args, params_dtype, \
     relayout, transformer_config_kwargs
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, check_checkpoint_tokenizer, \
-    check_intact, checkpoint_dir, find_checkpoint, find_damage, older_complete_checkpoint, load_common, open_checkpoint, read_tracker
-from .sharded import CheckpointSaveError, check_save_and_load, load_checkpoint, load_model_state, save_checkpoint
+    check_intact, checkpoint_dir, find_checkpoint, find_damage, older_complete_checkpoint, load_common, mark_verified, \
+    open_checkpoint, read_tracker
+from .sharded import CheckpointSaveError, check_save_and_load, load_checkpoint, load_model_state, \
+    refuse_newer_checkpoints, save_checkpoint, verify_checksums
 
 __all__ = [
     "CONFIG_NAME",
@@ -34,12 +36,15 @@ __all__ = [
     "load_checkpoint",
     "load_common",
     "load_model_state",
+    "mark_verified",
     "model_config_from_args",
     "older_complete_checkpoint",
     "open_checkpoint",
     "params_dtype",
     "read_tracker",
+    "refuse_newer_checkpoints",
     "relayout",
     "save_checkpoint",
     "transformer_config_kwargs",
+    "verify_checksums",
 ]

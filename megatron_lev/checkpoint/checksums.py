@@ -10,11 +10,17 @@ it first.
 Design choices:
 - CRC32 from the standard library (``zlib.crc32``, streamed in 8 MiB blocks, about 1.6 GB/s a core): it
   finds any change of a few bytes, costs no dependency, and is not a security measure (it is not meant to).
-- Each rank hashes the files it wrote itself (``__RANK_N.distcp``; rank 0 also the files written once),
-  right after writing them, while they are in the page cache; rank 0 writes the manifest before
-  ``config.yaml``, the save's last file, so a complete checkpoint always has one.
+- Each rank hashes the files it wrote itself (``__RANK_N.distcp``, the global rank, as torch's and
+  megatron-core's writers name them; rank 0 also the files written once) once every rank's writes have
+  finished (the save's closing barrier), reading them back while they are likely still in the page
+  cache: the sum is of what the filesystem holds then, so damage from then on is found (a write the
+  kernel took but never stored is not). Rank 0 writes the manifest before ``config.yaml``, the save's
+  last file, so a complete checkpoint always has one. A file whose name does not carry its rank (say a
+  writer given a ``separation_hint`` prefix) is hashed by rank 0.
 - A load spreads the verification over its ranks (file ``i`` on rank ``i % world``): the checkpoint is
-  read once more in all, not once per rank.
+  read once more in all, not once per rank. Rank 0 reads the manifest and sends it to the others, and
+  every rank's verdict (damage, or an error of its own filesystem) goes through one collective, so all
+  ranks stop with the same line or go on together.
 - ``config.yaml`` is not covered: it is parsed on every load and its structure is checked against the
   arguments saved inside ``common.pt``, which is covered.
 - A checkpoint written before checksums has no manifest: it loads with one warning line.
@@ -67,13 +73,16 @@ def covered_files(path: str) -> List[str]:
 
 
 def files_written_by(path: str, rank: int) -> List[str]:
-    """The files of the save in ``path`` that rank ``rank`` wrote: its own shards, and for rank 0 every
-    other covered file (``.metadata``, ``common.pt``, ``metadata.json``)."""
+    """The files of the save in ``path`` that rank ``rank`` wrote: its own shards ``__RANK_0.distcp``,
+    ``__RANK_1.distcp``, ... (probed by name: a rank touches about as many paths as it wrote, not the
+    whole folder, which on a parallel filesystem would be world x files lookups at every save), and for
+    rank 0 every other covered file (``.metadata``, ``common.pt``, ``metadata.json``). A shard past a gap
+    in the numbering is not found here; rank 0 hashes it as :func:`uncovered`."""
     names = []
-    for name in covered_files(path):
-        m = _SHARD.match(name)
-        if (int(m.group(1)) == rank) if m else rank == 0:
-            names.append(name)
+    while os.path.isfile(os.path.join(path, f"__{rank}_{len(names)}.distcp")):
+        names.append(f"__{rank}_{len(names)}.distcp")
+    if rank == 0:
+        names += [n for n in covered_files(path) if not _SHARD.match(n)]
     return names
 
 
@@ -124,13 +133,13 @@ def read_manifest(path: str) -> Optional[Dict[str, Entry]]:
 def check_file(path: str, name: str, expected: Entry) -> Optional[int]:
     """The kind of damage of file ``name`` (MISSING, WRONG_SIZE, WRONG_SUM, UNREADABLE), or None."""
     file = os.path.join(path, name)
-    if not os.path.isfile(file):
-        return MISSING
-    if os.path.getsize(file) != expected[0]:
-        return WRONG_SIZE
     try:
+        if not os.path.isfile(file):
+            return MISSING
+        if os.path.getsize(file) != expected[0]:
+            return WRONG_SIZE
         got = file_crc32(file)
-    except OSError:
+    except OSError:  # an I/O error, or the file gone between the two looks
         return UNREADABLE
     return None if got == expected else WRONG_SUM
 
@@ -150,12 +159,14 @@ def describe(path: str, manifest: Dict[str, Entry], index: int, kind: int) -> Tu
     """(file, what is wrong) for damage ``(index, kind)`` of :func:`first_damage`."""
     name = sorted(manifest)[index]
     size, crc = manifest[name]
+    what = _WHAT.get(kind, "unreadable")
     if kind == WRONG_SIZE:
-        what = f"{os.path.getsize(os.path.join(path, name)):,} bytes where the save wrote {size:,}"
+        try:
+            what = f"{os.path.getsize(os.path.join(path, name)):,} bytes where the save wrote {size:,}"
+        except OSError:  # seen by another rank; gone or unreadable here
+            what = f"not the {size:,} bytes the save wrote"
     elif kind == WRONG_SUM:
         what = f"its bytes changed after the save (CRC32 differs from the {crc:08x} recorded in {MANIFEST})"
-    else:
-        what = _WHAT[kind]
     return os.path.join(path, name), what
 
 

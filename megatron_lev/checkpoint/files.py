@@ -291,10 +291,18 @@ def checksum_damage(path: str, warn: Callable[[str], None]) -> Optional[Tuple[st
     return _VERIFIED[key]
 
 
+def mark_verified(path: str) -> None:
+    """Record that ``path`` was just verified against its manifest (by every rank together,
+    ``sharded.verify_checksums``): a later :func:`check_intact` in this process does not read it again."""
+    _VERIFIED[_listing_key(path)] = None
+
+
 def _warn_once_per_job(line: str) -> None:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+    # Before the process group exists (evaluation's first checks), the launcher's RANK tells rank 0.
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(line, file=sys.stderr, flush=True)
 
 

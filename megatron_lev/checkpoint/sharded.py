@@ -37,9 +37,8 @@ from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core
 
 from . import checksums
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
-    check_intact, checkpoint_dir, checksum_damage, complete_iterations, damaged_checkpoint_message, \
-    find_checkpoint, find_damage, load_common, looks_like_one_checkpoint, newest_complete_checkpoint, read_tracker, \
-    write_tracker
+    check_intact, checkpoint_dir, complete_iterations, damaged_checkpoint_message, find_checkpoint, find_damage, \
+    load_common, looks_like_one_checkpoint, mark_verified, newest_complete_checkpoint, read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -486,34 +485,54 @@ def _write_checksums(path: str, parts: list) -> None:
     checksums.write_manifest(path, entries)
 
 
-def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=print) -> None:
+def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=print, *,
+                     local_error: Optional[str] = None, checksums_on: bool = True) -> None:
     """Check the files of ``path`` against its ``checksums.json`` on every rank together (rank ``r``
     reads files ``r, r + world, ...``); damage is :class:`CheckpointError` on every rank, one line naming
     the file and the newest complete older checkpoint. A checkpoint without a manifest gets one warning
-    line (rank 0)."""
-    from megatron_lev.parallel.collectives import all_reduce_
+    line (rank 0).
+
+    Collective, and every rank takes the same branch: rank 0 alone reads the manifest and sends it, and
+    each rank's verdict goes through one all-gather, so a rank whose filesystem fails it (or whose own
+    earlier check found ``local_error``, the one-line message of a missing or short file) stops every rank
+    with the same line instead of leaving the others waiting in the load's collectives.
+    ``checksums_on=False`` (--no-ckpt-checksums) agrees on ``local_error`` alone."""
+    from megatron_lev.parallel.collectives import all_gather_objects, broadcast_object
 
     hint = older_hint or _ckpt_step_hint
     manifest_file = os.path.join(path, checksums.MANIFEST)
-    try:
-        manifest = checksums.read_manifest(path)
-    except checksums.ManifestError as e:
-        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, manifest_file, str(e), hint)) from None
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if manifest is None:
+    manifest = None
+    if checksums_on:
         if rank == 0:
-            log(checksums.no_manifest_warning(path))
-        return
-    found = checksums.first_damage(path, manifest, rank, world)
-    none = 4 * len(manifest)
-    code = torch.tensor([none if found is None else 4 * found[0] + found[1]], dtype=torch.int64)
-    code = int(all_reduce_(code, op=torch.distributed.ReduceOp.MIN).item())  # once per load, before any read
-    if code < none:
-        file, what = checksums.describe(path, manifest, code // 4, code % 4)
-        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, file, what, hint))
+            try:
+                sent = ("ok", checksums.read_manifest(path))
+            except (checksums.ManifestError, OSError) as e:
+                sent = ("bad", str(e))
+        # Once per load: the manifest is a few hundred bytes a rank's files.
+        kind, manifest = broadcast_object(sent if rank == 0 else None)
+        if kind == "bad":
+            local_error = local_error or damaged_checkpoint_message(root, iteration, path, manifest_file,
+                                                                    manifest, hint)
+            manifest = None
+    verdict = local_error
+    if verdict is None and manifest:
+        found = checksums.first_damage(path, manifest, rank, world)
+        if found is not None:
+            file, what = checksums.describe(path, manifest, *found)
+            verdict = (found[0], damaged_checkpoint_message(root, iteration, path, file, what, hint))
+    verdicts = all_gather_objects(verdict)  # once per load, before any read of the state
+    errors = [v for v in verdicts if isinstance(v, str)]
+    damage = sorted(v for v in verdicts if isinstance(v, tuple))
+    if errors or damage:  # the lowest rank's own error, else the first damaged file in the manifest's order
+        raise CheckpointError(errors[0] if errors else damage[0][1])
+    if checksums_on and manifest is None and rank == 0:
+        log(checksums.no_manifest_warning(path))
+    if checksums_on and manifest:
+        mark_verified(path)
 
 
-def check_save_and_load(args) -> None:
+def check_save_and_load(args, *, newer: bool = True) -> None:
     """Refuse, before anything is written, a run that would clobber or silently ignore checkpoints.
 
     ``--save`` holding another run's checkpoints (a tracker, or complete ``iter_*`` folders) is refused
@@ -523,6 +542,8 @@ def check_save_and_load(args) -> None:
     first save that never completed; anything else is a wrong path, not a fresh start. A run never
     writes over a complete checkpoint newer than the one it loads (a missing, empty, bad or stale
     tracker beside complete ``iter_*`` folders): it is refused naming the newest one and ``--ckpt-step``.
+    That last check is :func:`refuse_newer_checkpoints`; ``newer=False`` leaves it to the caller, to run
+    once the process group exists (with checksums).
     """
     load, save = args.load, args.save
     overwrite = bool(args.overwrite_checkpoints)
@@ -568,12 +589,43 @@ def check_save_and_load(args) -> None:
         if complete_iterations(save):
             raise CheckpointError(_untracked_message(save, "--save"))
         return
-    # A newer checkpoint with changed bytes may be trained over (it is why an older one is loaded); checking
-    # reads it whole, on this rare path only (a tracker older than the newest complete checkpoint).
-    newer = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
-             and find_damage(checkpoint_dir(save, it)) is None
-             and checksum_damage(checkpoint_dir(save, it), warn=lambda _line: None) is None]
     if newer:
+        refuse_newer_checkpoints(args, start)
+
+
+def _start_iteration(args) -> Optional[int]:
+    """The iteration a run with these flags continues from (None: from scratch), as
+    :func:`check_save_and_load` resolves it."""
+    if getattr(args, "finetune", False):
+        return 0
+    if getattr(args, "ckpt_step", None) is not None:
+        return args.ckpt_step
+    return read_tracker(args.load, _ckpt_step_hint) if args.load and os.path.isdir(args.load) else None
+
+
+def refuse_newer_checkpoints(args, start: Optional[int] = None, *, checksums_on: bool = False) -> None:
+    """Refuse a run that would write over a complete checkpoint in ``--save`` newer than the iteration it
+    continues from (``start``; None: resolved from the flags): :class:`CheckpointError`, one line naming the
+    newest such checkpoint, ``--ckpt-step`` and ``--overwrite-checkpoints``.
+
+    A newer checkpoint that is damaged may be trained over (it is why an older one is loaded). Without
+    ``checksums_on`` damage is judged by sizes (every rank alone, before the process group exists: reading
+    the newer checkpoints whole there would read them once per rank); with it (collective, after the
+    process group is set up), each newer one is also verified against its checksums, spread over the
+    ranks, so one whose bytes changed is not in the way of resuming from an older one."""
+    load, save = args.load, args.save
+    if save is None or args.overwrite_checkpoints or not os.path.isdir(save):
+        return
+    if load is None or os.path.realpath(load) != os.path.realpath(save):
+        return  # another --save than --load: check_save_and_load refused any complete checkpoint there
+    if start is None:
+        start = _start_iteration(args)
+    newer = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
+             and find_damage(checkpoint_dir(save, it)) is None]
+    if checksums_on:
+        newer = [it for it in newer if _verified(save, it)]
+    if newer:
+        step = getattr(args, "ckpt_step", None)
         loads = (f"--ckpt-step {step} loads iteration {step}" if step is not None else
                  f"--finetune starts at iteration 0" if getattr(args, "finetune", False) else
                  f"{os.path.join(save, TRACKER)} names iteration {start} (stale)")
@@ -581,6 +633,16 @@ def check_save_and_load(args) -> None:
             f"--save {save}: {loads}, but {checkpoint_dir(save, newer[0])} is a newer complete checkpoint that "
             f"this run would write over; resume from it with --ckpt-step {newer[0]}, or pass "
             f"--overwrite-checkpoints to replace it")
+
+
+def _verified(root: str, iteration: int) -> bool:
+    """Whether checkpoint ``iteration`` under ``root`` matches its checksums (collective; a checkpoint
+    without a manifest counts as intact: nothing says it is not)."""
+    try:
+        verify_checksums(root, iteration, checkpoint_dir(root, iteration), log=lambda _line: None)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _untracked_message(root: str, flag: str) -> str:
@@ -706,9 +768,12 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
         return None
     iteration, path = found
-    check_intact(root, iteration, path, _ckpt_step_hint, checksums=False)
-    if verify:
-        verify_checksums(root, iteration, path, _ckpt_step_hint, log)
+    try:  # sizes and the files a save writes last, here; the ranks agree on the verdict below
+        check_intact(root, iteration, path, _ckpt_step_hint, checksums=False)
+        local_error = None
+    except CheckpointError as e:
+        local_error = str(e)
+    verify_checksums(root, iteration, path, _ckpt_step_hint, log, local_error=local_error, checksums_on=verify)
     common = load_common(path)  # refuses, in one line, a checkpoint of a newer megatron-core
     saved_args = common.get("args", {})
     check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),

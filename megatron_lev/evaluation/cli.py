@@ -31,7 +31,8 @@ from megatron_lev._procutil import interrupted, unwritable
 from megatron_lev.data.datasets import check_dataset_token_ids
 from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
-from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, open_checkpoint
+from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, mark_verified, \
+    open_checkpoint, verify_checksums
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, TokenizerSpec, tokenizer_fingerprint
 from megatron_lev.tokenizer.fingerprint import check_dataset_tokenizer, directory_fingerprints, read_sidecar, \
     same_tokenizer, sidecar_path
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                 allow_abbrev=False)
     g = p.add_argument_group("model (one of)")
     g.add_argument("--load", help="checkpoint directory of pretrain_lev.py (--save DIR)")
+    g.add_argument("--no-ckpt-checksums", action="store_true",
+                   help="check --load's files by size only (by default they are verified against the checksums.json "
+                        "of the save, reading the checkpoint once more, spread over the ranks)")
     g.add_argument("--hf-model", help="Hugging Face causal-LM directory (e.g. an export)")
     g.add_argument("--compare", nargs="+", metavar="RESULTS.json",
                    help="compare result files instead of evaluating (the first is the reference)")
@@ -271,6 +275,12 @@ def _log(msg: str) -> None:
         print(msg, flush=True)
 
 
+def _warn(msg: str) -> None:
+    """A warning line, on standard error (the first rank only)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, file=sys.stderr, flush=True)
+
+
 def _fail(msg: str) -> int:
     """One error line (first rank; every rank's line goes to torchrun's failure summary) and the exit status."""
     report_error(msg, show=os.environ.get("RANK", "0") == "0")
@@ -329,20 +339,33 @@ def _check_hf_model_tokenizer(args) -> None:
             raise UsageError(f"{e} (the tokenizer of --hf-model {args.hf_model})") from None
 
 
+def _older(it: int, path: str) -> str:
+    """How to evaluate the newest complete older checkpoint a damage message names."""
+    return f"evaluate it with --load {path}"
+
+
 def _checkpoint_tokenizer(args):
     """The tokenizer of ``--load`` (flags over its saved arguments), checked against the checkpoint's
     and the indexed sets' before any model is built; then the checkpoint's files are checked."""
-    def older(it, path):
-        return f"evaluate it with --load {path}"
-
     try:
-        saved = open_checkpoint(args.load, read_common=False, older_hint=older)
+        saved = open_checkpoint(args.load, read_common=False, older_hint=_older)
         tokenizer = _tokenizer_for_checkpoint(args, saved.args)
         check_tokenizer(args, tokenizer, saved.args, saved.path)
-        check_intact(saved.root, saved.iteration, saved.path, older)
+        # Sizes here, in every process before the process group exists; the checksums once it does.
+        check_intact(saved.root, saved.iteration, saved.path, _older, checksums=False)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
-    return tokenizer
+    return tokenizer, saved
+
+
+def _verify_checkpoint(args, saved) -> None:
+    """The checkpoint's files against its checksums, spread over the ranks (every rank reads its share, all
+    stop with the same line on damage); the later opens in this process do not read it again."""
+    try:
+        verify_checksums(saved.root, saved.iteration, saved.path, _older, _warn, checksums_on=not args.no_ckpt_checksums)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    mark_verified(saved.path)  # verified, or --no-ckpt-checksums: sizes only
 
 
 def _checkpoint_model(args, meta: Dict[str, Any], tokenizer):
@@ -382,9 +405,10 @@ def _evaluate(args, command: str) -> int:
         if args.hf_model:
             scorer, tokenizer = _hf_model(args, meta)
         else:
-            tokenizer = _checkpoint_tokenizer(args)
+            tokenizer, saved = _checkpoint_tokenizer(args)
             dist_setup = init_distributed(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                           backend=args.distributed_backend, seed=1234)
+            _verify_checkpoint(args, saved)
             scorer, tokenizer = _checkpoint_model(args, meta, tokenizer)
         t0 = time.time()
         results = run_evaluation(scorer, tokenizer, args, meta, log=_log, examples=examples)

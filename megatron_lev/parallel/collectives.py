@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_device", "all_reduce_", "broadcast_", "gather_objects"]
+__all__ = ["group_device", "all_reduce_", "broadcast_", "gather_objects", "all_gather_objects", "broadcast_object"]
 
 
 def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -48,3 +48,17 @@ def gather_objects(obj, dst: int = 0, group: Optional[dist.ProcessGroup] = None)
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
+
+
+def all_gather_objects(obj, group: Optional[dist.ProcessGroup] = None) -> list:
+    """Every rank's picklable ``obj``, in rank order, on every rank (torch's ``all_gather_object``)."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int = 0, group: Optional[dist.ProcessGroup] = None):
+    """Global rank ``src``'s picklable ``obj`` on every rank (torch's ``broadcast_object_list``)."""
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -553,7 +553,9 @@ def _setup_configs(argv):
 
     try:
         args = parse_args(argv)
-        checkpoint.check_save_and_load(args)
+        # Newer checkpoints in --save are judged once the ranks can share reading them (_run), unless only
+        # their sizes are checked.
+        checkpoint.check_save_and_load(args, newer=args.no_ckpt_checksums)
         try:
             tokenizer = build_tokenizer_from_args(args)
         except (ValueError, FileNotFoundError, OSError) as e:
@@ -601,6 +603,11 @@ class _Run:
 
 
 def _run(args, tokenizer, config, model_config) -> int:
+    if not args.no_ckpt_checksums:
+        try:
+            checkpoint.refuse_newer_checkpoints(args, checksums_on=True)
+        except checkpoint.CheckpointError as e:
+            raise _StartupError(str(e)) from None
     run = _start(args, config, model_config)
     state = _State()
     _load(run, state)

@@ -32,12 +32,14 @@ def test_the_manifest_records_every_file_and_finds_each_kind_of_damage(tmp_path)
              "common.pt": b"c" * 10, "metadata.json": b"{}", "config.yaml": b"a: 1\n", ".write-test-x": b""}
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
-    assert checksums.files_written_by(str(tmp_path), 1) == ["__1_0.distcp"]
+    (tmp_path / "__1_2.distcp").write_bytes(b"after a gap in the numbering")
+    assert checksums.files_written_by(str(tmp_path), 1) == ["__1_0.distcp"]  # found by name, in order
     own0 = checksums.files_written_by(str(tmp_path), 0)
-    assert own0 == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert own0 == ["__0_0.distcp", ".metadata", "common.pt", "metadata.json"]
     entries = checksums.hash_files(str(tmp_path), own0)
-    assert checksums.uncovered(str(tmp_path), entries) == ["__1_0.distcp"]
-    entries.update(checksums.hash_files(str(tmp_path), ["__1_0.distcp"]))
+    entries.update(checksums.hash_files(str(tmp_path), ["__1_0.distcp"]))  # rank 1's part
+    assert checksums.uncovered(str(tmp_path), entries) == ["__1_2.distcp"]  # rank 0 hashes what none named
+    entries.update(checksums.hash_files(str(tmp_path), ["__1_2.distcp"]))
     assert entries["__0_0.distcp"] == (3 << 20, zlib.crc32(files["__0_0.distcp"]))  # streamed = whole
     checksums.write_manifest(str(tmp_path), entries)
     body = json.loads((tmp_path / checksums.MANIFEST).read_text())
@@ -118,6 +120,15 @@ def _save_then_damage_and_verify(ckpt_dir: str):
     except CheckpointError as e:
         refusal = str(e)
     torch.distributed.barrier()
+    # One rank's own check failed (its filesystem, a file it sees short): every rank stops with that line
+    # rather than the others going on into the load's collectives.
+    try:
+        verify_checksums(os.path.dirname(ckpt_dir), 1, ckpt_dir, log=warnings.append,
+                         local_error="rank 1's own finding" if rank == 1 else None)
+        local = None
+    except CheckpointError as e:
+        local = str(e)
+    torch.distributed.barrier()
     if rank == 0:
         os.remove(os.path.join(ckpt_dir, checksums.MANIFEST))  # as an older release wrote it
     torch.distributed.barrier()
@@ -125,7 +136,7 @@ def _save_then_damage_and_verify(ckpt_dir: str):
     verify_checksums(os.path.dirname(ckpt_dir), 1, ckpt_dir, log=older.append)
     own = sorted(n for n in parts[0][0]) if rank == 0 else None
     return {"manifest": sorted(manifest), "written": sorted(written), "victim": victim, "refusal": refusal,
-            "warnings": warnings, "older": older, "rank0_parts": own, "parts_len": None if parts is None else len(parts)}
+            "warnings": warnings, "older": older, "local": local, "rank0_parts": own, "parts_len": None if parts is None else len(parts)}
 
 
 def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
@@ -141,5 +152,6 @@ def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
     assert r0["refusal"] is not None and r0["refusal"] == r1["refusal"], (r0["refusal"], r1["refusal"])
     assert r0["refusal"].startswith(f"{ck / r0['victim']}: its bytes changed after the save"), r0["refusal"]
     assert "nothing was loaded" in r0["refusal"] and "\n" not in r0["refusal"]
+    assert r0["local"] == r1["local"] == "rank 1's own finding"
     # Without a manifest: one warning line, on rank 0 only.
     assert r0["older"] == [checksums.no_manifest_warning(str(ck))] and r1["older"] == []

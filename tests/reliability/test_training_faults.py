@@ -220,8 +220,18 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
         assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
         assert errors[0].startswith(f"error: {path}: {what}") and "nothing was loaded" in errors[0], errors
         assert errors[0].endswith(f"the newest complete older checkpoint is {it1}: resume from it with --ckpt-step 1")
+    # --no-ckpt-checksums judges the newer, damaged iter_0000002 by its sizes alone: it stays in the way,
+    # refused before any work. With checksums (every rank verifying its share) its changed bytes let the
+    # run resume from the older one, as the line above says.
     r = run_single(args + ["--ckpt-step", "1", "--no-ckpt-checksums"])
+    errors = _error_lines(r)
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"{it2} is a newer complete checkpoint" in errors[0] and "--overwrite-checkpoints" in errors[0], errors
+    r = run_single(args + ["--ckpt-step", "1", "--exit-interval", "3"])
     assert r.returncode == 0 and "at iteration 1" in r.stdout, r.stderr[-3000:]
+    assert (ck / TRACKER).read_text().strip() == "3" and (it2 / "checksums.json").exists()
+    r = run_single(args + ["--no-ckpt-checksums"])
+    assert r.returncode == 0 and "at iteration 3" in r.stdout, r.stderr[-3000:]
     assert (ck / TRACKER).read_text().strip() == "6"
     # --no-ckpt-checksums: those saves recorded none; a checkpoint without them (an older release's too)
     # opens with one warning line, however often it is opened.
@@ -231,10 +241,10 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        open_checkpoint(str(ck), 2)  # the damaged iteration was saved again
-        open_checkpoint(str(ck), 2)
+        open_checkpoint(str(ck), 4)
+        open_checkpoint(str(ck), 4)
     assert err.getvalue().splitlines() == [
-        f"WARNING: {ck / 'iter_0000002'}: written without checksums.json (an older release, or checksums were "
+        f"WARNING: {ck / 'iter_0000004'}: written without checksums.json (an older release, or checksums were "
         "off); its files are checked for size only, not for changed bytes"], err.getvalue()
 
     # The tracker deleted beside complete checkpoints: refused at start-up, naming the newest and the flag;
