@@ -24,6 +24,11 @@ MCORE_NEXT  ?= megatron-core>=0.19,<0.20
 
 # Extra pytest flags (.ci/run passes --durations to print the slowest tests).
 PYTEST_FLAGS ?=
+# The suite runs on pytest-xdist workers, one a core up to 4, a test file to a worker (a module's fixtures
+# and multi-run jobs stay whole; session artefacts are built once for all workers, tests/conftest.py's
+# built_once). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 # make test-shuffled runs the suite in a shuffled order (modules, and the tests inside each module), fixed by
 # this seed, so that a test depending on what an earlier one left behind fails here, not on a user's machine.
 SHUFFLE_SEED ?= 33
@@ -43,7 +48,7 @@ demo: setup
 	bash examples/quickstart_cpu.sh
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_FLAGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_FLAGS)
 
 test-fake-cuda: $(STAMP_CUDA)
 	$(PY_CUDA) -m pytest -q -p no:cacheprovider -m cuda_build
@@ -57,11 +62,12 @@ $(STAMP_CUDA): pyproject.toml
 	@touch $(STAMP_CUDA)
 
 test-next: $(STAMP_NEXT)
-	$(PY_NEXT) -m pytest -q -p no:cacheprovider $(PYTEST_FLAGS)
+	$(PY_NEXT) -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_FLAGS)
 
-# The suite on the newer stack in a shuffled order (not yet part of CI).
+# The suite on the newer stack in a shuffled order (not yet part of CI), in one process: the order hazards
+# it looks for are between the tests one process runs.
 test-shuffled: $(STAMP_NEXT)
-	$(PY_NEXT) -m pytest -q -p no:cacheprovider --random-order-bucket=module \
+	$(PY_NEXT) -m pytest -q -p no:cacheprovider -n 0 --random-order-bucket=module \
 	  --random-order-seed=$(SHUFFLE_SEED) $(PYTEST_FLAGS)
 
 $(STAMP_NEXT): pyproject.toml
@@ -74,7 +80,7 @@ $(STAMP_NEXT): pyproject.toml
 	@touch $(STAMP_NEXT)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 bench: setup
 	$(PY) bench/lev_layer.py

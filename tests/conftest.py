@@ -29,10 +29,12 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List, TypeVar
 
 import pytest
 import torch
+
+T = TypeVar("T")
 
 # Without CUDA, Triton kernels run in Triton's interpreter on CPU tensors, so their tests check them
 # there. Set before anything imports megatron_lev.kernels: a kernel is built for the interpreter or
@@ -44,6 +46,12 @@ if not torch.cuda.is_available():
 # every rank the imports of torch and megatron-core. MEGATRON_LEV_RANK_POOL=0 starts ranks per check.
 os.environ.setdefault("MEGATRON_LEV_RANK_POOL", "1")
 
+# Under pytest-xdist (make test runs a worker per core, a test file to a worker) the workers share the
+# cores: each takes its share of torch's intra-op threads rather than all of them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("MEGATRON_LEV_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 CACHE = Path(os.environ.get("MEGATRON_LEV_TEST_CACHE", REPO_ROOT / ".cache"))
@@ -52,6 +60,30 @@ CACHE = Path(os.environ.get("MEGATRON_LEV_TEST_CACHE", REPO_ROOT / ".cache"))
 # is not a multiple of 128, so that vocabulary padding (to 4096) is exercised.
 BPE_VOCAB = 4000
 SENTENCEPIECE_VOCAB = 2000
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
+    """``build(folder)``'s result for the whole test run. Under pytest-xdist the workers share it: the first
+    to ask builds it under a lock in the run's common temporary folder and the others wait, then read the
+    result back (picklable); so a session artefact costs one worker, not each. Read only, like any session
+    artefact."""
+    import fcntl
+    import pickle
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # .../pytest-N/popen-gwK
+    folder, done = root / name, root / f"{name}.pickle"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return pickle.loads(done.read_bytes())
+        if folder.exists():  # a worker whose build failed half-way
+            shutil.rmtree(folder)
+        folder.mkdir()
+        value = build(folder)
+        done.write_bytes(pickle.dumps(value))
+        return value
 
 
 @pytest.fixture(scope="session")
@@ -121,17 +153,19 @@ def tokenizer_files(sample_corpus, tmp_path_factory) -> TokenizerFiles:
     from megatron_lev.tokenizer import write_tiktoken_file
     from megatron_lev.tokenizer.train import train_tokenizer
 
-    root = tmp_path_factory.mktemp("tokenizers")
-    bpe = root / "bpe"
-    train_tokenizer([sample_corpus.train], str(bpe), BPE_VOCAB, "hf_bytelevel_bpe", max_chars=3_000_000,
-                    progress=False)
-    sp = train_tokenizer([sample_corpus.train], str(root / "sp"), SENTENCEPIECE_VOCAB, "sentencepiece_bpe",
-                         max_chars=1_500_000, normalization="identity", progress=False)[0]
-    ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(str(bpe / "merges.txt"), str(bpe / "vocab.json"))
-    tik = root / "bpe.tiktoken"
-    write_tiktoken_file(ranks, str(tik))
-    return TokenizerFiles(str(bpe), str(bpe / "vocab.json"), str(bpe / "merges.txt"), str(bpe / "tokenizer.json"),
-                          str(tik), sp)
+    def build(root: Path) -> TokenizerFiles:
+        bpe = root / "bpe"
+        train_tokenizer([sample_corpus.train], str(bpe), BPE_VOCAB, "hf_bytelevel_bpe", max_chars=3_000_000,
+                        progress=False)
+        sp = train_tokenizer([sample_corpus.train], str(root / "sp"), SENTENCEPIECE_VOCAB, "sentencepiece_bpe",
+                             max_chars=1_500_000, normalization="identity", progress=False)[0]
+        ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(str(bpe / "merges.txt"), str(bpe / "vocab.json"))
+        tik = root / "bpe.tiktoken"
+        write_tiktoken_file(ranks, str(tik))
+        return TokenizerFiles(str(bpe), str(bpe / "vocab.json"), str(bpe / "merges.txt"),
+                              str(bpe / "tokenizer.json"), str(tik), sp)
+
+    return built_once(tmp_path_factory, "tokenizers", build)
 
 
 @pytest.fixture(scope="session")
@@ -172,13 +206,15 @@ def valid_corpus(sample_corpus, tokenizer_files, tmp_path_factory) -> IndexedCor
     real text (~150k tokens). Read only: tests give megatron their own ``--data-cache-path``."""
     from megatron_lev.data.preprocessing import PreprocessConfig, preprocess
 
-    out = tmp_path_factory.mktemp("valid_corpus")
-    tok = tokenizer_files
-    preprocess(PreprocessConfig(
-        inputs=[sample_corpus.valid], output_prefix=str(out / "valid"),
-        tokenizer_type="GPT2BPETokenizer", vocab_file=tok.vocab_file, merge_file=tok.merge_file,
-        append_eod=True, workers=1, progress=False, output_token_counts=True))
-    return IndexedCorpus(str(out / "valid_text_document"), str(out / "valid_text_token_counts.npy"))
+    def build(out: Path) -> IndexedCorpus:
+        tok = tokenizer_files
+        preprocess(PreprocessConfig(
+            inputs=[sample_corpus.valid], output_prefix=str(out / "valid"),
+            tokenizer_type="GPT2BPETokenizer", vocab_file=tok.vocab_file, merge_file=tok.merge_file,
+            append_eod=True, workers=1, progress=False, output_token_counts=True))
+        return IndexedCorpus(str(out / "valid_text_document"), str(out / "valid_text_token_counts.npy"))
+
+    return built_once(tmp_path_factory, "valid_corpus", build)
 
 
 def tokenizer_flags(kw: dict) -> List[str]:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import built_once
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -78,7 +80,10 @@ def gpt2_files(tokenizer_files):
 @pytest.fixture(scope="session")
 def tiny_ckpt(sample_corpus, valid_corpus, gpt2_files, tmp_path_factory):
     """{'dir': checkpoint root, 'prefix': indexed valid data, 'counts': token counts .npy, ...}."""
-    out = tmp_path_factory.mktemp("eval_ckpt")
+    return built_once(tmp_path_factory, "eval_ckpt", lambda out: _train_tiny(out, sample_corpus, valid_corpus, gpt2_files))
+
+
+def _train_tiny(out, sample_corpus, valid_corpus, gpt2_files):
     prefix = valid_corpus.prefix
     ckpt = out / "ckpt"
     run_script(REPO / "pretrain_lev.py", [
