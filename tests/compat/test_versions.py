@@ -45,10 +45,12 @@ def test_gpt_deprecation_notice_passes_once(monkeypatch, caplog):
     monkeypatch.setattr(versions, "_QUIETED", False)
     logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
     before = list(logger.filters)
+    # A model built earlier in this process left a filter that has already passed its one line.
+    logger.filters[:] = [f for f in before if not isinstance(f, versions._Once)]
     try:
         versions.quiet_repeated_warnings()
         versions.quiet_repeated_warnings()  # idempotent: one filter
-        assert len(logger.filters) == len(before) + 1
+        assert sum(isinstance(f, versions._Once) for f in logger.filters) == 1
         with caplog.at_level(logging.WARNING, logger=logger.name):
             for _ in range(3):
                 logger.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes")
