@@ -38,7 +38,7 @@ from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core
 from . import checksums
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
     check_intact, checkpoint_dir, complete_iterations, damaged_checkpoint_message, find_checkpoint, find_damage, \
-    load_common, looks_like_one_checkpoint, mark_verified, newest_complete_checkpoint, read_tracker, write_tracker
+    load_common, looks_like_one_checkpoint, newest_complete_checkpoint, read_tracker, write_tracker
 
 CHECKPOINT_VERSION = 3.0
 
@@ -516,20 +516,32 @@ def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=
                                                                     manifest, hint)
             manifest = None
     verdict = local_error
-    if verdict is None and manifest:
-        found = checksums.first_damage(path, manifest, rank, world)
-        if found is not None:
-            file, what = checksums.describe(path, manifest, *found)
-            verdict = (found[0], damaged_checkpoint_message(root, iteration, path, file, what, hint))
+    try:  # nothing here may raise on one rank alone: the others would wait in the all-gather
+        if verdict is None and manifest:
+            found = checksums.first_damage(path, manifest, rank, world)
+            if found is not None:
+                file, what = checksums.describe(path, manifest, *found)
+                verdict = (found[0], found[1], damaged_checkpoint_message(root, iteration, path, file, what, hint))
+    except Exception as e:  # an I/O error of this rank's filesystem, while finding the older checkpoint too
+        verdict = f"{path}: cannot be checked on rank {rank} ({type(e).__name__}: {_first_line(e)})"
     verdicts = all_gather_objects(verdict)  # once per load, before any read of the state
     errors = [v for v in verdicts if isinstance(v, str)]
     damage = sorted(v for v in verdicts if isinstance(v, tuple))
-    if errors or damage:  # the lowest rank's own error, else the first damaged file in the manifest's order
-        raise CheckpointError(errors[0] if errors else damage[0][1])
+    if errors:  # the lowest rank's own error
+        raise CheckpointError(errors[0])
+    if damage:  # the first damaged file in the manifest's order
+        raise ChecksumDamage(damage[0][2], kind=damage[0][1])
     if checksums_on and manifest is None and rank == 0:
         log(checksums.no_manifest_warning(path))
-    if checksums_on and manifest:
-        mark_verified(path)
+
+
+class ChecksumDamage(CheckpointError):
+    """A file of a checkpoint differs from its ``checksums.json`` (``kind``: ``checksums.MISSING``,
+    ``WRONG_SIZE``, ``WRONG_SUM`` or ``UNREADABLE``)."""
+
+    def __init__(self, message: str, *, kind: int) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def check_save_and_load(args, *, newer: bool = True) -> None:
@@ -620,10 +632,11 @@ def refuse_newer_checkpoints(args, start: Optional[int] = None, *, checksums_on:
         return  # another --save than --load: check_save_and_load refused any complete checkpoint there
     if start is None:
         start = _start_iteration(args)
-    newer = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
-             and find_damage(checkpoint_dir(save, it)) is None]
-    if checksums_on:
-        newer = [it for it in newer if _verified(save, it)]
+    if checksums_on:  # collective: every rank verifies the same list, rank 0's
+        newer = _newer_in_the_way(save, start)
+    else:
+        newer = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
+                 and find_damage(checkpoint_dir(save, it)) is None]
     if newer:
         step = getattr(args, "ckpt_step", None)
         loads = (f"--ckpt-step {step} loads iteration {step}" if step is not None else
@@ -635,14 +648,38 @@ def refuse_newer_checkpoints(args, start: Optional[int] = None, *, checksums_on:
             f"--overwrite-checkpoints to replace it")
 
 
-def _verified(root: str, iteration: int) -> bool:
-    """Whether checkpoint ``iteration`` under ``root`` matches its checksums (collective; a checkpoint
-    without a manifest counts as intact: nothing says it is not)."""
-    try:
-        verify_checksums(root, iteration, checkpoint_dir(root, iteration), log=lambda _line: None)
-    except CheckpointError:
-        return False
-    return True
+def _newer_in_the_way(save: str, start: Optional[int]) -> List[int]:
+    """Collective. The first complete checkpoint under ``save`` newer than ``start`` that matches its
+    checksums, as a list (empty: none). Rank 0 lists the candidates and sends them, so every rank runs the
+    same verifications; a newer checkpoint whose files changed or went missing may be written over (one
+    line on rank 0 says so), one that cannot be read or checked stays in the way."""
+    from megatron_lev.parallel.collectives import broadcast_object
+
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        try:
+            sent = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
+                    and find_damage(checkpoint_dir(save, it)) is None]
+        except OSError as e:
+            sent = f"--save {save}: cannot be listed ({type(e).__name__}: {_first_line(e)})"
+    candidates = broadcast_object(sent if rank == 0 else None)
+    if isinstance(candidates, str):
+        raise CheckpointError(candidates)
+    for it in candidates:
+        path = checkpoint_dir(save, it)
+        try:
+            verify_checksums(save, it, path, log=lambda _line: None)
+        except ChecksumDamage as e:
+            if e.kind != checksums.UNREADABLE:
+                if rank == 0:
+                    print(f"WARNING: {path}, newer than the checkpoint this run loads, is damaged "
+                          f"({_first_line(e).split(';')[0]}); this run may write over it", flush=True)
+                continue
+            return [it]
+        except CheckpointError:  # its manifest unreadable, or a rank could not check it: keep it
+            return [it]
+        return [it]
+    return []
 
 
 def _untracked_message(root: str, flag: str) -> str:
@@ -773,6 +810,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         local_error = None
     except CheckpointError as e:
         local_error = str(e)
+    except OSError as e:
+        local_error = f"{path}: cannot be checked ({type(e).__name__}: {_first_line(e)})"
     verify_checksums(root, iteration, path, _ckpt_step_hint, log, local_error=local_error, checksums_on=verify)
     common = load_common(path)  # refuses, in one line, a checkpoint of a newer megatron-core
     saved_args = common.get("args", {})

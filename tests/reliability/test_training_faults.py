@@ -229,6 +229,7 @@ def _damaged_checkpoint_is_one_line_naming_the_file_and_the_older_one(ck):
     assert f"{it2} is a newer complete checkpoint" in errors[0] and "--overwrite-checkpoints" in errors[0], errors
     r = run_single(args + ["--ckpt-step", "1", "--exit-interval", "3"])
     assert r.returncode == 0 and "at iteration 1" in r.stdout, r.stderr[-3000:]
+    assert f"WARNING: {it2}, newer than the checkpoint this run loads, is damaged" in r.stdout, r.stdout[-3000:]
     assert (ck / TRACKER).read_text().strip() == "3" and (it2 / "checksums.json").exists()
     r = run_single(args + ["--no-ckpt-checksums"])
     assert r.returncode == 0 and "at iteration 3" in r.stdout, r.stderr[-3000:]
