@@ -108,10 +108,19 @@ def test_te_apex_fallback_warnings_are_dropped_and_others_kept(monkeypatch):
 
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONWARNINGS"}
     repo = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, str(repo / "pretrain_lev.py"), "--help"], capture_output=True, text=True,
-                       env=env, timeout=300)
+    # --help as the script runs it, then what the start imported (the same process: one start's imports).
+    probe = ("import runpy, sys\n"
+             f"sys.argv = [{str(repo / 'pretrain_lev.py')!r}, '--help']\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+             "import megatron.core.jit, torch\n"
+             "print('PROBE', code, 'torch._dynamo' in sys.modules, megatron.core.jit.jit_fuser.__name__,"
+             " torch.compile.__module__)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "--input-embedding" in r.stdout, r.stderr[-2000:]
     assert "not installed. Falling back" not in r.stderr, r.stderr
+    # megatron-core's import-time torch.compile decorations are deferred to their first call (compat/startup.py):
+    # the start imports no TorchDynamo, megatron's jit_fuser is the deferring one, torch.compile is torch's again.
+    assert r.stdout.splitlines()[-1] == "PROBE 0 False deferred_compile torch", r.stdout[-500:]
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
@@ -126,3 +135,29 @@ def test_te_apex_fallback_warnings_are_dropped_and_others_kept(monkeypatch):
     assert notice.startswith("note: Transformer Engine and Apex are not installed") and "\n" not in notice
     found["apex"] = object()
     assert versions.fallback_notice() is None
+
+
+def test_deferred_compile_compiles_once_at_the_first_call_with_the_options():
+    from megatron_lev.compat.startup import _deferred
+
+    calls = []
+
+    def fake_compile(fn, **options):
+        calls.append((fn.__name__, options))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    deferred = _deferred(fake_compile)
+
+    @deferred
+    def add(a, b):
+        """Adds."""
+        return a + b
+
+    @deferred(dynamic=False)
+    def mul(a, b):
+        return a * b
+
+    assert calls == [] and add.__name__ == "add" and add.__doc__ == "Adds."
+    assert add(1, 2) == ("compiled", 3) and add(2, 2) == ("compiled", 4)
+    assert mul(2, 3) == ("compiled", 6)
+    assert calls == [("add", {}), ("mul", {"dynamic": False})]

@@ -1,0 +1,87 @@
+"""megatron-core's import-time ``torch.compile`` decorations, deferred to their first call.
+
+``megatron.core.jit.jit_fuser`` is ``torch.compile`` from torch 2.2, and about forty of megatron-core's fused
+functions (bias-GeLU, bias-SwiGLU, bias-dropout-add, the MoE helpers...) are decorated with it when
+``megatron.core`` is imported. ``torch.compile(fn)`` compiles nothing until ``fn`` is called, but it imports
+TorchDynamo and Inductor to build its wrapper: 1-2 s of CPU per process (both stacks, measured),
+a third of ``import megatron.core``, paid by every rank, every tool and ``--help``, also where those
+functions never run (CPU, fusions off, conversions, evaluation without them).
+
+While ``megatron.core`` itself is imported, ``torch.compile(fn, **options)`` is replaced by a wrapper that
+calls ``torch.compile(fn, **options)`` at the first call of ``fn`` and that compiled function from then on:
+what runs is what megatron-core asked for, compiled at the moment it would have been anyway. megatron-core's
+``jit_fuser`` keeps the wrapper, so its modules imported later are deferred the same way. Other callers of
+``torch.compile`` (this project's, a user's) are untouched. A process that builds a torch optimizer still
+imports TorchDynamo there (``torch.optim`` disables it around ``add_param_group``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+
+__all__ = ["defer_megatron_compiles"]
+
+_TARGET = "megatron.core"
+
+
+def _deferred(compile_fn):
+    """``torch.compile``'s signature; compiles at the first call of the decorated function."""
+
+    def deferred_compile(model=None, **options):
+        if model is None:  # used as @torch.compile(**options)
+            return lambda fn: deferred_compile(fn, **options)
+        compiled = []
+        lock = threading.Lock()
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            if not compiled:
+                with lock:
+                    if not compiled:
+                        compiled.append(compile_fn(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return first_call_compiles
+
+    return deferred_compile
+
+
+class _DeferringLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        import torch
+
+        real = torch.compile
+        torch.compile = _deferred(real)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            torch.compile = real
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(self)  # one import: the package's own
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _DeferringLoader(spec.loader)
+        return spec
+
+
+def defer_megatron_compiles() -> None:
+    """Defer megatron-core's import-time ``torch.compile`` decorations (see the module docstring). Call it
+    before ``megatron.core`` is imported; a no-op once it is (or when already called). Imports nothing."""
+    if _TARGET in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _Finder())
