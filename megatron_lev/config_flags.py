@@ -153,6 +153,7 @@ def add_config_flags(group, cls, flag_of: Callable[[str], str], names: Optional[
             typ = number
         actions[f.name] = group.add_argument(flag_of(f.name), type=typ, default=default, choices=choices,
                                              help=with_range(docs.get(f.name, "").replace("%", "%%"), typ))
+        actions[f.name].config_field = (cls, f.name)  # where the value goes (the read-flags test follows it)
     return actions
 
 

@@ -20,7 +20,8 @@ def add_checkpointing_flags(p) -> None:
                    help="load model weights only; start at iteration 0 with fresh optimizer/scheduler")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="save the distributed optimizer so that it reloads with any TP/PP (gathers on DP rank 0)")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=["torch_dist"])
+    g.add_argument("--ckpt-format", default="torch_dist", metavar="torch_dist",
+                   help="the only format here (megatron-core dist_checkpointing); others are refused")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-step", type=NON_NEGATIVE_INT, default=None,
                    help="load iter_N of --load instead of the one latest_checkpointed_iteration.txt names")

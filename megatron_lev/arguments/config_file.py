@@ -18,7 +18,7 @@ from typing import Any, Dict
 from megatron_lev.config_flags import Number
 from megatron_lev.lev.config import ConfigError
 
-from .megatron_lm import refusal
+from .megatron_lm import NO_OPS, refusal
 
 # Arguments that describe the run rather than the model/optimisation: not compared on resume.
 _DERIVED = ("data_parallel_size", "world_size", "num_microbatches", "padded_vocab_size", "params_dtype_name",
@@ -70,8 +70,8 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     # the tokenizer fingerprint is a mapping whose fields are no flags.
     data = {k: v for k, v in data.items() if k not in _DERIVED}
     for key, value in _flatten(data).items():
-        if key in _DERIVED:
-            continue
+        if key in _DERIVED or "--" + key.replace("_", "-") in NO_OPS:
+            continue  # a no-op flag (older config.yaml files hold log_throughput: false)
         if key not in actions:
             reason = refusal(key) or f"unknown argument {key!r} (flag --{key.replace('_', '-')})"
             raise ConfigError(f"--config {path}: {reason}")

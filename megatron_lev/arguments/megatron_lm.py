@@ -1,6 +1,7 @@
 """Megatron-LM flags this fork does not implement: each is refused in one line naming the feature and
-what to use instead, so that no flag of a Megatron-LM script is accepted and ignored; and the flags that
-are accepted and do nothing here, with the reason (``NO_OPS``).
+what to use instead, so that no flag of a Megatron-LM script is accepted and ignored; the flags that
+are accepted and do nothing here, with the reason (``NO_OPS``); and those accepted at the one value this
+fork implements (``FIXED``).
 
 A refused flag is not registered with the parser: argparse leaves it unrecognised and ``refusal`` names
 it (an exact flag, or a family by prefix, such as the ``--moe-*`` flags ``arguments.moe`` does not define).
@@ -17,9 +18,8 @@ from megatron_lev.lev.config import ConfigError
 # changes the resolved arguments).
 NO_OPS = {
     "--use-mcore-models": "megatron-core models are the only models here (deprecated in Megatron-LM too)",
-    "--log-throughput": "throughput and TFLOP/s are always logged",
-    "--group-query-attention": "implied by --num-query-groups here (Megatron-LM ignores --num-query-groups "
-                               "without it)",
+    "--log-throughput": "throughput (TFLOP/s/GPU, tokens/s) is on every --log-interval line here, with or without "
+                        "it (Megatron-LM prints it only with the flag)",
     "--no-create-attention-mask-in-dataloader": "the loader never builds a dense attention mask here (attention "
                                                 "is causal in the kernel): already the behaviour",
     "--use-flash-attn": "deprecated in Megatron-LM, which still accepts it and reads it nowhere; attention is "
@@ -28,6 +28,28 @@ NO_OPS = {
                                "rope, where there is no learned position table to disable; refused with any other "
                                "type (use --position-embedding-type none)",
 }
+
+# Flags accepted at the one value this fork implements (its default): the value, another one, and why
+# any other value is refused in one line naming the flag.
+FIXED = {
+    "--ckpt-format": ("torch_dist", "torch",
+                      "checkpoints are written and read in torch_dist (megatron-core dist_checkpointing) only here; "
+                      "drop the flag or give torch_dist (convert a legacy checkpoint with Megatron-LM first)"),
+    "--context-parallel-size": ("1", "2", "context parallelism is not implemented here (the local spec's SDPA "
+                                          "attention and the data layout keep whole sequences on a rank); use 1"),
+    "--num-distributed-optimizer-instances": ("1", "2", "partial distributed-optimizer groups are not "
+                                                        "implemented here; use 1"),
+}
+
+
+def fixed_value_refusal(args) -> Optional[str]:
+    """The one-line refusal of the first ``FIXED`` flag given another value than its one (None if none)."""
+    for flag, (value, _, reason) in FIXED.items():
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if str(given) != value:
+            return f"{flag} {given}: {reason}"
+    return None
+
 
 _FSDP = "Megatron-FSDP / torch FSDP2 are not supported here; use --use-distributed-optimizer (ZeRO-1 sharding)"
 _CUDA_GRAPHS = "CUDA graphs are not supported here; drop the flag"
@@ -104,7 +126,8 @@ class _NoOp(argparse.Action):
 def add_megatron_lm_flags(p) -> None:
     """The no-op flags that no other group defines."""
     g = p.add_argument_group("accepted from Megatron-LM, no effect here")
-    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader", "--use-flash-attn"):
+    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader", "--use-flash-attn",
+                 "--log-throughput"):
         g.add_argument(flag, action=_NoOp, help=NO_OPS[flag])
     # Seen by the check below only (a leading underscore keeps it out of the resolved arguments).
     g.add_argument("--no-position-embedding", dest="_no_position_embedding", action="store_true",
@@ -113,6 +136,9 @@ def add_megatron_lm_flags(p) -> None:
 
 def check_megatron_lm_flags(args) -> None:
     """The accepted Megatron-LM flags whose combination with others Megatron-LM refuses, refused alike."""
+    reason = fixed_value_refusal(args)
+    if reason is not None:
+        raise ConfigError(reason)
     if getattr(args, "_no_position_embedding", False) and args.position_embedding_type != "rope":
         raise ConfigError(f"--no-position-embedding is deprecated and taken only with --position-embedding-type "
                           f"rope (got {args.position_embedding_type}); use --position-embedding-type none")

@@ -4,7 +4,6 @@ distributed optimizer and the DDP overlap flags, the process-group backend."""
 from __future__ import annotations
 
 from megatron_lev.config_flags import POSITIVE_INT
-from megatron_lev.lev.config import ConfigError
 
 
 def add_parallel_flags(p) -> None:
@@ -28,14 +27,3 @@ def add_parallel_flags(p) -> None:
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="default nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=POSITIVE_INT, default=10)
-
-
-def check_parallel_flags(args) -> None:
-    """The parallel layouts accepted under Megatron-LM's names but only at their single-copy value."""
-    if args.context_parallel_size != 1:
-        raise ConfigError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
-                          "implemented here (the local spec's SDPA attention and the data layout keep whole "
-                          "sequences on a rank); use 1")
-    if args.num_distributed_optimizer_instances != 1:
-        raise ConfigError(f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}: "
-                          "partial distributed-optimizer groups are not implemented here; use 1")

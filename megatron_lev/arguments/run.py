@@ -40,7 +40,6 @@ def add_run_flags(p) -> None:
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
-    g.add_argument("--log-throughput", action="store_true", help="accepted for Megatron compatibility (always on)")
     g.add_argument("--peak-tflops-per-device", type=POSITIVE_FLOAT, default=None,
                    help="for MFU; default: known GPUs' dense bf16 peak, unknown (no MFU) on CPU")
     g.add_argument("--metrics-file", default=None,

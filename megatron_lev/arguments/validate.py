@@ -19,10 +19,19 @@ from .checkpointing import check_output_dirs
 from .megatron_lm import check_megatron_lm_flags
 from .model import check_model_flags
 from .moe import check_moe_flags
-from .parallel import check_parallel_flags
 from .precision import check_precision_flags
 from .run import check_run
 from .schedule import check_batch_sizes, check_loss, check_lr_schedule, check_training_length
+
+
+# Flags that validation folds into another argument, which is what the model, optimizer or loop reads.
+FOLDED_INTO = {
+    "num_layers_per_virtual_pipeline_stage": "virtual_pipeline_model_parallel_size",
+    "recompute_activations": "recompute_granularity",
+    "untie_embeddings_and_output_weights": "input_embedding",
+    "grad_reduce_in_bf16": "accumulate_allreduce_grads_in_fp32",
+    "group_query_attention": "num_query_groups",
+}
 
 
 def _warn(message: str) -> None:
@@ -53,7 +62,8 @@ def _check_required(args) -> None:
 
 
 def _check_parallel_sizes(args) -> None:
-    """TP x PP against the world size, query groups, virtual stages; then the model's own layout check."""
+    """TP x PP against the world size, query groups, virtual stages; then the model's own layout check
+    (heads and query groups against TP: megatron-core's rule, in ``models.config.check_parallel_settings``)."""
     tp, pp, world_size = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
     if world_size % (tp * pp) != 0:
         raise ConfigError(
@@ -61,7 +71,12 @@ def _check_parallel_sizes(args) -> None:
             f"does not divide the world size {world_size}"
         )
     args.data_parallel_size = world_size // (tp * pp)
-    if args.group_query_attention or args.num_query_groups is not None:
+    if args.num_query_groups is not None and not args.group_query_attention:
+        # As Megatron-LM, which passes the groups to the model only with --group-query-attention.
+        _warn(f"--num-query-groups {args.num_query_groups} is ignored without --group-query-attention (every "
+              "attention head keeps its own keys and values); add --group-query-attention for grouped-query attention")
+        args.num_query_groups = None
+    if args.group_query_attention:
         if args.num_query_groups is None:
             raise ConfigError("--group-query-attention needs --num-query-groups")
         if args.num_attention_heads % args.num_query_groups != 0:
@@ -69,11 +84,6 @@ def _check_parallel_sizes(args) -> None:
                 f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                 f"--num-query-groups {args.num_query_groups}"
             )
-        if args.num_query_groups % tp != 0:
-            raise ConfigError(
-                f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}"
-            )
-        args.group_query_attention = True
     if args.num_layers_per_virtual_pipeline_stage is not None:
         if args.virtual_pipeline_model_parallel_size is not None:
             raise ConfigError("give only one of --num-layers-per-virtual-pipeline-stage and "
@@ -203,7 +213,6 @@ _CHECKS = (
     check_megatron_lm_flags,
     _check_required,
     _check_parallel_sizes,
-    check_parallel_flags,
     check_batch_sizes,
     _check_model_shape,
     check_model_flags,

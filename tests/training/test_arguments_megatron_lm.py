@@ -25,7 +25,7 @@ NEEDS = {
     "--grad-reduce-in-bf16": ["--bf16"], "--overlap-param-gather": ["--use-distributed-optimizer"],
     "--save-interval": ["--save", "ckpt"], "--ckpt-step": ["--load", "ckpt"], "--skip-train": ["--load", "ckpt"],
     "--lr-wsd-decay-iters": ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "1"],
-    "--group-query-attention": ["--num-query-groups", "2"],
+    "--group-query-attention": ["--num-query-groups", "2"], "--num-query-groups": ["--group-query-attention", "--num-query-groups", "4"],
     "--manual-gc-interval": ["--manual-gc"], "--disable-manual-gc-eval": ["--manual-gc"],
     "--profile-step-start": ["--profile"], "--profile-step-end": ["--profile"], "--profile-ranks": ["--profile"],
     "--use-pytorch-profiler": ["--profile", "--tensorboard-dir", "tb"],
@@ -130,3 +130,42 @@ def test_sequence_parallel_at_tp1_is_switched_off_with_one_warning_as_megatron_l
     assert capsys.readouterr().err == ""
     tp2 = parse_args(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2)
     assert tp2.sequence_parallel is True and capsys.readouterr().err == ""
+
+
+def test_num_query_groups_without_group_query_attention_is_ignored_with_one_warning(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    args = parse_args(BASE + ["--num-query-groups", "2"], world_size=1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert args.num_query_groups is None and args.group_query_attention is False
+    assert len(err) == 1 and err[0].startswith("WARNING: --num-query-groups 2 is ignored without "
+                                               "--group-query-attention"), err
+    gqa = parse_args(BASE + ["--num-query-groups", "2", "--group-query-attention"], world_size=1)
+    assert gqa.num_query_groups == 2 and gqa.group_query_attention is True and capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match="^--group-query-attention needs --num-query-groups$"):
+        parse_args(BASE + ["--group-query-attention"], world_size=1)
+
+
+@pytest.mark.parametrize("heads, groups, tp, ok", [(4, 2, 2, True), (4, 1, 2, True), (8, 2, 4, True),
+                                                   (6, 3, 2, False), (4, 4, 8, False)])
+def test_query_groups_against_tp_follow_megatron_cores_rule(heads, groups, tp, ok):
+    """megatron-core's TransformerConfig: the groups a multiple or a divisor of TP (fewer groups than TP
+    ranks replicate the keys and values), checked once, by the model config."""
+    argv = BASE + ["--num-attention-heads", str(heads), "--hidden-size", str(16 * heads), "--group-query-attention",
+                   "--num-query-groups", str(groups), "--tensor-model-parallel-size", str(tp)]
+    if ok:
+        assert parse_args(argv, world_size=tp).num_query_groups == groups
+        return
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv, world_size=tp)
+    assert str(e.value).startswith("--num-") and "\n" not in str(e.value)
+
+
+def test_log_throughput_is_a_no_op_and_an_older_config_yaml_holding_it_still_loads(tmp_path):
+    base = resolved_config(parse_args(BASE, world_size=1))
+    assert resolved_config(parse_args(BASE + ["--log-throughput"], world_size=1)) == base
+    assert "log_throughput" not in base  # not saved with the checkpoint as if it chose something
+    old = tmp_path / "config.yaml"
+    old.write_text("log_throughput: false\nnum_layers: 3\n")
+    assert parse_args(BASE + ["--config", str(old)], world_size=1).num_layers == 2  # the command line wins
+    assert BASE[:2] == ["--num-layers", "2"]
+    assert parse_args(BASE[2:] + ["--config", str(old)], world_size=1).num_layers == 3
