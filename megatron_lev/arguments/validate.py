@@ -13,7 +13,7 @@ from typing import List
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models.config import check_mtp_stage, check_parallel_settings
 from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, \
-    vocab_size_refusal
+    SENTENCEPIECE_TYPES, vocab_size_refusal
 
 from .checkpointing import check_output_dirs
 from .megatron_lm import check_megatron_lm_flags
@@ -235,7 +235,7 @@ def _validate_tokenizer_files(args) -> None:
     need: List[str] = []
     if t == "GPT2BPETokenizer":
         need = ["vocab_file", "merge_file"]
-    elif t in ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "TikTokenizer"):
+    elif t in ("HuggingFaceTokenizer", *SENTENCEPIECE_TYPES, "TikTokenizer"):
         need = ["tokenizer_model"]
     elif t == "NullTokenizer" and args.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")

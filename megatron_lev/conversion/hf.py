@@ -58,6 +58,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
 from megatron_lev.tokenizer.fingerprint import MODEL_DIR_SIDECAR, write_sidecar
+from megatron_lev.tokenizer.tokenizers import SENTENCEPIECE_TYPES
 
 from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint
 
@@ -385,7 +386,7 @@ def export_tokenizer(a: Dict[str, Any], out_dir: str, log=print) -> List[str]:
                 from transformers import PreTrainedTokenizerFast
 
                 PreTrainedTokenizerFast(tokenizer_file=path).save_pretrained(out_dir)
-        elif t in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        elif t in SENTENCEPIECE_TYPES:
             shutil.copy(a["tokenizer_model"], os.path.join(out_dir, "tokenizer.model"))
             try:
                 from transformers import LlamaTokenizer

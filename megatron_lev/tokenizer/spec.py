@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from megatron_lev.config_flags import add_config_flags
 from megatron_lev.tokenizer.tokenizers import (MEGATRON_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS, TOKENIZER_TYPES,
-                                               LevTokenizer, build_tokenizer)
+                                               LevTokenizer, build_tokenizer, tokenizer_type_name)
 
 
 @dataclass(kw_only=True)
@@ -22,7 +22,8 @@ class TokenizerSpec:
     """A tokenizer by Megatron-LM type name and its files (configs that name a tokenizer extend it)."""
 
     tokenizer_type: str = field(metadata={"choices": TOKENIZER_TYPES})
-    """GPT2BPETokenizer, HuggingFaceTokenizer, (GPT)SentencePieceTokenizer, TikTokenizer or NullTokenizer."""
+    """GPT2BPETokenizer, HuggingFaceTokenizer, SentencePieceTokenizer (or GPTSentencePieceTokenizer,
+    Llama2Tokenizer: the same), TikTokenizer or NullTokenizer."""
 
     vocab_file: Optional[str] = None
     """GPT-2 ``vocab.json`` (GPT2BPETokenizer)."""
@@ -54,6 +55,8 @@ class TokenizerSpec:
         actions = add_config_flags(group, TokenizerSpec, lambda n: "--" + n.replace("_", "-"), names,
                                    defaults={"tokenizer_type": None, **(defaults or {})})
         actions["tokenizer_type"].required = required
+        if "tokenizer_type" in actions:
+            actions["tokenizer_type"].type = tokenizer_type_name  # Megatron-LM's other types: refused with why
 
     @staticmethod
     def from_args(*sources: Any) -> Optional["TokenizerSpec"]:

@@ -449,7 +449,8 @@ class HuggingFaceTokenizer(LevTokenizer):
 
 
 class SentencePieceTokenizer(LevTokenizer):
-    """A SentencePiece ``.model`` (Megatron's ``SentencePieceTokenizer``/``GPTSentencePieceTokenizer``).
+    """A SentencePiece ``.model`` (Megatron's ``SentencePieceTokenizer``/``GPTSentencePieceTokenizer``/
+    ``Llama2Tokenizer``).
 
     ``tokenize`` is ``encode(text)`` with neither BOS nor EOS (SentencePiece adds them only when asked;
     Megatron's GPT SentencePiece tokenizer does the same); ``eod`` is the model's EOS id.
@@ -538,14 +539,39 @@ def _check_gpt2_files(vocab_file: Optional[str], merge_file: Optional[str]) -> N
         raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object of token -> id")
 
 
+# Megatron-LM's names of a SentencePiece .model tokenizer (its megatron-core tokenizers build all three
+# with the sentencepiece library).
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
+    *SENTENCEPIECE_TYPES,
     "TikTokenizer",
     "NullTokenizer",
 )
+
+# Megatron-LM's other tokenizer types, each with why it is not offered here and what to use.
+UNSUPPORTED_TOKENIZER_TYPES = {
+    "BertWordPieceLowerCase": "Megatron-LM's BERT WordPiece tokenizers are not implemented here (GPT pretraining); a "
+                              "WordPiece tokenizer.json loads with --tokenizer-type HuggingFaceTokenizer",
+    "BertWordPieceCase": "Megatron-LM's BERT WordPiece tokenizers are not implemented here (GPT pretraining); a "
+                         "WordPiece tokenizer.json loads with --tokenizer-type HuggingFaceTokenizer",
+    "MultimodalTokenizer": "multimodal models are not part of this fork (text-only GPT pretraining)",
+    "NullMultimodalTokenizer": "multimodal models are not part of this fork (text-only GPT pretraining)",
+    "SFTTokenizer": "supervised fine-tuning's prompt formats are not part of this fork (pretraining); use "
+                    "--tokenizer-type HuggingFaceTokenizer with the model's tokenizer.json",
+}
+
+
+def tokenizer_type_name(text: str) -> str:
+    """``--tokenizer-type``'s value: one of Megatron-LM's other types is refused with its reason (argparse's
+    choices then refuse an unknown name)."""
+    import argparse
+
+    if text in UNSUPPORTED_TOKENIZER_TYPES:
+        raise argparse.ArgumentTypeError(f"{text}: {UNSUPPORTED_TOKENIZER_TYPES[text]}")
+    return text
 
 
 def build_tokenizer(
@@ -565,7 +591,8 @@ def build_tokenizer(
 
     GPT2BPETokenizer: vocab_file + merge_file (backend "tiktoken" or "hf").
     HuggingFaceTokenizer: tokenizer_model = tokenizer.json (or its directory).
-    SentencePieceTokenizer / GPTSentencePieceTokenizer: tokenizer_model = .model.
+    SentencePieceTokenizer / GPTSentencePieceTokenizer / Llama2Tokenizer: tokenizer_model = .model (as
+    Megatron-LM's megatron-core tokenizers: no BOS or EOS added, EOD the model's EOS).
     TikTokenizer: tokenizer_model = .tiktoken rank file, tiktoken_pattern in gpt2/r50k/cl100k/o200k; or
     Megatron-LM's v1/v2 over a .tiktoken file or Megatron-LM's JSON vocabulary, with
     tiktoken_num_special_tokens and vocab_size as Megatron-LM's (see TikTokenizer).
@@ -575,7 +602,7 @@ def build_tokenizer(
         return GPT2BPETokenizer(vocab_file, merge_file, backend=backend)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model, eod_token=eod_token)
-    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if tokenizer_type in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "TikTokenizer":
         return TikTokenizer(

@@ -169,3 +169,31 @@ def test_log_throughput_is_a_no_op_and_an_older_config_yaml_holding_it_still_loa
     assert parse_args(BASE + ["--config", str(old)], world_size=1).num_layers == 2  # the command line wins
     assert BASE[:2] == ["--num-layers", "2"]
     assert parse_args(BASE[2:] + ["--config", str(old)], world_size=1).num_layers == 3
+
+
+def test_llama2_tokenizer_is_megatron_lms_sentencepiece_tokenizer(tokenizer_files):
+    from megatron_lev.tokenizer import TokenizerSpec, tokenizer_fingerprint
+
+    sp = ["--tokenizer-model", tokenizer_files.sentencepiece_model]
+    data = BASE[:BASE.index("--mock-data")] + ["--data-path", "corpus"]
+    built = {}
+    for name in ("Llama2Tokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+        args = parse_args(data + ["--tokenizer-type", name] + sp, world_size=1)
+        assert args.tokenizer_type == name
+        built[name] = TokenizerSpec.from_args(args).build()
+    text = "The quick brown fox, 1234."
+    ids = {name: tok.tokenize(text) for name, tok in built.items()}
+    assert ids["Llama2Tokenizer"] == ids["SentencePieceTokenizer"] == ids["GPTSentencePieceTokenizer"]
+    # the same tokenizer: datasets preprocessed under one name train under another
+    assert len({str(tokenizer_fingerprint(t)) for t in built.values()}) == 1
+    with pytest.raises(ConfigError, match="^--tokenizer-type Llama2Tokenizer needs --tokenizer-model$"):
+        parse_args(data + ["--tokenizer-type", "Llama2Tokenizer"], world_size=1)
+
+
+@pytest.mark.parametrize("name", ["BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer",
+                                  "NullMultimodalTokenizer", "SFTTokenizer"])
+def test_megatron_lms_other_tokenizer_types_are_refused_with_the_reason(name):
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + ["--tokenizer-type", name], world_size=1)
+    msg = str(e.value)
+    assert msg.startswith(f"argument --tokenizer-type: {name}: ") and "not" in msg and "\n" not in msg
