@@ -20,8 +20,9 @@ NO_OPS = {
     "--use-mcore-models": "megatron-core models are the only models here (deprecated in Megatron-LM too)",
     "--log-throughput": "throughput (TFLOP/s/GPU, tokens/s) is on every --log-interval line here, with or without "
                         "it (Megatron-LM prints it only with the flag)",
-    "--no-create-attention-mask-in-dataloader": "the loader never builds a dense attention mask here (attention "
-                                                "is causal in the kernel): already the behaviour",
+    "--no-create-attention-mask-in-dataloader": "the loader builds a dense attention mask only for "
+                                                "--reset-attention-mask here (elsewhere attention is causal in the "
+                                                "kernel): already the behaviour",
     "--use-flash-attn": "deprecated in Megatron-LM, which still accepts it and reads it nowhere; attention is "
                         "chosen by --attention-backend",
     "--no-position-embedding": "deprecated in Megatron-LM, which accepts it only with --position-embedding-type "

@@ -16,6 +16,7 @@ from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGAT
     SENTENCEPIECE_TYPES, vocab_size_refusal
 
 from .checkpointing import check_output_dirs
+from .data import check_document_flags
 from .megatron_lm import check_megatron_lm_flags
 from .model import check_model_flags
 from .moe import check_moe_flags
@@ -224,6 +225,7 @@ _CHECKS = (
     check_lr_schedule,
     check_loss,
     _check_data,
+    check_document_flags,
     _check_checkpointing,
     check_run,
     check_output_dirs,  # last: file-system probes only for an otherwise valid run

@@ -45,7 +45,9 @@ def build_datasets(args, tokenizer):
         test_data_path=join(args.test_data_path), mock=args.mock_data, seed=args.seed,
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False, mmap_bin_files=args.mmap_bin_files, vocab_size=args.padded_vocab_size,
+        # The dense mask only where documents must not see each other (else the kernel's causal mask).
+        create_attention_mask=args.reset_attention_mask, mmap_bin_files=args.mmap_bin_files,
+        vocab_size=args.padded_vocab_size,
         tokenizer_fp=getattr(args, "tokenizer_fingerprint", None),
         allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, warn=_warn_first_rank,
     )
