@@ -12,12 +12,16 @@ script is run by bash with its launcher replaced by a function that prints its a
 scratch directory holding an empty ``pretrain_gpt.py``; its positional arguments ``--script-args``,
 default none), the argv it passes is parsed with ``--input-embedding lev`` added at the launch's world
 size (``--nproc-per-node`` x ``--nnodes``; for ``srun`` or no launcher option, TP x PP x CP), and each
-one-line error is listed, the flag it names dropped and the parse repeated.
+one-line error is listed, the flag it names dropped and the parse repeated. ``--env NAME=VALUE`` sets the
+script's environment (``SLURM_NNODES=4`` for a four-node launch); ``--assume-cuda-te`` parses as on a machine
+with CUDA GPUs and Transformer Engine, so that only the stops of this fork remain (without it, the stops a
+CPU machine adds name CUDA or Transformer Engine).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -78,15 +82,16 @@ export -f __print torchrun python python3 uv srun
 """
 
 
-def launch(path: str, script_args=()):
-    """(launcher words, training words): what the script (run with ``script_args``) passes to its launcher
-    before the ``*.py`` entry point, and to the entry point after it, as bash expands them. A script whose
-    launch is none of the replaced ones raises ValueError naming it."""
+def launch(path: str, script_args=(), env=None):
+    """(launcher words, training words): what the script (run with ``script_args``, its environment
+    updated with ``env``) passes to its launcher before the ``*.py`` entry point, and to the entry point
+    after it, as bash expands them. A script whose launch is none of the replaced ones raises ValueError
+    naming it."""
     with tempfile.TemporaryDirectory() as scratch:
         Path(scratch, "pretrain_gpt.py").touch()
         shims = _SHIMS.format(py=sys.executable)
         r = subprocess.run(["bash", "-c", f'{shims}\nsource "$0"', os.path.abspath(path), *script_args],
-                           cwd=scratch, capture_output=True, text=True, timeout=60)
+                           cwd=scratch, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
     for line in reversed(r.stdout.strip().splitlines()):
         try:
             words = json.loads(line)
@@ -123,16 +128,34 @@ def _value(argv, flag: str, default: int = 1) -> int:
     return int(argv[argv.index(flag) + 1]) if flag in argv else default
 
 
-def stops(argv, world_size=None):
+@contextlib.contextmanager
+def assumed_cuda_and_te():
+    """What the parser asks of the machine answered as on a node of H100s with Transformer Engine: CUDA
+    available (compute capability 9.0), megatron-core's Transformer Engine flags set."""
+    from unittest import mock
+
+    import torch
+
+    from megatron_lev.models import config as model_config
+
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "device_count", lambda: 8), \
+            mock.patch.object(model_config, "te_available", lambda: True), \
+            mock.patch.object(model_config, "cuda_capability", lambda: (9, 0)):
+        yield
+
+
+def stops(argv, world_size=None, assume_cuda_te: bool = False):
     """Each one-line error of the parser on ``argv`` (+ ``--input-embedding lev``) at ``world_size``
     ranks (default: TP x PP x CP), dropping the flag it names and parsing again, until it parses or an
-    error names no flag of ``argv``."""
+    error names no flag of ``argv``; ``assume_cuda_te``: parsed as with CUDA and Transformer Engine."""
     argv, out = list(argv) + ["--input-embedding", "lev"], []
     world = world_size or (_value(argv, "--tensor-model-parallel-size")
                            * _value(argv, "--pipeline-model-parallel-size") * _value(argv, "--context-parallel-size"))
     while True:
         try:
-            parse_args(argv, world_size=world)
+            with assumed_cuda_and_te() if assume_cuda_te else contextlib.nullcontext():
+                parse_args(argv, world_size=world)
             return out
         except ConfigError as e:
             msg = str(e)
@@ -153,7 +176,15 @@ def main(argv=None) -> int:
     p.add_argument("scripts", nargs="+")
     p.add_argument("--stops", action="store_true", help="also run each script (bash) and list where parsing stops")
     p.add_argument("--script-args", nargs="*", default=[], help="with --stops: the scripts' positional arguments")
+    p.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
+                   help="with --stops: the scripts' environment (e.g. SLURM_NNODES=4)")
+    p.add_argument("--assume-cuda-te", action="store_true",
+                   help="with --stops: parse as on a machine with CUDA GPUs and Transformer Engine")
     args = p.parse_args(argv)
+    bad = [e for e in args.env if "=" not in e or not e.split("=", 1)[0]]
+    if bad:
+        p.error(f"--env {bad[0]}: expected NAME=VALUE")
+    env = dict(e.split("=", 1) for e in args.env)
     print("| script | Megatron flags | accepted | refused in one line | refused as unknown |")
     print("|---|---|---|---|---|")
     for path in args.scripts:
@@ -165,11 +196,11 @@ def main(argv=None) -> int:
         for path in args.scripts:
             print(f"\n`{Path(path).name}` stops on:")
             try:
-                launcher, argv = launch(path, args.script_args)
+                launcher, argv = launch(path, args.script_args, env)
             except ValueError as e:
                 print(f"- cannot tell: {e}")
                 continue
-            for msg in stops(argv, launcher_world_size(launcher)) or ["nothing: it parses"]:
+            for msg in stops(argv, launcher_world_size(launcher), args.assume_cuda_te) or ["nothing: it parses"]:
                 print(f"- {msg}")
     return 0
 

@@ -1,12 +1,22 @@
 """bench/megatron_lm_flags.py, the counter of a Megatron-LM launch script's flags: which words count as
 flags, how each launcher's training argv and world size are found, and that ``--stops`` reports a launch
-it cannot read in one line. Small scripts written here (no Megatron-LM checkout needed)."""
+it cannot read in one line; and where Megatron-LM's Llama-3 8B FP8 and Mixtral 8x7B launches stop (their
+recorded launcher words and argv, ``tests/training/data/megatron_lm_examples.json``): only at what a machine
+without CUDA and Transformer Engine cannot do, and nowhere with ``--assume-cuda-te``. Small scripts written
+here (no Megatron-LM checkout needed)."""
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import pytest
 
-from tests.bench import load_bench
+from tests.bench import REPO, load_bench
+
+EXAMPLES = json.loads((REPO / "tests" / "training" / "data" / "megatron_lm_examples.json").read_text())
+LLAMA = "examples/llama/train_llama3_8b_h100_fp8.sh"
+MIXTRAL = "examples/mixtral/train_mixtral_8x7b_distributed.sh"
 
 TAIL = ("pretrain_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
         "--expert-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
@@ -53,3 +63,38 @@ def test_stops_use_the_launch_world_size_not_tp_x_pp(mf, tmp_path, capsys):
     assert mf.main([str(other), "--stops"]) == 0
     out = capsys.readouterr().out
     assert f"- cannot tell: {other}: no training command was launched" in out, out
+
+
+def test_env_sets_the_scripts_environment(mf, tmp_path):
+    script = tmp_path / "nodes.sh"
+    script.write_text(f'NNODES=${{SLURM_NNODES:-1}}\ntorchrun --nproc_per_node 8 --nnodes $NNODES {TAIL}\n')
+    assert mf.launcher_world_size(mf.launch(str(script))[0]) == 8
+    assert mf.launcher_world_size(mf.launch(str(script), env={"SLURM_NNODES": "4"})[0]) == 32
+
+
+def _recorded_launch(tmp_path, script: str, sp_model: str):
+    """A launch script of the recorded torchrun words and argv, its paths filled in."""
+    paths = {"$CHECKPOINT_PATH": str(tmp_path / "ckpt"), "$TENSORBOARD_LOGS_PATH": str(tmp_path / "tb"),
+             "$TOKENIZER_MODEL": sp_model, "$DATA_PATH": str(tmp_path / "data_text_document"),
+             "$PWD": str(tmp_path)}
+    words = [w for line in EXAMPLES["scripts"][script] for w in line.split(" ", 1)]
+    for placeholder, value in paths.items():
+        words = [w.replace(placeholder, value) for w in words]
+    path = tmp_path / "launch.sh"
+    path.write_text(f"torchrun {shlex.join(EXAMPLES['launchers'][script])} pretrain_gpt.py {shlex.join(words)}\n")
+    return path
+
+
+@pytest.mark.parametrize("script, world", [(LLAMA, 8), (MIXTRAL, 32)])
+def test_llama3_fp8_and_mixtral_stop_only_at_cuda_and_transformer_engine(mf, tmp_path, capsys, tokenizer_files,
+                                                                         script, world):
+    path = _recorded_launch(tmp_path, script, tokenizer_files.sentencepiece_model)
+    launcher, argv = mf.launch(str(path))
+    assert mf.launcher_world_size(launcher) == world  # their own TP/PP/EP fit this world size
+    here = mf.stops(argv, world)
+    assert here and all(("CUDA" in m or "Transformer Engine" in m) and "\n" not in m for m in here), here
+    assert mf.stops(argv, world, assume_cuda_te=True) == []
+    capsys.readouterr()
+    assert mf.main([str(path), "--stops", "--assume-cuda-te"]) == 0
+    out = capsys.readouterr().out
+    assert "stops on:\n- nothing: it parses" in out and "refused" not in out.split("stops on:")[1], out
