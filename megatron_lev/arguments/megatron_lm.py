@@ -25,6 +25,8 @@ NO_OPS = {
                                                 "kernel): already the behaviour",
     "--use-flash-attn": "deprecated in Megatron-LM, which still accepts it and reads it nowhere; attention is "
                         "chosen by --attention-backend",
+    "--auto-detect-ckpt-format": "checkpoints here are read in the one format written (torch_dist), found by "
+                                 "itself; a --load directory in another format is refused in one line",
     "--no-position-embedding": "deprecated in Megatron-LM, which accepts it only with --position-embedding-type "
                                "rope, where there is no learned position table to disable; refused with any other "
                                "type (use --position-embedding-type none)",
@@ -40,6 +42,8 @@ FIXED = {
                                           "attention and the data layout keep whole sequences on a rank); use 1"),
     "--num-distributed-optimizer-instances": ("1", "2", "partial distributed-optimizer groups are not "
                                                         "implemented here; use 1"),
+    "--rope-type": ("rope", "yarn", "YaRN rotary scaling is Megatron-LM's for multi-latent attention, not "
+                                    "implemented here; the rotary embedding here is --rope-type rope"),
 }
 
 
@@ -128,7 +132,7 @@ def add_megatron_lm_flags(p) -> None:
     """The no-op flags that no other group defines."""
     g = p.add_argument_group("accepted from Megatron-LM, no effect here")
     for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader", "--use-flash-attn",
-                 "--log-throughput"):
+                 "--log-throughput", "--auto-detect-ckpt-format"):
         g.add_argument(flag, action=_NoOp, help=NO_OPS[flag])
     # Seen by the check below only (a leading underscore keeps it out of the resolved arguments).
     g.add_argument("--no-position-embedding", dest="_no_position_embedding", action="store_true",

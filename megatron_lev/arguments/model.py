@@ -63,6 +63,8 @@ def add_model_flags(p) -> None:
     # Megatron-LM's command-line defaults (learned positions, LayerNorm), not LevModelConfig's.
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES)
     g.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    g.add_argument("--rope-type", default="rope", metavar="rope",
+                   help="rotary embedding type (Megatron-LM's; YaRN is refused: multi-latent attention only)")
     add_config_flags(g, LevModelConfig, field_flag, _MODEL_SHAPE_FLAG_FIELDS)
     g.add_argument("--norm-epsilon", type=POSITIVE_FLOAT, default=1e-5)
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (default: GeLU, as Megatron-LM)")

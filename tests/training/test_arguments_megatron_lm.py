@@ -90,7 +90,8 @@ def test_every_accepted_megatron_lm_flag_changes_the_resolved_arguments(tmp_path
 def test_no_ops_are_accepted_and_leave_the_arguments_alone():
     base = resolved_config(parse_args(BASE, world_size=1))
     assert set(NO_OPS) <= set(VOCABULARY) and set(NO_OPS) <= set(build_parser()._option_string_actions)
-    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader", "--use-flash-attn"):
+    for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader", "--use-flash-attn",
+                 "--log-throughput", "--auto-detect-ckpt-format"):
         assert resolved_config(parse_args(BASE + [flag], world_size=1)) == base
 
 
