@@ -7,6 +7,11 @@ from megatron_lev.config_flags import NON_NEGATIVE_INT, POSITIVE_INT
 from megatron_lev.lev.config import ConfigError
 
 
+# megatron-core's StrictHandling values that load a checkpoint (its return_* ones hand the keys to a caller).
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "ignore_all")
+
+
 def add_checkpointing_flags(p) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -22,6 +27,10 @@ def add_checkpointing_flags(p) -> None:
                    help="save the distributed optimizer so that it reloads with any TP/PP (gathers on DP rank 0)")
     g.add_argument("--ckpt-format", default="torch_dist", metavar="torch_dist",
                    help="the only format here (megatron-core dist_checkpointing); others are refused")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected", choices=DIST_CKPT_STRICTNESS,
+                   help="on --load, keys of the checkpoint and of this run that do not match (megatron-core "
+                        "dist_checkpointing's strict handling): assume_ok_unexpected (the default), log_* to list "
+                        "them, raise_* to refuse the load, ignore_all")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-step", type=NON_NEGATIVE_INT, default=None,
                    help="load iter_N of --load instead of the one latest_checkpointed_iteration.txt names")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 from typing import Any, Dict, List, Optional
@@ -771,6 +772,26 @@ def _ckpt_step_hint(it: int, path: str) -> str:
     return f"resume from it with --ckpt-step {it}"
 
 
+def strictness_refusal(error: BaseException, strict: str, path: str) -> Optional[str]:
+    """The one line for dist_checkpointing's key-mismatch error under a raising ``--dist-ckpt-strictness``
+    (None for any other error)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    text = str(error)
+    if not (strict.startswith("raise") and isinstance(error, CheckpointingException)
+            and ("Missing keys" in text or "Unexpected keys" in text)):
+        return None
+    found = {}
+    for what, name in (("Missing keys (for all ranks): ", "in the checkpoint but not loaded by this run"),
+                       ("Unexpected keys (for this rank): ", "asked for by this run but not in the checkpoint")):
+        if what in text:
+            keys = sorted(re.findall(r"'([^']+)'", text.split(what, 1)[1].split(". ", 1)[0]))
+            found[name] = keys
+    said = "; ".join(f"{len(k)} {name} (e.g. {k[0]})" if k else name for name, k in found.items())
+    return (f"--dist-ckpt-strictness {strict}: {path}: {said}; load with --dist-ckpt-strictness log_all to see "
+            "them and go on")
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[str, Any], load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, exit_on_missing: bool = False,
                     iteration: Optional[int] = None, verify: bool = True,
@@ -839,11 +860,16 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     state = _sharded_state_dict(model, optimizer, include_optim=load_optim, include_rng=load_rng, is_loading=True,
                                 sharding_type=sharding, saved=saved, match=match)
     strategy = get_default_load_sharded_strategy(path)
+    strict = run_args.get("dist_ckpt_strictness") or "assume_ok_unexpected"  # --dist-ckpt-strictness
     try:
-        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
+        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy, strict=strict)
     except CheckpointError:
         raise
-    except Exception as e:  # damage the file checks cannot see (bytes changed inside a shard)
+    except Exception as e:
+        mismatch = strictness_refusal(e, strict, path)
+        if mismatch is not None:
+            raise CheckpointError(mismatch) from None
+        # damage the file checks cannot see (bytes changed inside a shard)
         raise CheckpointError(damaged_checkpoint_message(root, iteration, path, path, f"cannot be read ({_first_line(e)})",
                                                          _ckpt_step_hint)) from None
     _restore_model(model, loaded)

@@ -210,3 +210,44 @@ def test_precision_aware_optimizer_trains_with_transformer_engine(tmp_path):
     assert state["adam"].startswith("transformer_engine.") and "FusedAdam" in state["adam"], state
     assert state["exp_avg_dtype"] == state["exp_avg_sq_dtype"] == "torch.bfloat16", state
     assert state["grad_dtypes"] == ["torch.bfloat16"], state  # --main-grads-dtype bf16: bf16 gradient buffers
+
+
+# ------------------------------------------------------------------------------------------ checkpoint loading
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    """A one-process checkpoint of a tiny model (weights and RNG state; no optimizer), and the run's parts."""
+    from megatron_lev import checkpoint
+    from megatron_lev.arguments import resolved_config
+    from megatron_lev.distributed import destroy_distributed, init_distributed
+    from megatron_lev.training.loop import _setup_configs
+
+    root = str(tmp_path_factory.mktemp("strictness"))
+    setup = init_distributed(tp=1, pp=1, backend="gloo", timeout_minutes=1, seed=1)
+    args, _, config, model_config = _setup_configs(MODEL + MOCK + ["--quiet-config"])
+    model = checkpoint.build_model_chunks(config, model_config)
+    checkpoint.save_checkpoint(root, 1, model, None, None, consumed_train_samples=1, counters={},
+                               config=resolved_config(args), save_optim=False, save_rng=True, log=lambda *_: None)
+    yield root, model
+    destroy_distributed(setup)
+
+
+@pytest.mark.parametrize("strictness", ["assume_ok_unexpected", "log_all", "raise_all", "raise_unexpected"])
+def test_dist_ckpt_strictness_reaches_the_load(saved_checkpoint, strictness):
+    """Loaded without its RNG state (--no-load-rng), the checkpoint holds a key the load does not ask for:
+    a raising --dist-ckpt-strictness refuses it in one line, the others load."""
+    from megatron_lev import checkpoint
+    from megatron_lev.training.loop import _setup_configs
+
+    root, model = saved_checkpoint
+    args = _setup_configs(MODEL + MOCK + ["--dist-ckpt-strictness", strictness])[0]
+    load = lambda: checkpoint.load_checkpoint(root, model, None, None, run_args=vars(args),  # noqa: E731
+                                              load_optim=False, load_rng=False, log=lambda *_: None)
+    if strictness != "raise_all":  # raise_unexpected: a checkpoint key left unread is no unexpected key
+        assert load()["iteration"] == 1
+        return
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        load()
+    assert str(e.value).startswith("--dist-ckpt-strictness raise_all: ") and "rng_state" in str(e.value)
+    assert "\n" not in str(e.value)
