@@ -44,10 +44,11 @@ from megatron_lev import checkpoint
 from megatron_lev._procutil import EXIT_INTERRUPTED
 from megatron_lev.arguments import format_config, parse_args, resolved_config
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
+from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, grads_checked_in_step
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
     set_seed
 from megatron_lev.lev.config import ConfigError
-from megatron_lev.parallel.collectives import all_reduce_
+from megatron_lev.parallel.collectives import all_reduce_, group_device
 from megatron_lev.tokenizer import tokenizer_fingerprint
 
 from .logger import TrainingLogger
@@ -241,6 +242,9 @@ def _build_optimizer(args, config, model):
     # codebooks; never its LayerNorm parameters, biases or the offset. With --decoupled-lr, megatron's
     # own override gives the parameters marked is_embedding_or_output_parameter their max/min lr.
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=weight_decay_overrides(opt_config))
+    if args.check_for_nan_in_loss_and_grad and not args.fp16:
+        # The gradients' NaN/Inf check rides on the grad norm that step() computes (one read of the grads).
+        check_grads_in_step(optimizer, config)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
@@ -343,12 +347,14 @@ def _reduce_losses(losses_reduced: List[Dict[str, torch.Tensor]]) -> Optional[fl
     """Token-weighted loss of the step over micro-batches and data-parallel ranks (None if no tokens)."""
     from megatron.core import parallel_state as ps
 
-    buf = torch.zeros(2, dtype=torch.float64)
+    buf = torch.zeros(2, dtype=torch.float64, device=group_device())
     if (losses_reduced and ps.is_pipeline_last_stage(ignore_virtual=True)
             and ps.get_tensor_model_parallel_rank() == 0):
-        # Summed on the device, copied to the host once per step (the logged loss needs it there).
-        buf += torch.stack([d["lm loss"] for d in losses_reduced]).double().sum(dim=0).cpu()
+        buf += torch.stack([d["lm loss"] for d in losses_reduced]).double().sum(dim=0).to(buf.device)
     all_reduce_(buf)
+    # Summed and reduced on the device, copied to the host once per step: the log line and the NaN check
+    # need the loss there.
+    buf = buf.cpu()
     if buf[1] <= 0:
         return None
     return float(buf[0] / buf[1])
@@ -372,7 +378,8 @@ def _aux_losses(config, num_microbatches: int, iteration: int) -> Dict[str, floa
 
 
 def _grads_finite(model) -> bool:
-    """True when this rank's gradients are all finite.
+    """True when this rank's gradients are all finite (for an optimizer whose step computes no grad norm
+    to check, ``compat.optimizer.check_grads_in_step``).
 
     As megatron DDP's own NaN check: the norm of each gradient buffer (NaN/Inf anywhere makes it
     non-finite), so no buffer-sized boolean tensor is allocated; the norms are summed on the device and
@@ -430,21 +437,30 @@ def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modu
     _empty_cuda_cache(args, 1)
     loss = _reduce_losses(losses_reduced)
     loss_finite = loss is not None and math.isfinite(loss)
-    if args.check_for_nan_in_loss_and_grad:
-        bad = not loss_finite or (not args.fp16 and _any_rank(not _grads_finite(model)))
-        if bad:
-            what = "loss" if not loss_finite else "gradients"
-            if args.nan_action != "skip":
-                raise NanDetected(f"NaN/Inf in the {what} at iteration {state.iteration + 1} "
-                                  "(--check-for-nan-in-loss-and-grad)")
-            return loss, None, False, True
-    update_successful, grad_norm, _ = optimizer.step()
+    check = args.check_for_nan_in_loss_and_grad
+    if check and not loss_finite:
+        return _nan_step(args, state, "loss", loss)
+    if check and not args.fp16 and not grads_checked_in_step(optimizer) and _any_rank(not _grads_finite(model)):
+        return _nan_step(args, state, "gradients", loss)
+    try:
+        update_successful, grad_norm, _ = optimizer.step()
+    except NonFiniteGrads:  # raised by the step's own grad norm, before its update (check_grads_in_step)
+        return _nan_step(args, state, "gradients", loss)
     if update_successful:
         # The scheduler counts samples (Megatron-LM): this step's global batch.
         scheduler.step(increment=num_microbatches * args.micro_batch_size * args.data_parallel_size)
     _empty_cuda_cache(args, 2)
     grad_norm = float(grad_norm) if grad_norm is not None else None
     return loss, grad_norm, update_successful, not loss_finite
+
+
+def _nan_step(args, state: _State, what: str, loss):
+    """A step whose loss or gradients hold NaN/Inf, not applied: NanDetected, or with --nan-action skip the
+    step's (loss, grad norm, applied, NaN) as _train_step returns them."""
+    if args.nan_action != "skip":
+        raise NanDetected(f"NaN/Inf in the {what} at iteration {state.iteration + 1} "
+                          "(--check-for-nan-in-loss-and-grad)")
+    return loss, None, False, True
 
 
 @torch.no_grad()
@@ -912,13 +928,17 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
     args, logger = run.args, run.logger
     # The lr of the groups on the default schedule (not --decoupled-lr's), as Megatron-LM logs it.
     lr = get_canonical_lr_for_logging(run.optimizer.param_groups)
-    loss_scale = float(run.optimizer.get_loss_scale().item())
+    scalars_due = state.iteration % args.tensorboard_log_interval == 0 and (logger.tb is not None
+                                                                          or logger.wandb is not None)
+    line_due = state.iteration % args.log_interval == 0
+    # The loss scale is a device tensor: read (a host sync) only on the steps that log it.
+    loss_scale = float(run.optimizer.get_loss_scale().item()) if scalars_due or line_due else None
     logger.record("train", state.iteration, {
         "lm loss": loss, "lm loss hex": float(loss).hex() if loss is not None else None,
         "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
         "consumed_samples": state.consumed_train_samples, "global_batch_size": global_batch_size,
         **{name: values[-1] for name, values in interval.aux_losses.items()}})
-    if state.iteration % args.tensorboard_log_interval == 0:
+    if scalars_due:
         # As Megatron-LM: this iteration's values every --tensorboard-log-interval iterations (TensorBoard
         # and wandb); the interval's throughput with the log line below.
         logger.scalars(state.iteration, {
@@ -926,7 +946,7 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
             "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm, "batch-size": global_batch_size,
             "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
         }, consumed_samples=state.consumed_train_samples)
-    if state.iteration % args.log_interval != 0:
+    if not line_due:
         return
     elapsed = max(time.time() - interval.start, 1e-9)
     per_iter = elapsed / max(1, interval.iters)

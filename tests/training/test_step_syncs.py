@@ -49,3 +49,21 @@ def test_grads_finite_without_buffers_reads_the_parameters():
     p.main_grad = torch.tensor([0.0, float("nan"), 0.0, 0.0])
     assert loop._grads_finite([torch.nn.Linear(2, 2), types.SimpleNamespace(
         parameters=lambda: [p])]) is False
+
+
+@pytest.mark.parametrize("iteration,tensorboard,reads", [(7, False, 0), (7, True, 1), (10, False, 1)])
+def test_the_loss_scale_is_read_only_on_the_steps_that_log_it(monkeypatch, iteration, tensorboard, reads):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)  # the log line's TFLOP/s
+    counted = []
+    sink = types.SimpleNamespace(add_scalar=lambda *a: None, flush=lambda: None)
+    logger = types.SimpleNamespace(tb=sink if tensorboard else None, wandb=None, record=lambda *a: None,
+                                   log=lambda *a: None, training_line=lambda **kw: "",
+                                   scalars=lambda *a, **kw: None)
+    optimizer = types.SimpleNamespace(param_groups=[{"default_config": True, "lr": 1e-3}],
+                                      get_loss_scale=lambda: counted.append(1) or torch.tensor([1.0]))
+    run = types.SimpleNamespace(args=types.SimpleNamespace(tensorboard_log_interval=1, log_interval=10, seq_length=8,
+                                                               train_iters=100),
+                                logger=logger, optimizer=optimizer, flops={}, peak=None)
+    state = loop._State(iteration=iteration, consumed_train_samples=4 * iteration)
+    loop._log_iteration(run, state, loop._Interval(start=0.0, iters=1, samples=4), 2.0, 1.0, True, False, 4)
+    assert len(counted) == reads

@@ -1,0 +1,211 @@
+"""The step's NaN/Inf check on the gradients rides on the grad norm megatron-core's optimizer computes anyway:
+the gradients are read once per step, and a NaN or Inf in one rank's gradients still stops every rank (or
+skips the step on every rank with ``--nan-action skip``) before any parameter changes.
+
+One two-rank job (data-parallel 2) trains a one-layer model through the loop's own step for each optimizer
+setting: fp32 (megatron DDP, the optimizer not sharded), the distributed optimizer in bf16, clipping off, bf16
+with a constant loss scale (megatron's found-inf path) and fp16 (its dynamic loss scale skips the step
+itself). A NaN is written into rank 1's local gradients before the data-parallel reduction.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_lev.testing import run_distributed
+
+NORM_OPS = {"linalg_vector_norm", "norm", "_foreach_norm", "frobenius_norm"}
+
+SETTINGS = {
+    "fp32": dict(),
+    "distributed-bf16": dict(use_distributed_optimizer=True, bf16=True),
+    "no-clip": dict(clip_grad=0.0),
+    "bf16-loss-scale": dict(bf16=True, loss_scale=1024.0),
+    "fp16": dict(fp16=True, initial_loss_scale=1024.0),
+}
+
+
+class _NormReads(TorchDispatchMode):
+    """How many tensor elements norm reductions read."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if func._schema.name.split("::")[-1] in NORM_OPS:
+            first = args[0]
+            self.elements += sum(t.numel() for t in (first if isinstance(first, (list, tuple)) else [first]))
+        return func(*args, **(kwargs or {}))
+
+
+def _setup(setting: str):
+    from megatron.core import parallel_state as ps
+
+    from megatron_lev.checkpoint.build import build_model_chunks
+    from megatron_lev.models import build_transformer_config
+    from megatron_lev.training import loop
+    from tests.moe._harness import GLOBAL_MICRO, HEADS, HIDDEN, loop_args, model_config
+
+    over = SETTINGS[setting]
+    mc = model_config("tied")
+    config = build_transformer_config(mc, megatron_ddp=True, num_layers=1, hidden_size=HIDDEN,
+                                      num_attention_heads=HEADS, ffn_hidden_size=128, hidden_dropout=0.0,
+                                      attention_dropout=0.0, bf16=over.get("bf16", False),
+                                      fp16=over.get("fp16", False))
+    num_micro = GLOBAL_MICRO // ps.get_data_parallel_world_size()
+    args = loop_args(distributed_optimizer=over.get("use_distributed_optimizer", False), overlap=False,
+                     num_microbatches=num_micro)
+    for k, v in over.items():
+        setattr(args, k, v)
+    model = loop._wrap_model(args, config, build_model_chunks(config, mc))
+    optimizer, scheduler = loop._build_optimizer(args, config, model)
+    loop._configure_hooks(args, config, model, optimizer, [])
+    run = SimpleNamespace(args=args, config=config, model=model, optimizer=optimizer, scheduler=scheduler,
+                          state=loop._State(), poison=False)
+    finalize = config.finalize_model_grads_func
+
+    def poisoned_finalize(*a, **kw):
+        # This rank's own backward produced a NaN: written before the data-parallel reduction.
+        if run.poison and torch.distributed.get_rank() == 1:
+            next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
+        return finalize(*a, **kw)
+
+    config.finalize_model_grads_func = poisoned_finalize
+    return run
+
+
+def _params(run):
+    return [p.detach().clone() for chunk in run.model for p in chunk.parameters()]
+
+
+def _step(run):
+    from megatron_lev.training import loop
+    from tests.moe._harness import my_batches
+
+    return loop._train_step(run.args, run.state, run.model, run.optimizer, run.scheduler,
+                            iter(my_batches(run.state.iteration)), [])
+
+
+def _check_setting(setting: str):
+    from megatron_lev.training import loop
+
+    run = _setup(setting)
+    out = {}
+    with _NormReads() as reads:
+        loss, grad_norm, ok, got_nan = _step(run)
+    assert ok and not got_nan and grad_norm is not None and grad_norm > 0, (setting, grad_norm, ok)
+    run.state.iteration += 1
+    out["norm_reads"] = reads.elements
+    out["grad_elements"] = sum(b.grad_data.numel() for chunk in run.model for b in chunk.buffers)
+
+    run.poison = True
+    for action in ("stop", "skip"):
+        run.args.nan_action = action
+        before = _params(run)
+        try:
+            out[action] = _step(run)[1:]
+        except loop.NanDetected as e:
+            out[action] = str(e)
+        out[f"{action}_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _params(run)))
+    return out
+
+
+def _all_settings():
+    return {s: _check_setting(s) for s in SETTINGS}
+
+
+@pytest.fixture(scope="module")
+def checked():
+    return run_distributed(_all_settings, world_size=2)
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s != "fp16"])
+def test_gradients_are_read_once_and_a_nan_on_one_rank_stops_or_skips_every_rank(checked, setting):
+    for rank, results in enumerate(checked):
+        r = results[setting]
+        # One pass over the gradients (megatron's grad norm): the NaN check reads none of its own.
+        assert r["norm_reads"] <= 1.05 * r["grad_elements"], (rank, setting, r["norm_reads"], r["grad_elements"])
+        assert r["stop"] == "NaN/Inf in the gradients at iteration 2 (--check-for-nan-in-loss-and-grad)", (rank, r)
+        assert r["skip"] == (None, False, True), (rank, r)
+        assert r["stop_unchanged"] and r["skip_unchanged"], (rank, setting)
+
+
+def test_fp16_leaves_a_nan_step_to_its_loss_scaler(checked):
+    for results in checked:
+        r = results["fp16"]
+        assert r["norm_reads"] <= 1.05 * r["grad_elements"]
+        # megatron's dynamic loss scaler finds the Inf/NaN and skips the update (not a NaN stop).
+        assert r["stop"] == r["skip"] == (None, False, False), r
+        assert r["stop_unchanged"] and r["skip_unchanged"]
+
+
+# ------------------------------------------------------------------------- which step method is checked
+
+
+class _Lone:
+    """A single Float16/FP32/distributed optimizer as the check sees it."""
+
+    def __init__(self, clip_grad: float, norm=1.0, found_inf: bool = False):
+        self.config = SimpleNamespace(clip_grad=clip_grad)
+        self.norm, self.found_inf = norm, found_inf
+
+    def prepare_grads(self):
+        return self.found_inf
+
+    def clip_grad_norm(self, clip_grad):
+        return self.norm
+
+
+def _chained(norm):
+    from megatron.core.optimizer import ChainedOptimizer
+
+    opt = object.__new__(ChainedOptimizer)  # only the methods the check wraps
+    opt.get_grad_norm, opt.prepare_grads = (lambda: norm), (lambda: False)
+    return opt
+
+
+_DENSE = SimpleNamespace()  # a TransformerConfig without mtp_detach_heads
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), torch.tensor(float("nan"))])
+def test_the_norm_step_computes_is_the_check(bad):
+    from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, grads_checked_in_step
+
+    chained = _chained(bad)
+    assert check_grads_in_step(chained, _DENSE) and grads_checked_in_step(chained)
+    with pytest.raises(NonFiniteGrads):
+        chained.get_grad_norm()
+    lone = _Lone(clip_grad=1.0, norm=bad)
+    assert check_grads_in_step(lone, _DENSE)
+    with pytest.raises(NonFiniteGrads):
+        lone.clip_grad_norm(1.0)
+    # A finite norm goes on to megatron's clipping as the host float (0.19 may compute a device tensor).
+    lone = _Lone(clip_grad=1.0, norm=torch.tensor(2.5))
+    check_grads_in_step(lone, _DENSE)
+    assert check_grads_in_step(lone, _DENSE)  # installed once
+    assert lone.clip_grad_norm(1.0) == 2.5 and type(lone.clip_grad_norm(1.0)) is float
+
+
+def test_a_grad_scalers_found_inf_is_the_check():
+    from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step
+
+    lone = _Lone(clip_grad=1.0, found_inf=True)
+    check_grads_in_step(lone, _DENSE)
+    with pytest.raises(NonFiniteGrads):
+        lone.prepare_grads()
+
+
+def test_a_step_without_a_norm_over_every_gradient_leaves_the_check_to_the_loop():
+    from megatron_lev.compat.optimizer import check_grads_in_step, grads_checked_in_step
+
+    lone = _Lone(clip_grad=0.0, norm=float("nan"))
+    assert not check_grads_in_step(lone, _DENSE) and not grads_checked_in_step(lone)
+    assert lone.clip_grad_norm(0.0) != lone.clip_grad_norm(0.0)  # untouched (NaN)
+    chained = _chained(float("nan"))
+    assert not check_grads_in_step(chained, SimpleNamespace(mtp_detach_heads=True))
+    assert not grads_checked_in_step(chained)
