@@ -138,3 +138,23 @@ def test_committed_reports_show_no_machine_paths():
     bad = [f"{p.relative_to(REPO)}:{i}" for p in files
            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert not bad, bad
+
+
+def test_startup_bench_interleaves_the_arms_and_reports_medians_and_ratios(monkeypatch, capsys):
+    st = _load("startup")
+    order = []
+
+    def fake_sample(eager):
+        order.append("eager" if eager else "deferred")
+        n = order.count(order[-1])
+        return {"wall": (4.0 if eager else 2.0) * n, "cpu": (3.0 if eager else 1.5) * n, "dynamo": eager}
+
+    monkeypatch.setattr(st, "sample", fake_sample)
+    res = st.main(["--samples", "3"])
+    assert order == ["deferred", "eager"] * 3
+    assert res["eager"] == {"wall_s": 8.0, "cpu_s": 6.0, "dynamo_imported": True}
+    assert res["deferred"] == {"wall_s": 4.0, "cpu_s": 3.0, "dynamo_imported": False}
+    out = capsys.readouterr().out
+    assert "start-up CPU ratio (deferred / eager): 0.50" in out and "3 samples per arm, load average" in out
+    with pytest.raises(SystemExit):
+        st.main(["--samples", "0"])
