@@ -1,4 +1,5 @@
-"""The training step's NaN check reads one number per step, and allocates nothing buffer-sized."""
+"""The loop's own NaN check on the gradients (for an optimizer whose step computes no grad norm) reads one
+number per step and allocates nothing buffer-sized; the loss scale is read only on the steps that log it."""
 
 from __future__ import annotations
 
