@@ -86,9 +86,14 @@ def add_schedule_flags(p) -> None:
                    help="sum the loss over tokens and divide by the global batch's token count (default: the "
                         "mean over each micro-batch's tokens, averaged over micro-batches)")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="megatron-core's fused vocab-parallel cross-entropy")
-    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"],
-                   help="with --cross-entropy-loss-fusion: megatron-core's own kernel, or Transformer Engine's")
+                   help="a fused vocab-parallel cross-entropy (--cross-entropy-fusion-impl)")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te", "linear"],
+                   help="with --cross-entropy-loss-fusion: megatron-core's own kernel, Transformer Engine's, or "
+                        "linear: the output head and the loss in one, chunk by chunk, never holding the "
+                        "[tokens, V/TP] logits (training loss only; evaluation still gets logits)")
+    g.add_argument("--linear-cross-entropy-chunk-size", type=POSITIVE_INT, default=None,
+                   help="tokens per chunk of --cross-entropy-fusion-impl linear (default: fp32 logits of about "
+                        "256 MiB per chunk)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,10 +284,15 @@ def check_lr_schedule(args) -> None:
 
 
 def check_loss(args) -> None:
-    """Cross-entropy fusion: megatron-core's native kernel, or Transformer Engine's where installed."""
+    """Cross-entropy fusion: megatron-core's native kernel, Transformer Engine's where installed, or the
+    linear cross-entropy (its chunk size only with it)."""
     if args.cross_entropy_fusion_impl != "native" and not args.cross_entropy_loss_fusion:
         raise ConfigError(f"--cross-entropy-fusion-impl {args.cross_entropy_fusion_impl} needs "
                           "--cross-entropy-loss-fusion")
+    if args.linear_cross_entropy_chunk_size is not None and not (
+            args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "linear"):
+        raise ConfigError("--linear-cross-entropy-chunk-size needs --cross-entropy-loss-fusion "
+                          "--cross-entropy-fusion-impl linear")
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te":
         import importlib.util
 

@@ -47,6 +47,7 @@ def model_config_from_args(a: Mapping[str, Any]) -> LevModelConfig:
         add_bias_linear=not a.get("disable_bias_linear"),
         transformer_impl=a.get("transformer_impl") or "auto",
         init_seed=a.get("seed") or 0,
+        linear_cross_entropy_chunk_size=a.get("linear_cross_entropy_chunk_size"),
     )
 
 

@@ -154,6 +154,31 @@ def check_cuda_device_max_connections(tp: int) -> None:
         )
 
 
+# ---------------------------------------------------------------------- the loss
+
+
+def linear_cross_entropy_on(config: Any) -> bool:
+    """Whether the loss is the linear cross-entropy (``parallel.linear_cross_entropy``): Megatron-LM's
+    ``--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear``."""
+    return bool(getattr(config, "cross_entropy_loss_fusion", False)) and \
+        getattr(config, "cross_entropy_fusion_impl", None) == "linear"
+
+
+def check_linear_cross_entropy(config: Any, chunk_size: Optional[int]) -> None:
+    """The settings the linear cross-entropy cannot honour, refused in one line naming the flag."""
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ConfigError(f"--linear-cross-entropy-chunk-size must be a positive integer (got {chunk_size!r})")
+    if not linear_cross_entropy_on(config):
+        return
+    # TransformerConfig fields no flag of pretrain_lev.py sets (a model built through the API).
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ConfigError("--cross-entropy-fusion-impl linear computes the head's weight gradient in its own "
+                          "backward: build the TransformerConfig with defer_embedding_wgrad_compute=False")
+    if getattr(config, "use_mup", False) and getattr(config, "mup_output_mult", 1.0) != 1.0:
+        raise ConfigError("--cross-entropy-fusion-impl linear does not scale the logits by MuP's output "
+                          "multiplier: use --cross-entropy-fusion-impl native with use_mup")
+
+
 # ---------------------------------------------------------------------- LEV compute mode
 
 
@@ -236,6 +261,10 @@ class LevModelConfig:
     transformer_impl: str = field(default="auto", metadata={"choices": TRANSFORMER_IMPLS})
     """"auto" (Transformer Engine when TE and CUDA are present, else local), "local", or
     "transformer_engine" (flag --transformer-impl)."""
+
+    linear_cross_entropy_chunk_size: Optional[int] = field(default=None, metadata={"min": 1})
+    """Tokens per chunk of the linear cross-entropy (``--cross-entropy-fusion-impl linear``); None = fp32
+    logits of about 256 MiB per chunk (flag --linear-cross-entropy-chunk-size)."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -327,6 +356,7 @@ class LevModelConfig:
         elif self.transformer_impl == "transformer_engine":
             use_transformer_engine("transformer_engine")  # raises when TE/CUDA are missing
         check_moe_settings(config, use_transformer_engine=self.use_transformer_engine())
+        check_linear_cross_entropy(config, self.linear_cross_entropy_chunk_size)
 
         # Consistency between the two configs (build_transformer_config keeps them in step).
         if config.normalization != self.normalization:

@@ -29,6 +29,14 @@ input arm, so both losses train the same arm parameters. The block sits on the l
 ours lives on the first, so MTP with such an arm needs PP=1 (refused otherwise: a copy of the arm on
 the last stage would need its parameters all-reduced over the embedding group each step, as megatron
 does for the tied table).
+
+Linear cross-entropy (``config.cross_entropy_loss_fusion`` with ``cross_entropy_fusion_impl == "linear"``,
+Megatron-LM's names): the last stage's output layer becomes a ``LinearCrossEntropyHead`` (the same
+ColumnParallelLinear, its class changed in place). While ``_postprocess`` computes a loss (labels given,
+no inference context, no output processor) the head returns its input and weight instead of the logits,
+and ``compute_language_model_loss`` turns them into the per-token loss chunk by chunk, for the main head
+and each MTP head alike (megatron-core 0.16 and 0.19 call the output layer and then this method in both
+places). Without labels the head computes logits as before.
 """
 
 from __future__ import annotations
@@ -38,13 +46,15 @@ from typing import Iterator, List, Optional
 import torch
 from torch import Tensor
 
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
 
 from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
+from megatron_lev.parallel.linear_cross_entropy import DeferredLogits, LinearCrossEntropyHead
 
-from .config import MEGATRON_ARMS, LevModelConfig, check_mtp_stage
+from .config import MEGATRON_ARMS, LevModelConfig, check_mtp_stage, linear_cross_entropy_on
 from .embedding import InputArmEmbedding
 from .specs import get_block_spec, get_mtp_block_spec
 
@@ -112,6 +122,32 @@ class LevGPTModel(GPTModel):
             ))
         if own_input and mtp_spec is not None:
             self._set_mtp_block(mtp_spec, vp_stage)
+        if self.post_process and linear_cross_entropy_on(config):
+            LinearCrossEntropyHead.adopt(self.output_layer, model_config.linear_cross_entropy_chunk_size)
+
+    # -- the loss without the logits (linear cross-entropy)
+    def _postprocess(self, *args, **kwargs):
+        head = getattr(self, "output_layer", None) if self.post_process else None
+        labels = kwargs["labels"] if "labels" in kwargs else (args[3] if len(args) > 3 else None)
+        defer = (isinstance(head, LinearCrossEntropyHead) and labels is not None
+                 and kwargs.get("inference_context") is None and kwargs.get("output_processor") is None)
+        if not defer:
+            return super()._postprocess(*args, **kwargs)
+        head.defer_logits = True
+        try:
+            return super()._postprocess(*args, **kwargs)
+        finally:
+            head.defer_logits = False
+
+    def compute_language_model_loss(self, labels: Tensor, logits) -> Tensor:
+        if isinstance(logits, DeferredLogits):
+            return logits.head.loss(logits, labels)
+        if linear_cross_entropy_on(self.config):
+            # Logits computed anyway (a caller of megatron's with an inference context or an output
+            # processor): megatron-core's own unfused loss; its fused branch does not know "linear".
+            return tensor_parallel.vocab_parallel_cross_entropy(
+                logits, labels.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+        return super().compute_language_model_loss(labels, logits)
 
     def _set_mtp_block(self, spec, vp_stage: Optional[int]) -> None:
         """Give this chunk (the first and last stage) megatron's MTP block, as GPTModel builds it from
