@@ -31,7 +31,14 @@ TRANSFORMER_SWITCHES = (
     ("--no-bias-dropout-fusion", "bias_dropout_fusion", False),
     ("--no-rope-fusion", "apply_rope_fusion", False),
     ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", False),
+    ("--disable-bf16-reduced-precision-matmul", "disable_bf16_reduced_precision_matmul", True),
 )
+# megatron-core's selective-recompute modules (TransformerConfig.recompute_modules).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+# Those this fork's models cannot honour, and why.
+_RECOMPUTE_REFUSED = {"mla_up_proj": "multi-latent attention is not implemented here",
+                      "shared_experts": "shared experts are not implemented here (no --moe-shared-expert-* flags)"}
+
 # TransformerConfig fields that are flags of their own name (--attention-backend, --fp8-margin, ...).
 TRANSFORMER_VALUE_FIELDS = ("attention_backend", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
 # The ranges of the numeric ones (TransformerConfig has no range metadata).
@@ -80,6 +87,11 @@ def add_model_flags(p) -> None:
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=POSITIVE_INT, default=None)
+    g.add_argument("--recompute-modules", nargs="*", default=None, choices=RECOMPUTE_MODULES,
+                   help="with --recompute-granularity selective: the parts recomputed in the backward pass "
+                        "(megatron-core's; default core_attn): core_attn, mlp (with --disable-bias-linear), layernorm "
+                        "(Transformer Engine), and with "
+                        "--num-experts moe (the MoE layer) or moe_act (with --moe-grouped-gemm)")
 
     g = p.add_argument_group("attention, norms and fusions (megatron-core TransformerConfig fields)")
     add_switch_flags(g, TransformerConfig, TRANSFORMER_SWITCHES, defaults=_SWITCH_DEFAULTS)
@@ -99,6 +111,7 @@ def check_model_flags(args) -> None:
             raise ConfigError(f"--recompute-activations is --recompute-granularity selective; it contradicts "
                               f"--recompute-granularity {args.recompute_granularity}")
         args.recompute_granularity = "selective"
+    _check_recompute_modules(args)
     if args.input_embedding == "lev":
         check_lev_basis(args.lev_basis)
     backend = getattr(args, "attention_backend", "auto")
@@ -114,3 +127,35 @@ def check_model_flags(args) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("--attention-backend fused: torch's fused attention kernels (memory-efficient, cuDNN) "
                               "need CUDA; on CPU use auto, flash or unfused")
+
+
+def _check_recompute_modules(args) -> None:
+    """--recompute-modules against the granularity and the model (megatron-core reads them only with selective
+    recompute, and refuses moe_act without the grouped GEMM)."""
+    modules = args.recompute_modules
+    if modules is None:
+        return
+    if args.recompute_granularity != "selective":
+        raise ConfigError(f"--recompute-modules {' '.join(modules)} needs --recompute-granularity selective (or "
+                          "--recompute-activations)")
+    for name in modules:
+        if name in _RECOMPUTE_REFUSED:
+            raise ConfigError(f"--recompute-modules {name}: {_RECOMPUTE_REFUSED[name]}")
+        if name in ("moe", "moe_act") and args.num_experts is None:
+            raise ConfigError(f"--recompute-modules {name} needs an MoE model (--num-experts)")
+        if name == "mlp" and not args.disable_bias_linear:
+            raise ConfigError("--recompute-modules mlp needs --disable-bias-linear (megatron-core's MLP recompute "
+                              "hands the output bias through its checkpoint, whose backward then never ends)")
+        if name == "layernorm" and not _te_spec(args):
+            raise ConfigError("--recompute-modules layernorm needs the Transformer Engine layer spec (megatron-core's "
+                              "norm recompute reads Transformer Engine's FP8 state); use core_attn or mlp here")
+        if name == "moe_act" and not args.moe_grouped_gemm:
+            raise ConfigError("--recompute-modules moe_act needs --moe-grouped-gemm (megatron-core recomputes the "
+                              "experts' activation in the grouped GEMM only)")
+
+
+def _te_spec(args) -> bool:
+    try:
+        return use_transformer_engine(args.transformer_impl)
+    except ConfigError:
+        return False

@@ -216,21 +216,27 @@ def test_precision_aware_optimizer_trains_with_transformer_engine(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def saved_checkpoint(tmp_path_factory):
+def one_rank():
+    from megatron_lev.distributed import destroy_distributed, init_distributed
+
+    setup = init_distributed(tp=1, pp=1, backend="gloo", timeout_minutes=1, seed=1)
+    yield
+    destroy_distributed(setup)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(one_rank, tmp_path_factory):
     """A one-process checkpoint of a tiny model (weights and RNG state; no optimizer), and the run's parts."""
     from megatron_lev import checkpoint
     from megatron_lev.arguments import resolved_config
-    from megatron_lev.distributed import destroy_distributed, init_distributed
     from megatron_lev.training.loop import _setup_configs
 
     root = str(tmp_path_factory.mktemp("strictness"))
-    setup = init_distributed(tp=1, pp=1, backend="gloo", timeout_minutes=1, seed=1)
     args, _, config, model_config = _setup_configs(MODEL + MOCK + ["--quiet-config"])
     model = checkpoint.build_model_chunks(config, model_config)
     checkpoint.save_checkpoint(root, 1, model, None, None, consumed_train_samples=1, counters={},
                                config=resolved_config(args), save_optim=False, save_rng=True, log=lambda *_: None)
-    yield root, model
-    destroy_distributed(setup)
+    return root, model
 
 
 @pytest.mark.parametrize("strictness", ["assume_ok_unexpected", "log_all", "raise_all", "raise_unexpected"])
@@ -251,3 +257,64 @@ def test_dist_ckpt_strictness_reaches_the_load(saved_checkpoint, strictness):
         load()
     assert str(e.value).startswith("--dist-ckpt-strictness raise_all: ") and "rng_state" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ model options
+
+
+def _model_grads(flags):
+    """The TransformerConfig of MODEL + flags, its first layer, and the gradients of one forward-backward."""
+    from megatron_lev import checkpoint
+    from megatron_lev.distributed import set_seed
+    from megatron_lev.training.loop import _setup_configs
+
+    argv = MODEL + MOCK + ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "2",
+                           "--disable-bias-linear"] + flags
+    _, _, config, model_config = _setup_configs(argv)
+    set_seed(3)
+    model = checkpoint.build_model_chunks(config, model_config)[0]
+    tokens = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens, torch.arange(8).repeat(2, 1), None, labels=torch.roll(tokens, -1, 1)).sum().backward()
+    return config, model.decoder.layers[0], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_recompute_modules_reach_the_layers_and_leave_the_gradients_alone(one_rank):
+    config, layer, grads = _model_grads(["--recompute-activations", "--recompute-modules", "core_attn", "mlp"])
+    assert config.recompute_granularity == "selective" and config.recompute_modules == ["core_attn", "mlp"]
+    assert layer.recompute_mlp and layer.self_attention.checkpoint_core_attention
+    _, plain_layer, plain = _model_grads([])
+    assert not plain_layer.recompute_mlp and not plain_layer.self_attention.checkpoint_core_attention
+    assert grads.keys() == plain.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--recompute-modules", "mlp"], "--recompute-modules mlp needs --recompute-granularity selective"),
+    (["--recompute-activations", "--recompute-modules", "mlp"], "--recompute-modules mlp needs --disable-bias-linear"),
+    (["--recompute-activations", "--recompute-modules", "mla_up_proj"], "--recompute-modules mla_up_proj: multi-latent"),
+    (["--recompute-activations", "--recompute-modules", "moe"], "--recompute-modules moe needs an MoE model"),
+    (["--recompute-activations", "--recompute-modules", "layernorm", "--transformer-impl", "local"],
+     "--recompute-modules layernorm needs the Transformer Engine layer spec"),
+])
+def test_recompute_modules_a_model_cannot_honour_are_refused(extra, message):
+    with pytest.raises(ConfigError) as e:
+        _parse(extra)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_disable_bf16_reduced_precision_matmul_reaches_torch():
+    from megatron_lev import checkpoint
+
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    try:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+        args = _parse(["--bf16", "--disable-bf16-reduced-precision-matmul"])
+        config, _ = checkpoint.build_configs(vars(args) | {"padded_vocab_size": 1024})
+        assert config.disable_bf16_reduced_precision_matmul
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+        checkpoint.build_configs(vars(_parse(["--bf16"])) | {"padded_vocab_size": 1024})
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is True  # left alone without it
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
