@@ -105,8 +105,8 @@ def two_rank_runs(corpus, tmp_path_factory):
     has a launch of its own (the kill ends the job); the others share one torchrun job (one launch's
     imports instead of six), each in its own folder under ``root``:
     tp2-ref (TP=2, uninterrupted), tp2-resumed (from the killed run's checkpoint), pp2-a (PP=2
-    interleaved, saves at 4 and 8), pp2-b (resumed from a copy of pp2-a's iteration 4), lev-unique and
-    lev-table."""
+    interleaved, saves at 4 and 8), pp2-b (resumed from a copy of pp2-a's iteration 4), lev-unique,
+    lev-table and lev-linear-ce."""
     root = tmp_path_factory.mktemp("two_rank")
     tp2, pp2 = _tp2_args(corpus), _pp2_args(corpus)
     ck = root / "tp2_ck"
@@ -129,7 +129,14 @@ def two_rank_runs(corpus, tmp_path_factory):
          "argv": pp2 + ["--load", str(root / "pp2_ck4"), "--metrics-file", str(root / "b.jsonl")]},
     ] + [{"name": f"lev-{mode}", "argv": LEV_MODES + ["--lev-compute-mode", mode, "--metrics-file",
                                                       str(root / f"lev-{mode}.jsonl")]}
-         for mode in ("unique", "table")]
+         for mode in ("unique", "table")] + [
+        # lev-unique with the loss computed without its logits (chunks of 16 of the 64 tokens per rank) and
+        # the distributed optimizer (one data-parallel rank: the same steps).
+        {"name": "lev-linear-ce", "argv": LEV_MODES + ["--lev-compute-mode", "unique", "--cross-entropy-loss-fusion",
+                                                       "--cross-entropy-fusion-impl", "linear",
+                                                       "--linear-cross-entropy-chunk-size", "16",
+                                                       "--use-distributed-optimizer",
+                                                       "--metrics-file", str(root / "lev-linear-ce.jsonl")]}]
     return {"root": root, "killed": killed, "after_kill": after_kill, "runs": launch_plan(2, plan, root / "job")}
 
 
@@ -268,3 +275,19 @@ def test_lev_table_mode_matches_unique_mode(two_rank_runs):
         assert out["table"][i]["lm loss"] == pytest.approx(out["unique"][i]["lm loss"], rel=1e-5, abs=1e-6)
         assert out["table"][i]["grad norm"] == pytest.approx(out["unique"][i]["grad norm"], rel=1e-4)
     assert all(r["grad norm"] > 0 for r in out["table"].values())
+
+
+def test_linear_cross_entropy_trains_like_the_logits(two_rank_runs):
+    """--cross-entropy-fusion-impl linear at TP=2 (LEV, the distributed optimizer, validation) reproduces the
+    run with megatron's logits and loss step by step."""
+    root = two_rank_runs["root"]
+    _ok(two_rank_runs["runs"], "lev-unique", "lev-linear-ce")
+    ref, got = metrics(root / "lev-unique.jsonl"), metrics(root / "lev-linear-ce.jsonl")
+    assert sorted(got) == sorted(ref) == [1, 2, 3]
+    for i in ref:
+        assert got[i]["lm loss"] == pytest.approx(ref[i]["lm loss"], rel=1e-5), i
+        assert got[i]["grad norm"] == pytest.approx(ref[i]["grad norm"], rel=1e-4), i
+    valid_ref, valid = metrics(root / "lev-unique.jsonl", "valid"), metrics(root / "lev-linear-ce.jsonl", "valid")
+    assert valid and valid.keys() == valid_ref.keys()
+    for i in valid_ref:
+        assert valid[i]["lm loss"] == pytest.approx(valid_ref[i]["lm loss"], rel=1e-5), i
