@@ -37,6 +37,24 @@ def add_run_flags(p) -> None:
     g.add_argument("--skip-train", action="store_true", help="only evaluate (after --load)")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-log-interval", type=POSITIVE_INT, default=1)
+    g.add_argument("--tensorboard-queue-size", type=POSITIVE_INT, default=1000,
+                   help="TensorBoard events held before they are written out")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="the L2 norm of the parameters on the log line and to TensorBoard/wandb (params-norm)")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="the number of zero gradient entries on the log line and to TensorBoard/wandb (num-zeros)")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   dest="log_loss_scale_to_tensorboard", action="store_false",
+                   help="no loss-scale scalar to TensorBoard/wandb")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="the time per iteration (iteration-time, s) to TensorBoard/wandb at each --log-interval")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="the validation perplexity to TensorBoard/wandb beside the validation loss")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="memory to TensorBoard/wandb: the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "
+                        "mem-max-allocated-bytes, mem-allocated-count (on CPU: mem-max-rss-bytes)")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="the number of ranks to TensorBoard/wandb (world-size)")
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
@@ -70,13 +88,37 @@ def add_run_flags(p) -> None:
     g.add_argument("--profile-step-start", type=NON_NEGATIVE_INT, default=10)
     g.add_argument("--profile-step-end", type=POSITIVE_INT, default=12)
     g.add_argument("--profile-ranks", type=NON_NEGATIVE_INT, nargs="+", default=[0], help="global ranks to profile")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="record the CUDA caching allocator's history on the --profile-ranks and write a snapshot "
+                        "(torch.cuda.memory._dump_snapshot) to --memory-snapshot-path, one file per rank, at "
+                        "each --log-interval (CUDA only)")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="with --record-memory-history: the snapshot file (rank R writes NAME_R.pickle)")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="with --profile: torch.profiler, trace written under --tensorboard-dir "
                         "(TensorBoard, Perfetto/chrome://tracing)")
 
 
+# The flags that only add scalars to TensorBoard/wandb.
+_TENSORBOARD_ONLY = ("log_timers_to_tensorboard", "log_validation_ppl_to_tensorboard", "log_memory_to_tensorboard",
+                     "log_world_size_to_tensorboard")
+
+
 def check_run(args) -> None:
-    """Garbage collection, memory and profiling flags (each needs the flag it modifies)."""
+    """Logging, garbage collection, memory and profiling flags (each needs the flag it modifies)."""
+    if not (args.tensorboard_dir or args.wandb_project):
+        given = next((n for n in _TENSORBOARD_ONLY if getattr(args, n)), None)
+        if given is not None:
+            raise ConfigError(f"--{given.replace('_', '-')} writes to TensorBoard or wandb: give --tensorboard-dir DIR "
+                              "(or --wandb-project)")
+    if args.record_memory_history:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--record-memory-history records the CUDA caching allocator's history: it needs CUDA "
+                              "(drop the flag on CPU)")
+    elif args.memory_snapshot_path != "snapshot.pickle":
+        raise ConfigError("--memory-snapshot-path needs --record-memory-history")
     if not args.manual_gc and (args.manual_gc_interval or not args.manual_gc_eval):
         flag = "--manual-gc-interval" if args.manual_gc_interval else "--no-manual-gc-eval"
         raise ConfigError(f"{flag} needs --manual-gc (Python's own collector runs otherwise)")

@@ -40,6 +40,20 @@ def memory_string() -> str:
         return "max RSS (GiB): n/a"
 
 
+def memory_scalars() -> Dict[str, float]:
+    """--log-memory-to-tensorboard's scalars: the CUDA caching allocator's, as Megatron-LM writes them; on
+    CPU the process's peak resident memory."""
+    if torch.cuda.is_available():
+        stats = torch.cuda.memory_stats()
+        return {"mem-reserved-bytes": stats.get("reserved_bytes.all.current", 0),
+                "mem-allocated-bytes": stats.get("allocated_bytes.all.current", 0),
+                "mem-max-allocated-bytes": stats.get("allocated_bytes.all.peak", 0),
+                "mem-allocated-count": stats.get("allocation.all.current", 0)}
+    import resource
+
+    return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB on Linux
+
+
 class TrainingLogger:
     def __init__(self, args) -> None:
         self.args = args
@@ -53,7 +67,7 @@ class TrainingLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+                self.tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
             except ImportError:
                 print("WARNING: TensorBoard writing is not available (pip install tensorboard)", flush=True)
         if args.wandb_project:
@@ -102,7 +116,8 @@ class TrainingLogger:
     def training_line(self, *, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
                       ms_per_iter: float, lr: float, global_batch_size: int, losses: Dict[str, float],
                       loss_scale: float, grad_norm: Optional[float], skipped: int, nan: int,
-                      tokens_per_s: float, tflops_per_device: float, mfu: Optional[float]) -> str:
+                      tokens_per_s: float, tflops_per_device: float, mfu: Optional[float],
+                      num_zeros: Optional[float] = None, params_norm: Optional[float] = None) -> str:
         s = f" [{time.strftime('%Y-%m-%d %H:%M:%S')}]"
         s += f" iteration {iteration:8d}/{train_iters:8d} |"
         s += f" consumed samples: {consumed_samples:12d} |"
@@ -115,6 +130,10 @@ class TrainingLogger:
         s += f" loss scale: {loss_scale:.1f} |"
         if grad_norm is not None:
             s += f" grad norm: {grad_norm:.3f} |"
+        if num_zeros is not None:  # --log-num-zeros-in-grad
+            s += f" num zeros: {num_zeros:.1f} |"
+        if params_norm is not None:  # --log-params-norm
+            s += f" params norm: {params_norm:.3f} |"
         s += f" number of skipped iterations: {skipped:3d} |"
         s += f" number of nan iterations: {nan:3d} |"
         s += f" consumed tokens: {consumed_tokens} |"

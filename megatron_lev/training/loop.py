@@ -51,8 +51,9 @@ from megatron_lev.lev.config import ConfigError
 from megatron_lev.parallel.collectives import all_reduce_, group_device
 from megatron_lev.tokenizer import tokenizer_fingerprint
 
-from .logger import TrainingLogger
+from .logger import TrainingLogger, memory_scalars
 from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
+from .params_norm import params_l2_norm
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
@@ -76,6 +77,8 @@ class _State:
     last_saved: Optional[int] = None
     saving: Optional[int] = None
     """The iteration whose checkpoint is being written (None between saves)."""
+    num_zeros_in_grad: Optional[float] = None
+    """The last optimizer step's zero gradient entries (--log-num-zeros-in-grad; not saved)."""
 
     def counters(self) -> Dict[str, int]:
         return {"skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations}
@@ -227,6 +230,7 @@ def optimizer_config(args, params_dtype: torch.dtype):
         use_precision_aware_optimizer=args.use_precision_aware_optimizer, **dtypes,
         # The distributed optimizer and the precision-aware one treat FP8 parameters by recipe.
         fp8_recipe=args.fp8_recipe if args.fp8_format is not None else None,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
 
 
@@ -443,7 +447,7 @@ def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modu
     if check and not args.fp16 and not grads_checked_in_step(optimizer) and _any_rank(not _grads_finite(model)):
         return _nan_step(args, state, "gradients", loss)
     try:
-        update_successful, grad_norm, _ = optimizer.step()
+        update_successful, grad_norm, state.num_zeros_in_grad = optimizer.step()
     except NonFiniteGrads:  # raised by the step's own grad norm, before its update (check_grads_in_step)
         return _nan_step(args, state, "gradients", loss)
     if update_successful:
@@ -658,6 +662,8 @@ def _run(args, tokenizer, config, model_config) -> int:
                 handler.release()
         if run.logging_level is not None:
             logging.getLogger().setLevel(run.logging_level)
+        if args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks:
+            torch.cuda.memory._record_memory_history(enabled=None)
         run.logger.close()
 
 
@@ -728,6 +734,9 @@ def _start(args, config, model_config) -> _Run:
         logger.log(format_config(cfg))
     logger.set_config(cfg)
 
+    if args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks:
+        # Before the model is built, so that the snapshots hold every allocation (as Megatron-LM).
+        torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000, trace_alloc_record_context=True)
     set_seed(args.seed)
     # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
     model_config.weights_from_checkpoint = _will_load_checkpoint(args)
@@ -915,7 +924,10 @@ def _run_eval(run: _Run, state: _State, prefix: str) -> None:
     logger = run.logger
     logger.log(logger.validation_block(prefix, {"lm loss": loss}))
     ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
-    logger.scalars(state.iteration, {"validation/lm loss": loss, "validation/lm loss ppl": ppl},
+    logger.scalars(state.iteration, {"validation/lm loss": loss,
+                                     # As Megatron-LM: the perplexity only with --log-validation-ppl-to-tensorboard
+                                     "validation/lm loss ppl": ppl if run.args.log_validation_ppl_to_tensorboard
+                                     else None},
                    consumed_samples=state.consumed_train_samples)
     logger.record("valid", state.iteration, {"lm loss": loss, "lm loss hex": float(loss).hex(), "ppl": ppl})
 
@@ -933,18 +945,30 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
     line_due = state.iteration % args.log_interval == 0
     # The loss scale is a device tensor: read (a host sync) only on the steps that log it.
     loss_scale = float(run.optimizer.get_loss_scale().item()) if scalars_due or line_due else None
+    num_zeros = state.num_zeros_in_grad if ok and args.log_num_zeros_in_grad else None
+    params_norm = None
+    if args.log_params_norm and (line_due or state.iteration % args.tensorboard_log_interval == 0):
+        # A collective over the model's ranks (so on a condition every rank shares), on the logged steps only.
+        with _params_gathered(run):
+            params_norm = params_l2_norm(run.model)
     logger.record("train", state.iteration, {
         "lm loss": loss, "lm loss hex": float(loss).hex() if loss is not None else None,
         "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
         "consumed_samples": state.consumed_train_samples, "global_batch_size": global_batch_size,
-        **{name: values[-1] for name, values in interval.aux_losses.items()}})
+        **{name: values[-1] for name, values in interval.aux_losses.items()},
+        **({"num zeros": num_zeros} if num_zeros is not None else {}),
+        **({"params norm": params_norm} if params_norm is not None else {})})
     if scalars_due:
         # As Megatron-LM: this iteration's values every --tensorboard-log-interval iterations (TensorBoard
         # and wandb); the interval's throughput with the log line below.
         logger.scalars(state.iteration, {
             "lm loss": loss, **{name: values[-1] for name, values in interval.aux_losses.items()},
-            "learning-rate": lr, "loss-scale": loss_scale, "grad-norm": grad_norm, "batch-size": global_batch_size,
+            "learning-rate": lr, "loss-scale": loss_scale if args.log_loss_scale_to_tensorboard else None,
+            "grad-norm": grad_norm, "batch-size": global_batch_size,
             "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
+            "num-zeros": num_zeros, "params-norm": params_norm,
+            "world-size": args.world_size if args.log_world_size_to_tensorboard else None,
+            **(memory_scalars() if args.log_memory_to_tensorboard else {}),
         }, consumed_samples=state.consumed_train_samples)
     if not line_due:
         return
@@ -960,8 +984,13 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
         consumed_tokens=state.consumed_train_samples * args.seq_length, ms_per_iter=per_iter * 1000,
         lr=lr, global_batch_size=global_batch_size, losses=losses,
         loss_scale=loss_scale, grad_norm=grad_norm, skipped=state.skipped_iterations,
-        nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu))
-    logger.scalars(state.iteration, {"tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops})
+        nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu,
+        num_zeros=num_zeros, params_norm=params_norm))
+    logger.scalars(state.iteration, {"tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
+                                     "iteration-time": per_iter if args.log_timers_to_tensorboard else None})
+    if args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks:
+        base, ext = os.path.splitext(args.memory_snapshot_path)
+        torch.cuda.memory._dump_snapshot(f"{base}_{torch.distributed.get_rank()}{ext}")
     interval.start, interval.iters, interval.samples, interval.flops, interval.losses = time.time(), 0, 0, 0.0, []
     interval.aux_losses = {}
 

@@ -198,3 +198,26 @@ def test_megatron_lms_other_tokenizer_types_are_refused_with_the_reason(name):
         parse_args(BASE + ["--tokenizer-type", name], world_size=1)
     msg = str(e.value)
     assert msg.startswith(f"argument --tokenizer-type: {name}: ") and "not" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("flag", ["--log-memory-to-tensorboard", "--log-timers-to-tensorboard",
+                                  "--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard"])
+def test_tensorboard_logging_flags_need_somewhere_to_write(flag, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_args(BASE + [flag], world_size=1)
+    assert str(e.value) == f"{flag} writes to TensorBoard or wandb: give --tensorboard-dir DIR (or --wandb-project)"
+    assert getattr(parse_args(BASE + [flag, "--tensorboard-dir", str(tmp_path)], world_size=1),
+                   flag[2:].replace("-", "_"))
+
+
+def test_record_memory_history_needs_cuda_and_the_snapshot_path_needs_it():
+    import torch
+
+    with pytest.raises(ConfigError, match="^--memory-snapshot-path needs --record-memory-history$"):
+        parse_args(BASE + ["--memory-snapshot-path", "m.pickle"], world_size=1)
+    if torch.cuda.is_available():
+        assert parse_args(BASE + ["--record-memory-history"], world_size=1).record_memory_history
+        return
+    with pytest.raises(ConfigError, match="^--record-memory-history records the CUDA caching allocator's history: "
+                                          "it needs CUDA"):
+        parse_args(BASE + ["--record-memory-history"], world_size=1)

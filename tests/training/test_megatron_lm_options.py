@@ -318,3 +318,14 @@ def test_disable_bf16_reduced_precision_matmul_reaches_torch():
         assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is True  # left alone without it
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_params_norm_is_the_l2_norm_of_every_parameter(one_rank):
+    from megatron_lev import checkpoint
+    from megatron_lev.training.loop import _setup_configs
+    from megatron_lev.training.params_norm import params_l2_norm
+
+    _, _, config, model_config = _setup_configs(MODEL + MOCK + ["--untie-embeddings-and-output-weights"])
+    model = checkpoint.build_model_chunks(config, model_config)
+    expected = torch.sqrt(sum(p.detach().double().square().sum() for p in model[0].parameters()))
+    assert params_l2_norm(model) == pytest.approx(float(expected), rel=1e-6)

@@ -84,7 +84,11 @@ ADDED: Dict[str, List[List[str]]] = {
     GPT3: [["--mock-data"],  # for --data-path (dropped)
            # The script names no tokenizer type (Megatron-LM needs one too); its vocab/merge files are GPT-2's.
            ["--tokenizer-type", "GPT2BPETokenizer"]],
-    LLAMA: [],
+    # Megatron-LM's logging flags its other scripts pass, seen to take effect below.
+    LLAMA: [["--log-params-norm"], ["--log-num-zeros-in-grad"], ["--log-timers-to-tensorboard"],
+            ["--log-validation-ppl-to-tensorboard"], ["--log-memory-to-tensorboard"],
+            ["--log-world-size-to-tensorboard"], ["--no-log-loss-scale-to-tensorboard"],
+            ["--tensorboard-queue-size", "5"]],
 }
 SCHEDULE_WORDS = "the unquoted ${TRAINING_ARGS[@]} splits the schedule into words; it is one argument"
 
@@ -203,7 +207,7 @@ def test_gpt3_script_flags_took_effect(runs):
 
 
 def test_llama_script_flags_took_effect(runs):
-    tmp, _ = runs
+    tmp, stdout = runs
     cfg, rows = _config(tmp, "llama"), _train_rows(tmp / "llama.jsonl")
     # --apply-layernorm-1p is megatron-core's layernorm_zero_centered_gamma, as in Megatron-LM.
     expect = {"input_embedding": "lev", "layernorm_zero_centered_gamma": True, "normalization": "RMSNorm", "swiglu": True,
@@ -225,3 +229,17 @@ def test_llama_script_flags_took_effect(runs):
     # Counted in samples: warmup to --lr over 4, cosine decay to --min-lr at 12 (half way at 8).
     assert [rows[i]["lr"] for i in (1, 2, 3)] == [pytest.approx(1.5e-4), pytest.approx(8e-5), pytest.approx(1e-5)]
     assert all(not rows[i]["skipped"] and math.isfinite(rows[i]["grad norm"]) for i in (1, 2, 3))
+    # The logging flags: params norm and zero gradients on each (--log-interval 1) line and to TensorBoard,
+    # the iteration time, validation perplexity, memory and world size there; no loss scale.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp / "llama" / "tb")).Reload()
+    for name, key in (("params-norm", "params norm"), ("num-zeros", "num zeros")):
+        assert [e.step for e in tb.Scalars(name)] == [1, 2, 3]
+        assert [e.value for e in tb.Scalars(name)] == [pytest.approx(rows[i][key], rel=1e-6) for i in (1, 2, 3)]
+    assert all(rows[i]["params norm"] > 0 and rows[i]["num zeros"] >= 0 for i in (1, 2, 3))
+    assert rows[1]["params norm"] != rows[3]["params norm"]  # the updated weights (gathered before they are read)
+    assert [e.value for e in tb.Scalars("world-size")] == [2, 2, 2]
+    assert {"iteration-time", "mem-max-rss-bytes", "validation/lm loss ppl"} <= set(tb.Tags()["scalars"])
+    assert "loss-scale" not in tb.Tags()["scalars"]
+    assert stdout["llama"].count(" | num zeros: ") == stdout["llama"].count(" | params norm: ") == 3
