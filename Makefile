@@ -29,7 +29,7 @@ PYTEST_FLAGS ?=
 # built_once). TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 XDIST := -n $(TEST_WORKERS) --dist loadfile
-# make test-shuffled runs the suite in a shuffled order (modules, and the tests inside each module), fixed by
+# make test-next and make test-shuffled run the suite in a shuffled order (modules, and the tests inside each), fixed by
 # this seed, so that a test depending on what an earlier one left behind fails here, not on a user's machine.
 SHUFFLE_SEED ?= 33
 
@@ -61,11 +61,13 @@ $(STAMP_CUDA): pyproject.toml
 	$(PY_CUDA) -m pip install -q -e . pytest
 	@touch $(STAMP_CUDA)
 
+# The newer stack's run is also the order check: modules, and the tests inside each, in a shuffled order
+# fixed by SHUFFLE_SEED, so that a test depending on what an earlier one left in its worker fails in CI.
 test-next: $(STAMP_NEXT)
-	$(PY_NEXT) -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_FLAGS)
+	$(PY_NEXT) -m pytest -q -p no:cacheprovider $(XDIST) --random-order-bucket=module \
+	  --random-order-seed=$(SHUFFLE_SEED) $(PYTEST_FLAGS)
 
-# The suite on the newer stack in a shuffled order (not yet part of CI), in one process: the order hazards
-# it looks for are between the tests one process runs.
+# The suite on the newer stack in a shuffled order in one process: every test after every other.
 test-shuffled: $(STAMP_NEXT)
 	$(PY_NEXT) -m pytest -q -p no:cacheprovider -n 0 --random-order-bucket=module \
 	  --random-order-seed=$(SHUFFLE_SEED) $(PYTEST_FLAGS)
