@@ -1,0 +1,172 @@
+"""Where a training step's time goes, from a torch.profiler trace (``pretrain_lev.py --profile
+--use-pytorch-profiler``): LEV's Triton kernels, LEV's GEMMs, the rest; and host syncs per step.
+
+    summarize(trace) -> figures      # trace: the chrome-trace dict, or the path of a *.pt.trace.json
+
+The timeline is the GPU kernels where the trace has any; on a CPU run (the check's stand-in) it is the
+leaf CPU operators (those that call no other), so the same code reads both. Every work item is put in
+one category:
+
+- ``lev_triton``: LEV's fused product, by the names of ``megatron_lev/kernels/lev_triton.py``'s
+  kernels (``LEV_KERNELS``);
+- ``lev_gemm``: a matrix product whose operands are all fp32: in a bf16 model those are LEV's (its
+  projections run in true fp32; the transformer's and the output head's GEMMs are bf16). Found from
+  the innermost GEMM operator around the item (a kernel's launch, linked by its correlation id);
+- ``attention``: SDPA's kernels (flash, cuDNN, memory-efficient) or anything under an SDPA operator;
+- ``other``: every other kernel (the transformer's GEMMs, norms, the optimizer, ...).
+
+Shares are of the mean step (``ProfilerStep#`` spans): each category's busy time per step, and
+``idle``, the step time no item covers. Host syncs per step: the CUDA runtime calls that block the
+host until the device catches up (``SYNC_CALLS``); ``scalar_reads_per_step`` counts
+``aten::_local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``): a host sync each on a CUDA
+tensor, and the only figure a CPU trace has.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+LEV_KERNELS = ("_fwd_kernel", "_bwd_kernel", "_bwd_grouped_kernel")
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+                      "aten::_addmm_activation", "aten::einsum"})
+SDPA_PREFIX = "aten::_scaled_dot_product"
+ATTENTION_WORDS = ("flash", "fmha", "cudnn_attn", "attention", "sdpa")
+SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                        "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize"})
+CATEGORIES = ("lev_triton", "lev_gemm", "attention", "other")
+_FLOAT_TYPES = ("float", "c10::BFloat16", "c10::Half", "double", "c10::Float8_e4m3fn", "c10::Float8_e5m2")
+
+
+def find_trace(folder: Union[str, Path]) -> Optional[str]:
+    """The newest ``*.pt.trace.json`` under ``folder`` (torch.profiler's tensorboard handler writes one)."""
+    found = sorted(glob.glob(os.path.join(str(folder), "**", "*.pt.trace.json"), recursive=True), key=os.path.getmtime)
+    return found[-1] if found else None
+
+
+def _fp32_gemm(op: Dict[str, Any]) -> bool:
+    types = [t for t in (op.get("args") or {}).get("Input type", []) if t in _FLOAT_TYPES]
+    return bool(types) and all(t == "float" for t in types)
+
+
+def _category(name: str, stack: Sequence[Dict[str, Any]]) -> str:
+    if name.startswith(LEV_KERNELS):
+        return "lev_triton"
+    gemm = next((op for op in reversed(stack) if op["name"] in GEMM_OPS), None)
+    if gemm is not None and _fp32_gemm(gemm):
+        return "lev_gemm"
+    low = name.lower()
+    if any(w in low for w in ATTENTION_WORDS) or any(op["name"].startswith(SDPA_PREFIX) for op in stack):
+        return "attention"
+    return "other"
+
+
+def _by_start(ops: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    return sorted(ops, key=lambda e: (e["ts"], -e.get("dur", 0)))
+
+
+def _ends(op: Dict[str, Any]) -> float:
+    return op["ts"] + op.get("dur", 0)
+
+
+def _nest(ops: List[Dict[str, Any]]):
+    """For one thread's operators: [(operator, its enclosing operators outermost first, is a leaf)]."""
+    out, stack, parents = [], [], set()
+    for op in _by_start(ops):
+        while stack and _ends(stack[-1]) <= op["ts"]:
+            stack.pop()
+        if stack:
+            parents.add(id(stack[-1]))
+        out.append((op, list(stack)))
+        stack.append(op)
+    return [(op, anc, id(op) not in parents) for op, anc in out]
+
+
+def _enclosing(ops: List[Dict[str, Any]], points: List[float]) -> List[List[Dict[str, Any]]]:
+    """For one thread: the operators enclosing each time of ``points`` (ts <= t < ts + dur), outermost first."""
+    ops = _by_start(ops)
+    order = sorted(range(len(points)), key=lambda i: points[i])
+    out: List[List[Dict[str, Any]]] = [[] for _ in points]
+    stack: List[Dict[str, Any]] = []
+    j = 0
+    for k in order:
+        t = points[k]
+        while j < len(ops) and ops[j]["ts"] <= t:
+            while stack and _ends(stack[-1]) <= ops[j]["ts"]:
+                stack.pop()
+            stack.append(ops[j])
+            j += 1
+        while stack and _ends(stack[-1]) <= t:
+            stack.pop()
+        out[k] = [op for op in stack if _ends(op) > t]
+    return out
+
+
+def _union_length(intervals: List[tuple]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(trace: Union[str, Path, Dict[str, Any]]) -> Dict[str, Any]:
+    """The figures of the module doc from one trace (a path or the loaded chrome-trace dict)."""
+    if not isinstance(trace, dict):
+        with open(trace, encoding="utf-8") as f:
+            trace = json.load(f)
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    if not steps:
+        raise ValueError("the trace has no ProfilerStep# spans: was it recorded with a profiler schedule?")
+    step_us = sum(e["dur"] for e in steps) / len(steps)
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    by_tid: Dict[Any, List[Dict[str, Any]]] = collections.defaultdict(list)
+    for op in cpu_ops:
+        by_tid[(op.get("pid"), op.get("tid"))].append(op)
+
+    items: List[tuple] = []  # (name, start, end, stack)
+    if kernels:
+        timeline = "cuda kernels"
+        launch = {(e.get("args") or {}).get("correlation"): e for e in runtime}
+        launches: Dict[Any, List[tuple]] = collections.defaultdict(list)  # tid -> [(kernel, launch ts)]
+        for k in kernels:
+            r = launch.get((k.get("args") or {}).get("correlation"))
+            launches[(r.get("pid"), r.get("tid")) if r else None].append((k, r["ts"] if r else None))
+        for tid, pairs in launches.items():
+            stacks = _enclosing(by_tid.get(tid, []), [ts for _, ts in pairs]) if tid is not None else [[]] * len(pairs)
+            for (k, _), stack in zip(pairs, stacks):
+                items.append((k["name"], k["ts"], k["ts"] + k.get("dur", 0), stack))
+    else:
+        timeline = "cpu operators (leaves)"
+        for ops in by_tid.values():
+            for op, ancestors, leaf in _nest(ops):
+                if leaf:
+                    items.append((op["name"], op["ts"], _ends(op), ancestors + [op]))
+    busy = collections.Counter()
+    top = collections.Counter()
+    for name, a, b, stack in items:
+        cat = _category(name, stack)
+        busy[cat] += b - a
+        top[(cat, name[:90])] += b - a
+    n = len(steps)
+    covered = _union_length([(a, b) for _, a, b, _ in items]) / n
+    ms = {c: busy[c] / n / 1e3 for c in CATEGORIES}
+    syncs = sum(1 for e in runtime if e.get("name") in SYNC_CALLS)
+    scalar = sum(1 for e in cpu_ops if e.get("name") == "aten::_local_scalar_dense")
+    return {
+        "timeline": timeline, "steps": n, "step_ms": step_us / 1e3,
+        "ms_per_step": {**ms, "idle": max(0.0, step_us - covered) / 1e3},
+        "share": {**{c: ms[c] * 1e3 / step_us for c in CATEGORIES}, "idle": max(0.0, step_us - covered) / step_us},
+        "host_syncs_per_step": syncs / n if runtime else None,
+        "scalar_reads_per_step": scalar / n,
+        "top": [{"category": c, "name": name, "ms_per_step": t / n / 1e3} for (c, name), t in top.most_common(12)],
+    }
