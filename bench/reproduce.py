@@ -34,15 +34,16 @@ import os
 import re
 import shlex
 import statistics
-import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from _check_harness import run_logged  # noqa: E402  (bench/ is this script's directory)
+
 SHARED = REPO.parent / "shared" / "data"
 ARMS = ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev")
 LADDER = ("albert", "flat_mlp", "factored_mlp", "lev")
@@ -74,6 +75,39 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
         description="12 layers, hidden 768, 12 heads, sequence 1024, batch 64 x 1024 = 65,536 tokens/step, bf16 (GPU)",
     ),
 }
+# The science stage of bench/gpu_check.py: tied, untied and lev on one H200 in about 200 s of a 400 s
+# window, three runs at once. Sized so the run answers something: one pass over the whole corpus
+# (21.6 M tokens) at 250 TFLOP/s achieved, with the input table about 40% of the tied model (the
+# paper's embedding-dominated regime); 12 x 768 (GPT-2 small) would see 40% of the corpus in the same
+# time, so its rare tokens (the buckets where the paper puts LEV's gain) would be seen 2.5x less.
+# ``train_iters`` is a default only: the stage sets it from the throughput it measured (--train-iters).
+CONFIGS["gpu-science"] = dict(
+    model=["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024"],
+    batch=["--micro-batch-size", "32", "--global-batch-size", "64"],
+    train_iters=320, lr="1e-3", min_lr="1e-4", warmup_frac=0.02, save_interval=10**6, log_interval=10,
+    eval_interval=10**6, eval_iters=0, eval_max_tokens=262144, eval_limit=None, eval_tasks="", train_docs=None,
+    precision=["--bf16"],
+    description="8 layers, hidden 512, 8 heads, sequence 1024, batch 64 x 1024 = 65,536 tokens/step, bf16 (one GPU, "
+                "the three arms at once)",
+    why="with the GPT-2 vocabulary the 50,304 x 512 input table (25.8 M parameters) is about 40% of the tied "
+        "model (the 8-layer transformer is 33.6 M), the embedding-dominated regime of the paper's 200M model; "
+        "at the throughput measured in the same window the three arms train up to one pass over the corpus "
+        "(21.6 M tokens) in about 200 s, so every rare token is seen as often as the corpus has it, where a "
+        "GPT-2-small model (12 x 768) would see 40% of it in that time. Validation and zero-shot perplexity "
+        "with the frequency buckets; no downstream tasks (near chance at this scale, and their time goes to "
+        "training).",
+)
+# The same run at a model a CPU trains in a second (bench/gpu_check.py --sizes tiny): its plumbing only.
+CONFIGS["gpu-science-tiny"] = dict(
+    CONFIGS["gpu-science"],
+    model=["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32"],
+    batch=["--micro-batch-size", "2", "--global-batch-size", "4"], train_iters=3, eval_max_tokens=512,
+    train_docs=40, precision=[], extra=["--lev-heads", "2", "--lev-seed-dim", "8", "--lev-knots", "5", "--lev-rank", "4",
+                                        "--lev-init-sample-size", "4096"],
+    description="1 layer, hidden 32, 2 heads, sequence 32, batch 4 x 32 = 128 tokens/step, fp32, the first 40 "
+                "training documents (the GPU science run's plumbing on a CPU; numbers not meaningful)",
+    why="",
+)
 TRANSFORMER = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
                "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--weight-decay", "0.1", "--clip-grad", "1.0",
                "--lr-decay-style", "cosine", "--adam-beta2", "0.95"]
@@ -85,7 +119,7 @@ def _load() -> List[float]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="cpu", choices=["cpu", "large"])
+    p.add_argument("--config", default="cpu", choices=["cpu", "large", "gpu-science", "gpu-science-tiny"])
     p.add_argument("--quick", action="store_true", help="the tiny 'quick' configuration (a few minutes)")
     p.add_argument("--arms", default=",".join(ARMS), help="comma list (default: all six)")
     p.add_argument("--seeds", default="1234,1235", help="first seed: every arm; further seeds: --multi-seed-arms")
@@ -122,6 +156,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     ("micro_reproduction_quick.md" if a.quick else
                      "micro_reproduction.md" if a.config == "cpu" else f"micro_reproduction_{a.config}.md"))
     a.shared_data = Path(a.shared_data)
+    a.deadline = None  # time.monotonic() at which every command is killed (bench/gpu_science.py sets it)
     return a
 
 
@@ -173,8 +208,10 @@ def eval_command(a, run: Dict[str, Any]) -> List[str]:
     cmd = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--load", str(d / "ckpt"),
            "--valid-data", f"valid={paths['valid']}", "--token-counts", str(paths["counts"]),
            "--zeroshot-data", f"zeroshot={a.shared_data / 'corpus' / 'zeroshot_wiki.jsonl.zst'}",
-           "--tasks", "all", "--downstream-dir", str(a.shared_data / "downstream"),
            "--output-dir", str(d / "eval"), "--label", run["name"], "--no-progress"]
+    tasks = CONFIGS[a.config_name].get("eval_tasks", "all")
+    if tasks:
+        cmd += ["--tasks", tasks, "--downstream-dir", str(a.shared_data / "downstream")]
     if a.eval_limit is not None:
         cmd += ["--limit", str(a.eval_limit)]
     if a.eval_max_tokens is not None:
@@ -187,15 +224,16 @@ def _env(a) -> Dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
 
 
-def _run(cmd: List[str], log: Path, env: Dict[str, str], dry: bool) -> int:
+def _run(cmd: List[str], log: Path, env: Dict[str, str], dry: bool, deadline: Optional[float] = None) -> int:
+    """Run ``cmd`` with its output appended to ``log``; killed with its process group at ``deadline``
+    (time.monotonic; None: no limit), then it returns TIMEOUT_RC."""
     print("  $ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     if dry:
         return 0
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as f:
-        f.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} load {_load()}\n# " + " ".join(cmd) + "\n")
-        f.flush()
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO)).returncode
+        f.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} load {_load()}\n")
+    return run_logged(cmd, None if deadline is None else deadline - time.monotonic(), log, env, append=True)[0]
 
 
 def prepare_data(a) -> None:
@@ -234,7 +272,7 @@ def prepare_data(a) -> None:
         cmd = [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", str(src),
                "--output-prefix", out_prefix, *tokenizer_args(a), "--append-eod", "--workers",
                str(min(2, os.cpu_count() or 1)), "--overwrite", "--no-progress-bar", *extra]
-        rc = _run(cmd, d / f"preprocess_{split}.log", _env(a), a.dry_run)
+        rc = _run(cmd, d / f"preprocess_{split}.log", _env(a), a.dry_run, a.deadline)
         if rc != 0:
             sys.exit(f"preprocessing {split} failed (exit {rc}); see {d / f'preprocess_{split}.log'}")
 
@@ -255,7 +293,7 @@ def train_run(a, run) -> None:
     print(f"train {run['name']} (from iteration {max(0, _latest_iteration(d / 'ckpt'))} to {a.train_iters}; "
           f"load {_load()})", flush=True)
     t0 = time.time()
-    rc = _run(train_command(a, run), d / "train.log", _env(a), a.dry_run)
+    rc = _run(train_command(a, run), d / "train.log", _env(a), a.dry_run, a.deadline)
     if a.dry_run:
         return
     if rc != 0 or _latest_iteration(d / "ckpt") < a.train_iters:
@@ -276,7 +314,7 @@ def eval_run(a, run) -> None:
         except (ValueError, KeyError):
             pass
     print(f"eval {run['name']} (load {_load()})", flush=True)
-    rc = _run(eval_command(a, run), d / "eval.log", _env(a), a.dry_run)
+    rc = _run(eval_command(a, run), d / "eval.log", _env(a), a.dry_run, a.deadline)
     if not a.dry_run and (rc != 0 or not res.exists()):
         sys.exit(f"evaluation of {run['name']} failed (exit {rc}); see {d / 'eval.log'}")
 
@@ -437,6 +475,8 @@ def param_breakdowns(a, rows) -> Dict[str, Dict[str, Any]]:
         if not cfgs:
             continue
         try:
+            import yaml  # here, not at the top: bench/gpu_check.py reads CONFIGS before its wheels are installed
+
             from megatron_lev.checkpoint import build_configs
             from megatron_lev.models import parameter_breakdown
 
@@ -486,7 +526,9 @@ def build_report(a, rows, out: Path, command: str, meta: Dict[str, Any]) -> str:
           f"- machine: {meta.get('machine')}; load average at start {meta.get('load_start')}, at end "
           f"{meta.get('load_end')} (timings in this page are from a machine shared with other jobs when the "
           "load exceeds the CPU count)", ""]
-    if a.config_name != "large":
+    if cfg.get("why"):
+        L += [f"Why this size: {cfg['why']}", ""]
+    elif a.config_name in ("cpu", "quick"):
         L += [("The CPU configuration's size" if a.quick else "Why this size") + ": with the GPT-2 vocabulary the 50,304 x 256 input table (12.9 M parameters) is "
               "about 80% of the tied model (the 4-layer transformer is 3.1 M), the regime of the paper's 200M "
               "model with a 200k vocabulary where the embedding dominates; a SentencePiece vocabulary trained on "
@@ -599,7 +641,8 @@ def build_report(a, rows, out: Path, command: str, meta: Dict[str, Any]) -> str:
         prev = (v, z)
     L.append("")
     L += ["## Agreement with the paper", ""] + verdict(arms, cmp_md, quick=a.quick,
-                                                          train_tokens=a.train_iters * _tokens_per_step(cfg)) + [""]
+                                                          train_tokens=a.train_iters * _tokens_per_step(cfg),
+                                                          where="on one GPU" if cfg["precision"] else "on CPU") + [""]
     text = "\n".join(L)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
@@ -612,7 +655,7 @@ def _tokens_per_step(cfg) -> int:
     return int(b[b.index("--global-batch-size") + 1]) * int(s[s.index("--seq-length") + 1])
 
 
-def verdict(arms, cmp, quick: bool = False, train_tokens: Optional[int] = None) -> List[str]:
+def verdict(arms, cmp, quick: bool = False, train_tokens: Optional[int] = None, where: str = "on CPU") -> List[str]:
     """Plain statements from the numbers: does LEV beat tied/untied/albert (beyond the seed spread),
     and is its gain concentrated on rare tokens."""
     out = []
@@ -668,9 +711,37 @@ def verdict(arms, cmp, quick: bool = False, train_tokens: Optional[int] = None) 
                           "the change is not concentrated on rare tokens, unlike the paper." if not conc else
                           "rare tokens fare relatively better but LEV does not gain there, unlike the paper."))
     budget = f"{train_tokens:,} training tokens per run" if train_tokens else "a small token budget"
-    out.append(f"- Scale: these are micro-scale runs ({budget}, on CPU); the paper's claims are "
+    out.append(f"- Scale: these are micro-scale runs ({budget}, {where}); the paper's claims are "
                "at 200M+ parameters and billions of tokens, so a disagreement here is a data point, not a refutation.")
     return out
+
+
+def train_and_evaluate(a, runs: List[Dict[str, Any]], parallel: int = 1) -> None:
+    """Train and evaluate every run. One at a time (``parallel`` 1): each run is trained, then evaluated.
+    Several: the runs are trained ``parallel`` at a time, then evaluated so (on one GPU, their start-ups
+    overlap and the device is shared); a run that fails stops the others' next step, not their current one."""
+    if parallel <= 1:
+        for run in runs:
+            train_run(a, run)
+            eval_run(a, run)
+        return
+    for step in (train_run, eval_run):
+        for i in range(0, len(runs), parallel):
+            failures: List[str] = []
+
+            def one(run, step=step, failures=failures):
+                try:
+                    step(a, run)
+                except SystemExit as e:  # a run's own failure line
+                    failures.append(str(e.code))
+
+            threads = [threading.Thread(target=one, args=(run,)) for run in runs[i:i + parallel]]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if failures:
+                sys.exit("; ".join(failures))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -690,9 +761,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{a.train_iters} iterations each, work dir {a.work_dir}, load {meta['load_start']}", flush=True)
     if not a.report_only:
         prepare_data(a)
-        for run in runs:
-            train_run(a, run)
-            eval_run(a, run)
+        train_and_evaluate(a, runs)
     if a.dry_run:
         return 0
     meta["load_end"] = _load()
