@@ -554,6 +554,9 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         torch.distributed.barrier()  # no rank exits (and gets the others killed) before the line is out
         return EXIT_SAVE_FAILED
     finally:
+        # The config holds the run's hooks (no_sync, finalize_model_grads: bound to its DDP model), which keep
+        # the model and its process groups alive: dropped before the teardown collects them.
+        del config, model_config
         destroy_distributed(setup)
 
 

@@ -83,9 +83,25 @@ def runs(tmp_path_factory):
             argv = VPP_TABLE + (["--bf16"] if dtype == "bf16" else []) + (
                 ["--overlap-grad-reduce"] if overlap == "on" else []) + ["--metrics-file", str(tmp / f"{name}.jsonl")]
             plan.append({"name": name, "argv": argv})
+    # rank 0's gloo socket threads after the first run and after the shipped configs' runs: a run's groups
+    # must end with it
+    count = "tests.training._threads:record_gloo_threads"
+    shipped = len(CONFIGS) * 2
+    plan.insert(shipped, {"name": "threads-after-shipped", "rank0": count,
+                          "args": [str(tmp / "threads-after-shipped.json")]})
+    plan.insert(1, {"name": "threads-after-one", "rank0": count, "args": [str(tmp / "threads-after-one.json")]})
     res = launch_plan(4, plan, tmp)
     assert all(r.code == 0 for r in res.values()), {n: r.code for n, r in res.items()}
     return tmp
+
+
+def test_a_run_in_a_longer_job_takes_its_process_groups_threads_with_it(runs):
+    """Before, each of the shipped configs' runs left its ~17 gloo groups alive (their socket loops polling)
+    while the config holding the run's hooks was alive (18 socket threads after the first run, and more after
+    each); now a run leaves at most one or two (a save's)."""
+    one = json.loads((runs / "threads-after-one.json").read_text())
+    after = json.loads((runs / "threads-after-shipped.json").read_text())
+    assert one >= 1 and after - one <= 2 * (len(CONFIGS) * 2 - 1), (one, after)
 
 
 @pytest.mark.parametrize("config", [c.stem for c in CONFIGS])
