@@ -124,9 +124,8 @@ def unread(parser: argparse.ArgumentParser):
         field = getattr(action, "config_field", None)  # generated from a dataclass field
         if field is not None and field[0].__name__ in from_args and field[1] in loaded:
             continue
-        out.setdefault(dest, flags)
-    # a --no-... negation shares its flag's destination: read when the flag is
-    return {d: f for d, f in out.items() if not any(a.dest == d and d in read for a in parser._actions)}
+        out.setdefault(dest, flags)  # (a --no-... negation shares its flag's destination)
+    return out
 
 
 def test_every_argument_is_read_outside_the_parser_or_declared():
