@@ -935,6 +935,17 @@ def _run_eval(run: _Run, state: _State, prefix: str) -> None:
     logger.record("valid", state.iteration, {"lm loss": loss, "lm loss hex": float(loss).hex(), "ppl": ppl})
 
 
+def params_norm_due(args, iteration: int) -> bool:
+    """Whether --log-params-norm computes the norm at ``iteration``: on the log line's steps, and on the
+    scalars' steps when there is a TensorBoard or wandb to write them to. Decided on the arguments alone so
+    that every rank joins the norm's collectives on the same steps (the writers live on one rank only)."""
+    if not args.log_params_norm:
+        return False
+    line_due = iteration % args.log_interval == 0
+    scalars_wanted = bool(args.tensorboard_dir or args.wandb_project)
+    return line_due or (scalars_wanted and iteration % args.tensorboard_log_interval == 0)
+
+
 def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_norm, ok: bool, got_nan: bool,
                    global_batch_size: int) -> None:
     """The per-iteration record, and every --log-interval iterations the log line and scalars."""
@@ -950,7 +961,7 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
     loss_scale = float(run.optimizer.get_loss_scale().item()) if scalars_due or line_due else None
     num_zeros = state.num_zeros_in_grad if ok and args.log_num_zeros_in_grad else None
     params_norm = None
-    if args.log_params_norm and (line_due or state.iteration % args.tensorboard_log_interval == 0):
+    if params_norm_due(args, state.iteration):
         # A collective over the model's ranks (so on a condition every rank shares), on the logged steps only.
         with _params_gathered(run):
             params_norm = params_l2_norm(run.model)

@@ -320,6 +320,20 @@ def test_disable_bf16_reduced_precision_matmul_reaches_torch():
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
 
 
+@pytest.mark.parametrize("extra, due", [
+    ([], [10, 20]),  # --tensorboard-log-interval defaults to 1, but there is nothing to write the scalars to
+    (["--tensorboard-dir", "TB"], list(range(1, 21))),
+    (["--tensorboard-dir", "TB", "--tensorboard-log-interval", "4"], [4, 8, 10, 12, 16, 20]),
+    (["--wandb-project", "p", "--tensorboard-log-interval", "5"], [5, 10, 15, 20]),
+])
+def test_params_norm_runs_on_the_logged_iterations_only(extra, due):
+    from megatron_lev.training.loop import params_norm_due
+
+    args = _parse(["--log-params-norm", "--log-interval", "10"] + extra)
+    assert [i for i in range(1, 21) if params_norm_due(args, i)] == due
+    assert not any(params_norm_due(_parse(["--log-interval", "10"] + extra), i) for i in range(1, 21))
+
+
 def test_params_norm_is_the_l2_norm_of_every_parameter(one_rank):
     from megatron_lev import checkpoint
     from megatron_lev.training.loop import _setup_configs
