@@ -5,20 +5,30 @@ scaler, unscaled and searched for Inf/NaN), computes the global grad norm, clips
 computed by a ``ChainedOptimizer`` (what ``get_megatron_optimizer`` returns) on every step, in
 ``get_grad_norm``, and by a lone Float16, FP32 or distributed optimizer in ``clip_grad_norm`` when
 ``clip_grad > 0``; both releases call these methods on ``self`` from ``step``. :func:`check_grads_in_step`
-puts the check between the norm and the update, so the gradients are read once a step (by the norm):
+puts the check between the norm and the update, so the gradients are read once a step (by the norm; the
+few it leaves out, below, once more for their finiteness):
 a non-finite norm, or Inf/NaN found by a grad scaler, raises :class:`NonFiniteGrads` out of ``step()``
 before anything is clipped or updated.
 
-Every rank reaches the same verdict without a collective of its own: the norm is reduced over the
-optimizer's grad-stats group (the model-parallel ranks; every rank with the distributed optimizer) after
-the data-parallel reduction has carried an Inf/NaN of any rank into every replica's gradients, the same
-grounds on which megatron's found-inf check skips a step.
+Every rank reaches the same verdict without a collective of its own. Without the distributed optimizer the
+data-parallel all-reduce carries an Inf/NaN of any rank into every replica's gradients, and the norm is
+reduced over the model-parallel ranks; with it the reduce-scatter leaves the Inf/NaN in its owner's shard
+only, and the norm is reduced over every rank. Either way the reduced norm is non-finite on all ranks, the
+same grounds on which megatron's found-inf check skips a step.
+
+megatron's norm leaves out the gradients it would count twice: tensor-parallel duplicates (replicated
+parameters such as LayerNorm weights) on tensor-parallel rank >= 1, and ``shared`` parameters. Those are
+still updated from their own, local gradients, so :func:`check_grads_in_step` makes each optimizer's
+grads-for-norm list carry one more element, 0 when the left-out gradients are finite and NaN otherwise: it
+adds nothing to a finite norm and poisons the same reduction otherwise.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+
+import torch
 
 
 class NonFiniteGrads(RuntimeError):
@@ -51,6 +61,58 @@ def _checked_prepare(prepare):
     return prepare_grads
 
 
+def _grads_getter_name(optimizer) -> str:
+    # 0.19 renamed the getter (with an optional grad-norm group); 0.16.1 has get_main_grads_for_grad_norm.
+    if hasattr(optimizer, "get_grads_for_grad_norm"):
+        return "get_grads_for_grad_norm"
+    return "get_main_grads_for_grad_norm"
+
+
+def _left_out_grads(optimizer, counted):
+    """The gradients of ``optimizer``'s parameters that are not in ``counted`` (megatron's own filter's output,
+    so this is its complement on this rank by construction), the separate grad-norm groups of 0.19 aside."""
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    group_attr = getattr(megatron_optimizer, "GRAD_NORM_GROUP_ATTR", None)
+    decoupled = getattr(optimizer.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+    seen = {id(g) for g in counted}
+    left_out = []
+    for param in optimizer.get_parameters():
+        if group_attr is not None and getattr(param, group_attr, None) is not None:
+            continue  # counted in its group's own norm
+        grad = getattr(param, "decoupled_grad", None) if decoupled else param.grad
+        if grad is not None and grad.numel() and id(grad) not in seen:
+            left_out.append(grad)
+    return left_out
+
+
+def _with_left_out_marker(optimizer, get_grads):
+    @functools.wraps(get_grads)
+    def grads_for_norm(*args, **kwargs):
+        grads = get_grads(*args, **kwargs)
+        if (args[0] if args else kwargs.get("grad_norm_group")) is not None:
+            return grads  # 0.19's norm of a separate group
+        left_out = _left_out_grads(optimizer, grads)
+        if not left_out:
+            return grads
+        # On the device, no host sync: 0 when all finite, else NaN (a 1-element fp32 term of the norm).
+        finite = torch.stack([g.isfinite().all() for g in left_out]).all()
+        marker = torch.where(finite, 0.0, math.nan).to(device=left_out[0].device, dtype=torch.float32).view(1)
+        return list(grads) + [marker]
+
+    return grads_for_norm
+
+
+def _count_left_out_grads(optimizer) -> None:
+    from megatron.core.optimizer import ChainedOptimizer
+
+    subs = getattr(optimizer, "chained_optimizers", []) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for sub in subs:
+        name = _grads_getter_name(sub)
+        if hasattr(sub, name):  # an optimizer without one has no gradients of its own
+            setattr(sub, name, _with_left_out_marker(sub, getattr(sub, name)))
+
+
 def check_grads_in_step(optimizer, config) -> bool:
     """Make ``optimizer.step()`` raise :class:`NonFiniteGrads` before its update when the step's gradients hold
     NaN/Inf. True when installed; False when its step computes no grad norm (no ``ChainedOptimizer``,
@@ -71,6 +133,7 @@ def check_grads_in_step(optimizer, config) -> bool:
         optimizer.clip_grad_norm = _checked_norm(optimizer.clip_grad_norm)
     else:
         return False
+    _count_left_out_grads(optimizer)
     optimizer.prepare_grads = _checked_prepare(optimizer.prepare_grads)
     return True
 

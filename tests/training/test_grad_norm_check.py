@@ -209,3 +209,83 @@ def test_a_step_without_a_norm_over_every_gradient_leaves_the_check_to_the_loop(
     chained = _chained(float("nan"))
     assert not check_grads_in_step(chained, SimpleNamespace(mtp_detach_heads=True))
     assert not grads_checked_in_step(chained)
+
+
+# ------------------------------------------------- the gradients megatron's norm leaves out (TP duplicates)
+
+
+class _TpGroup:
+    def __init__(self, rank: int):
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+
+def _tp_optimizer(tp_rank: int, nan_in=None):
+    """A megatron FP32Optimizer (only what its grad norm reads) over a tensor-parallel weight, a replicated
+    LayerNorm-like weight (a duplicate on every tensor-parallel rank) and a ``shared`` one."""
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig
+
+    params = {name: torch.nn.Parameter(torch.ones(4)) for name in ("parallel", "replicated", "shared")}
+    params["parallel"].tensor_model_parallel = True
+    params["shared"].shared = True
+    for name, p in params.items():
+        p.grad = torch.full((4,), 0.5)
+        if name == nan_in:
+            p.grad[1] = float("nan")
+    sub = object.__new__(FP32Optimizer)  # only the state get_grad_norm reads
+    sub.optimizer = torch.optim.SGD(list(params.values()), lr=1.0)
+    sub.config = OptimizerConfig(clip_grad=1.0)
+    sub.tp_group, sub.grad_stats_parallel_group = _TpGroup(tp_rank), None
+    chained = object.__new__(ChainedOptimizer)
+    chained.chained_optimizers = [sub]
+    chained.prepare_grads = lambda: False
+    return chained, sub
+
+
+def _grads_for_norm(sub):
+    name = "get_grads_for_grad_norm" if hasattr(sub, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
+    return getattr(sub, name)()
+
+
+def _sum_of_squares(grads):
+    return sum(float(g.float().pow(2).sum()) for g in grads)
+
+
+def test_a_nan_only_in_a_replicated_gradient_on_tensor_parallel_rank_1_poisons_the_norm(monkeypatch):
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step
+
+    # The norm's reduction without a process group: this rank's own sum of squares.
+    monkeypatch.setattr(megatron_optimizer, "get_grad_norm_fp32",
+                        lambda grads, **kw: _sum_of_squares(grads) ** 0.5)
+    finite = {}
+    for tp_rank in (0, 1):
+        chained, sub = _tp_optimizer(tp_rank)
+        assert check_grads_in_step(chained, _DENSE)
+        grads = _grads_for_norm(sub)
+        # The left-out gradients (the shared one; on rank 1 the replicated one too) add one 0 to the norm.
+        assert len(grads) == (3 if tp_rank == 0 else 2) and grads[-1].tolist() == [0.0], (tp_rank, grads)
+        assert grads[-1].dtype == torch.float32
+        finite[tp_rank] = _sum_of_squares(grads)
+        assert chained.get_grad_norm() == pytest.approx(finite[tp_rank] ** 0.5)
+    assert finite == {0: pytest.approx(2.0), 1: pytest.approx(1.0)}  # megatron's counting, unchanged
+
+    # A NaN in the replicated weight's gradient on TP rank 1 only: megatron's norm does not see it there, the
+    # marker does; reduced over the model-parallel ranks, the norm is NaN on both and both refuse the step.
+    chained, sub = _tp_optimizer(1, nan_in="replicated")
+    assert _sum_of_squares(_grads_for_norm(sub)) == pytest.approx(1.0)  # megatron's own norm misses it
+    assert check_grads_in_step(chained, _DENSE)
+    poisoned = _sum_of_squares(_grads_for_norm(sub))
+    assert poisoned != poisoned  # NaN
+    reduced = finite[0] + poisoned  # the model-parallel reduction (rank 0's gradients are finite)
+    assert reduced != reduced
+    with pytest.raises(NonFiniteGrads):
+        chained.get_grad_norm()
+    # A NaN only in a shared parameter's gradient, on any rank.
+    chained, sub = _tp_optimizer(0, nan_in="shared")
+    check_grads_in_step(chained, _DENSE)
+    with pytest.raises(NonFiniteGrads):
+        chained.get_grad_norm()
