@@ -625,7 +625,35 @@ class _Run:
     """The root logger's level before --logging-level (restored at the end)."""
 
 
+def dump_memory_snapshot(path: str) -> None:
+    """--record-memory-history's snapshot, written beside ``path`` and renamed: a reader (or a stop
+    mid-write) never sees a truncated pickle, and a failed write keeps the previous snapshot."""
+    from megatron_lev.evaluation.report import atomic_path
+
+    with atomic_path(path) as tmp:
+        torch.cuda.memory._dump_snapshot(tmp)
+
+
+@contextlib.contextmanager
+def _memory_history(args):
+    """--record-memory-history on the --profile-ranks for the whole run: started before the model is built
+    (so that the snapshots hold every allocation, as Megatron-LM), stopped however the run ends."""
+    on = args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks
+    if on:
+        torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000, trace_alloc_record_context=True)
+    try:
+        yield
+    finally:
+        if on:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def _run(args, tokenizer, config, model_config) -> int:
+    with _memory_history(args):
+        return _run_recorded(args, tokenizer, config, model_config)
+
+
+def _run_recorded(args, tokenizer, config, model_config) -> int:
     if not args.no_ckpt_checksums:
         try:
             checkpoint.refuse_newer_checkpoints(args, checksums_on=True)
@@ -665,8 +693,6 @@ def _run(args, tokenizer, config, model_config) -> int:
                 handler.release()
         if run.logging_level is not None:
             logging.getLogger().setLevel(run.logging_level)
-        if args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks:
-            torch.cuda.memory._record_memory_history(enabled=None)
         run.logger.close()
 
 
@@ -737,9 +763,6 @@ def _start(args, config, model_config) -> _Run:
         logger.log(format_config(cfg))
     logger.set_config(cfg)
 
-    if args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks:
-        # Before the model is built, so that the snapshots hold every allocation (as Megatron-LM).
-        torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000, trace_alloc_record_context=True)
     set_seed(args.seed)
     # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
     model_config.weights_from_checkpoint = _will_load_checkpoint(args)
@@ -1004,7 +1027,7 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
                                      "iteration-time": per_iter if args.log_timers_to_tensorboard else None})
     if args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks:
         base, ext = os.path.splitext(args.memory_snapshot_path)
-        torch.cuda.memory._dump_snapshot(f"{base}_{torch.distributed.get_rank()}{ext}")
+        dump_memory_snapshot(f"{base}_{torch.distributed.get_rank()}{ext}")
     interval.start, interval.iters, interval.samples, interval.flops, interval.losses = time.time(), 0, 0, 0.0, []
     interval.aux_losses = {}
 
