@@ -1,54 +1,54 @@
 #!/usr/bin/env python
-"""The one-GPU check: what this project can only prove on a CUDA device, in one command that fits a
-short lease.
+"""The one-GPU check: what this project can only learn on a CUDA device, in one command that fits a
+7-minute window (``--budget-s 400`` runs inside a 420 s command limit).
 
-    python bench/gpu_check.py --out OUT --budget-s 400 [--wheels wheels] [--shared-data DIR] [--only a,b] [--skip a,b]
+    python bench/gpu_check.py --out OUT [--budget-s 400] [--wheels wheels] [--shared-data DIR] [--only a,b] [--skip a,b]
+    python bench/gpu_check.py --plan --budget-s 400 --assume-tflops 250   # the plan, no GPU needed
     python bench/gpu_check.py --prepare-wheels wheels        # here (with PyPI): the wheels the GPU box lacks
-    python bench/gpu_check.py --prepare-data .cache/gpu_data  # here: the shared data the checks read, to carry
+    python bench/gpu_check.py --prepare-data .cache/gpu_data  # here: the shared data the stages read, to carry
+    python bench/gpu_check.py --out OUT --sizes tiny --budget-s 2000     # every stage at tiny sizes (CPU too)
 
-Checks, in the order of what we most need to know (``CHECKS`` holds each one's timeout and estimate):
+Stages, in the order of what each figure is worth, each with its own time limit (``BASE_S`` at a 400 s
+budget, in proportion at others; ``plan``):
 
-  install          ``pip install --no-index --no-deps --target WORK/site`` of the wheels in ``--wheels`` whose
-                   module is not importable (megatron-core, a few small pure dependencies); children see WORK/site.
-  env              python, torch, CUDA device, megatron-core, Transformer Engine, apex, Triton, pytest; the
-                   device's bf16 matrix rate and copy bandwidth (the ceilings the later figures are read against).
-  lev_layer        the LEV layer on CUDA against the fp64 CPU layer holding the same weights, forward and every
-                   gradient: eager (sparse) and Triton bases, fp32 and bf16, unique and table modes. The kernels
-                   are registered first and each row records the basis that actually ran (counted calls).
-  train_tied       ``pretrain_lev.py`` for ``--steps`` bf16 steps at TP=1 over NCCL, mock data; then
-  train_lev        the LEV arm (unique mode), and
-  train_lev_table  LEV in table mode with the distributed optimizer and overlapped grad reduce (the shipped
-                   Pile configs' flags); its first-iteration grad norm must match train_lev's.
-  throughput       ``bench/throughput.py --config gpu-400m``: LEV/TIED and LEV/UNTIED median step ratios.
-  kernel           ``bench/lev_layer.py --kernel-only``: Triton forward/backward per 1,000 ids against the
-                   published fused-kernel figure (Kitsunp's, ``lev_layer.ANCHOR_MS_PER_1K``).
-  pytest_gpu       ``pytest -m "gpu and not te"`` (``gpu`` where TE imports) when pytest is installed.
-  next_mcore       the newest megatron-core wheel in ``--wheels/next`` and a 2-step LEV run on it (optional).
-  science          only with time left: tied and LEV for one pass over ``--corpus`` at ~125M parameters in
-                   bf16, preprocessed there, evaluated, reported (``bench/gpu_science.py``); its time is
-                   estimated from the training checks' measured throughput and it is skipped when it does
-                   not fit.
+  env          the carried wheels installed where missing (``pip --no-index --no-deps --target WORK/site``);
+               versions, the device, the C compiler and Python headers Triton builds its launcher with,
+               the LEV basis that will run (``--lev-basis auto`` resolved after the kernels register), the
+               measured bf16 matrix rate and copy bandwidth.
+  correctness  ``pretrain_lev.py`` at a GPU shape, bf16, distributed optimizer with overlapped grad reduce,
+               a few steps each of LEV with the fused basis that runs (``--lev-basis triton`` on CUDA), LEV
+               with the eager basis and tied, the three at once: the first iteration's loss and grad norm
+               of the two LEV runs must agree (``LOSS_RTOL``, ``GRAD_NORM_RTOL``).
+  kernels      the fused product alone (``megatron_lev.kernels.lev_timing``): CUDA-event medians of the
+               forward and of each backward variant, at the defaults and at the tensor-parallel rank with
+               several id partitions, and each variant against the fp64 eager product.
+  throughput   tied, untied and LEV's default arm on one process, round-robin medians (``bench/throughput.py``'s
+               ``measure``) with SDPA's flash/cuDNN attention: at the science model's shape first (its
+               tokens/s size the science run), then gpu-400m.
+  profile      a 2-step torch.profiler trace of ``pretrain_lev.py`` (LEV, production flags, gpu-400m): the
+               share of step time in LEV's Triton kernels, LEV's GEMMs and the rest, and host syncs per
+               step (``bench/_profile_trace.py``).
+  science      what is left (at least 200 s of a 400 s budget): tied, untied and lev, same data, order and
+               seed, through ``bench/reproduce.py`` (``bench/gpu_science.py``), tokens per arm sized from the
+               throughput stage; validation and zero-shot perplexity with the frequency buckets.
 
-Budget: ``--budget-s`` is enforced. A check whose estimate does not fit in what is left is skipped with
-"budget: needs ~X s, Y s left"; a running check is killed at its own timeout or at the budget's end,
-whichever is first (every check runs in a child process or a subprocess, its process group killed).
-A check that needs CUDA is skipped with "no CUDA device" where there is none, so the script (and its
-report) runs anywhere.
+``--sizes tiny`` runs every stage at tiny shapes (the CPU stands in for the device: eager or numba bases,
+Triton's interpreter, gloo), so the first run on a device is not the first run. A stage that needs CUDA
+at the device sizes is skipped with "no CUDA device" where there is none.
 
-Output: ``OUT/gpu_check.json`` and ``OUT/gpu_check.md``, rewritten (tmp file + rename) before the first
-check and after every check, so a killed run keeps what it learnt; ``throughput.md`` and the science
-run's ``science.md`` beside them (the device returns at most 8 files). Logs and scratch files go to
-``--work`` (default ``OUT/../gpu_check_work``). The JSON: ``{"state": "running"|"done", "created",
-"command", "budget_s", "elapsed_s", "checks": [{"name", "status": ok|failed|skipped, "reason",
-"seconds", "figures", "log_tail"}], "pending": [...], "not_run": [...]}``. Exit status 0 when no
-check failed.
+Budget: a stage runs under min(its limit, what is left); every stage is a child process or subprocess
+whose process group is killed at it. Output: ``OUT/gpu_check.json`` and ``OUT/gpu_check.md``, rewritten
+(tmp file + rename) before the first stage and after every stage, so a killed run keeps what it learnt;
+``throughput.md``, ``science.md`` and ``science_loss_curves.png`` beside them (the device returns at most
+8 files). Logs and scratch files go to ``--work`` (default ``OUT/../gpu_check_work``). The JSON:
+``{"state": "running"|"done", "created", "command", "budget_s", "sizes", "elapsed_s", "plan", "stages":
+[{"name", "status": ok|failed|skipped, "reason", "planned_s", "limit_s", "seconds", "figures", "log_tail"}],
+"pending": [...], "not_run": [...]}``. Exit status 0 when no stage failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import glob
 import importlib.util
 import json
@@ -57,7 +57,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -69,51 +68,73 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-# bench/gpu_science.py imports this module by name: run as a script, it is that module too (one Skip class).
-sys.modules.setdefault("gpu_check", sys.modules[__name__])
-SHARED = REPO.parent / "shared" / "data"
 
+from _check_harness import (CheckFailed, CheckTimeout, Skip, TIMEOUT_RC, run_logged, run_parallel,  # noqa: E402
+                            tail, write_json, write_text)
+
+SHARED = REPO.parent / "shared" / "data"
 # What a bare GPU image (torch, triton, transformers, tokenizers, sentencepiece, safetensors) may lack.
 WHEELS = ("megatron-core==0.16.1", "tiktoken", "zstandard", "psutil", "pyyaml")
-NEXT_MCORE = "megatron-core>=0.19,<0.20"  # the newer release pyproject admits and make test-next tests
 MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml"}
-LAYER_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}  # max |error| / max |reference|; LEV's GEMMs are true fp32 (no TF32)
-GRAD_NORM_TOLERANCE = 0.1  # relative gap of the first grad norm, table+distopt+overlap vs unique
-MEM_RE = re.compile(r"mem allocated \(GiB\): ([\d.]+)")
+PLAN_BUDGET_S = 400.0
+# Each stage's limit at a 400 s budget (in proportion at others); the science stage gets the rest.
+BASE_S = {"env": 15.0, "correctness": 55.0, "kernels": 30.0, "throughput": 50.0, "profile": 40.0}
 RESERVE_S = 5.0  # kept back from the budget for the last report write
+SCIENCE_END_S = 10.0  # the science run's commands end this long before its limit (its report, its result)
+LOSS_RTOL = 1e-3  # first-iteration loss, fused vs eager LEV basis: only the product's fp32 rounding differs
+GRAD_NORM_RTOL = 1e-2  # first-iteration grad norm, likewise (bf16 gradients amplify the rounding)
+PRODUCTION = ("--use-distributed-optimizer", "--overlap-grad-reduce")
+# The correctness runs leave megatron's torch.compile'd fusions out: they are not on LEV's path, and three
+# cold compiles at once would spend the stage's limit (the throughput, profile and science stages keep them).
+NO_COMPILED_FUSIONS = ("--no-bias-dropout-fusion", "--no-bias-swiglu-fusion")
 LINE_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
                      r".*?TFLOP/s/GPU\): ([\d.]+) \|.*?tokens per second: ([\d.]+) \|")
+MEM_RE = re.compile(r"mem allocated \(GiB\): ([\d.]+)")
 
 
-class Skip(Exception):
-    """A check that cannot run here; the message says why."""
+def _model(layers: int, hidden: int, heads: int, seq: int, mb: int, gb: int, vocab: int) -> List[str]:
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(mb),
+            "--global-batch-size", str(gb), "--mock-data", "--vocab-size", str(vocab)]
 
 
-class CheckFailed(Exception):
-    """A check that ran and found a fault; ``figures`` are kept in the report."""
+# Every size the stages use. "device": one H200; "tiny": the same stages on a CPU in seconds.
+SIZES: Dict[str, Dict[str, Any]] = {
+    "device": dict(
+        correctness=dict(model=_model(4, 1024, 16, 1024, 4, 8, 50257), steps=4,
+                         describe="4 x 1024, seq 1024, 2 micro-batches of 4"),
+        kernels=dict(shapes=None, reps=20, warmup=3),  # None: lev_timing.default_shapes()
+        throughput=dict(configs=("gpu-400m",), repeats=5, warmup=1),
+        profile=dict(model=_model(24, 1024, 16, 2048, 4, 4, 50257), steps=5, window=(3, 5),
+                     describe="gpu-400m: 24 x 1024, seq 2048, micro-batch 4"),
+        science=dict(config="gpu-science", max_iters=None, min_iters=30),
+        precision=["--bf16"], lev=[],
+    ),
+    "tiny": dict(
+        correctness=dict(model=_model(1, 32, 2, 32, 2, 4, 1000), steps=3, describe="1 x 32, seq 32, 2 micro-batches of 2"),
+        kernels=dict(shapes=(("tiny", 40, 2, 3, 5, 6),), reps=2, warmup=1),
+        throughput=dict(configs=(), repeats=1, warmup=1),
+        profile=dict(model=_model(1, 32, 2, 32, 2, 2, 1000), steps=4, window=(2, 4), describe="1 x 32, seq 32"),
+        science=dict(config="gpu-science-tiny", max_iters=3, min_iters=1),
+        precision=["--bf16"], lev=["--lev-heads", "2", "--lev-seed-dim", "8", "--lev-knots", "5", "--lev-rank", "4",
+                                   "--lev-init-sample-size", "4096"],
+    ),
+}
 
-    def __init__(self, message: str, figures: Optional[Dict[str, Any]] = None):
-        super().__init__(message)
-        self.figures = figures or {}
+
+def _transformer() -> List[str]:
+    from reproduce import TRANSFORMER  # the Llama-style transformer every bench run shares (dropout 0)
+
+    return list(TRANSFORMER)
 
 
 @dataclass(frozen=True)
-class Check:
+class Stage:
     name: str
     run: Callable[["Ctx", float], Dict[str, Any]]
-    """run(ctx, timeout_s) -> figures; raises Skip, CheckFailed or CheckTimeout."""
-    timeout_s: float
-    """Its own limit; the runner passes min(this, what is left of the budget)."""
-    estimate_s: Any
-    """Seconds it is expected to take (a number, or estimate(ctx) -> (seconds, basis) or raises Skip)."""
+    """run(ctx, limit_s) -> figures; raises Skip, CheckFailed or CheckTimeout."""
     cuda: bool = True
-    """Skipped with "no CUDA device" where torch sees none."""
-
-
-class CheckTimeout(Exception):
-    def __init__(self, seconds: float, figures: Optional[Dict[str, Any]] = None, log_tail: str = ""):
-        super().__init__(f"timeout: killed after {seconds:.0f} s")
-        self.figures, self.log_tail = figures or {}, log_tail
+    """At the device sizes, skipped with "no CUDA device" where torch sees none."""
 
 
 @dataclass
@@ -122,97 +143,68 @@ class Ctx:
     work: str
     wheels: Optional[str]
     shared_data: str
-    corpus: str
-    steps: int
+    sizes: str
     cuda: bool
-    site: Optional[str] = None  # WORK/site once install put something there
-    have_te: bool = False
-    science_tflops: Optional[float] = None
-    timeout_s: Optional[float] = None  # the running child's timeout
-    results: Optional[Dict[str, Dict[str, Any]]] = None  # earlier checks' entries, by name
+    assume_tflops: Optional[float] = None
+    site: Optional[str] = None  # WORK/site once env installed something there
+    timeout_s: Optional[float] = None  # the running child's limit
+    deadline: Optional[float] = None  # and its end in time.monotonic() (one clock for every process)
+    results: Optional[Dict[str, Dict[str, Any]]] = None  # earlier stages' entries, by name
 
-    def env(self) -> Dict[str, str]:
+    @property
+    def size(self) -> Dict[str, Any]:
+        return SIZES[self.sizes]
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    def env(self, **extra: str) -> Dict[str, str]:
         """The environment of every child: WORK/site and the repository first on the import path."""
         path = [p for p in (self.site, str(REPO), os.environ.get("PYTHONPATH")) if p]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(path))
-        # One compile cache for every child: each arm's first step would otherwise recompile the Triton
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(path), **extra)
+        if not self.cuda:  # the CPU stand-in: the children share its cores (several run at once)
+            env.setdefault("OMP_NUM_THREADS", "1")
+        # One compile cache for every child: each run's first step would otherwise recompile the Triton
         # kernels and megatron's torch.compile'd fusions from nothing.
         env.setdefault("TRITON_CACHE_DIR", os.path.join(self.work, "triton_cache"))
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(self.work, "inductor_cache"))
         return env
 
-    def figures(self, name: str) -> Dict[str, Any]:
+    def figures(self, name: str, partial: bool = False) -> Dict[str, Any]:
+        """An earlier stage's figures if it passed (``partial``: also what a failed or killed one measured)."""
         entry = (self.results or {}).get(name) or {}
-        return entry.get("figures", {}) if entry.get("status") == "ok" else {}
+        return entry.get("figures", {}) if entry.get("status") == "ok" or partial else {}
 
 
-# --------------------------------------------------------------------------------------- processes
+# --------------------------------------------------------------------------------------- children
 
 
-def _tail(text: str, n: int = 2000) -> str:
-    return text[-n:] if text else ""
+def in_child(name: str, **extra_env: str) -> Callable[[Ctx, float], Dict[str, Any]]:
+    """Run CHILD_FUNCS[name](ctx, partial) in a fresh process (its own CUDA context, killable at the limit).
 
-
-def run_logged(cmd: Sequence[str], timeout: float, log: Path, env: Optional[Dict[str, str]] = None) -> Tuple[int, str]:
-    """Run ``cmd`` (from the repository root) with stdout+stderr to ``log``; (exit status, output).
-
-    At ``timeout`` the whole process group is killed (a launcher's workers too) and 124 is returned:
-    the output written until then stays in the log. The group stays in this session, so whatever
-    ends this run's session (a device's command limit) ends the group too."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w", encoding="utf-8") as f:
-        f.write("$ " + " ".join(map(str, cmd)) + "\n")
-        f.flush()
-        p = subprocess.Popen(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, cwd=str(REPO),
-                             env=env, process_group=0)
-        try:
-            rc = p.wait(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            rc = 124
-    return rc, log.read_text(encoding="utf-8", errors="replace")
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Atomic: a reader (or a killed run) sees the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def in_child(name: str) -> Callable[[Ctx, float], Dict[str, Any]]:
-    """Run CHILD_FUNCS[name](ctx) in a fresh process (its own CUDA context, killable at the timeout).
-
-    The child writes its figures (or its error) to a JSON file; a child may rewrite that file while it
-    runs (``partial`` figures), so a timeout still reports what it measured."""
+    The child writes its figures (or its error) to a JSON file; it may rewrite that file while it runs
+    (``partial``), so a timeout still reports what it measured."""
 
     def run(ctx: Ctx, timeout: float) -> Dict[str, Any]:
         work = Path(ctx.work)
         ctx_file, result = work / f"{name}.ctx.json", work / f"{name}.result.json"
         result.unlink(missing_ok=True)
-        ctx.timeout_s = timeout
-        _write_json(ctx_file, ctx.__dict__)
+        ctx.timeout_s, ctx.deadline = timeout, time.monotonic() + timeout
+        write_json(ctx_file, ctx.__dict__)
         rc, output = run_logged([sys.executable, str(Path(__file__).resolve()), "--child", name, "--child-ctx",
                                  str(ctx_file), "--child-result", str(result)], timeout,
-                                work / "logs" / f"{name}.log", ctx.env())
+                                work / "logs" / f"{name}.log", ctx.env(**extra_env))
         res = json.loads(result.read_text()) if result.exists() else {}
         figures = res.get("figures", {})
-        if rc == 124:
-            raise CheckTimeout(timeout, figures, _tail(output))
+        if rc == TIMEOUT_RC:
+            raise CheckTimeout(timeout, figures, tail(output))
         if res.get("status") == "skipped":
             raise Skip(res["reason"])
         if res.get("status") == "failed":
             raise CheckFailed(res["reason"], figures)
         if rc != 0 or res.get("status") != "ok":
-            raise CheckFailed(f"child exited {rc} without a result: {_tail(output, 400)}", figures)
+            raise CheckFailed(f"child exited {rc} without a result: {tail(output, 400)}", figures)
         return figures
 
     return run
@@ -223,61 +215,63 @@ def child_main(name: str, ctx_file: str, result_file: str) -> int:
     out = Path(result_file)
 
     def partial(figures: Dict[str, Any]) -> None:
-        _write_json(out, {"status": "running", "figures": figures})
+        write_json(out, {"status": "running", "figures": figures})
 
     try:
         figures = CHILD_FUNCS[name](ctx, partial)
-        _write_json(out, {"status": "ok", "figures": figures})
+        write_json(out, {"status": "ok", "figures": figures})
     except Skip as e:
-        _write_json(out, {"status": "skipped", "reason": str(e)})
+        write_json(out, {"status": "skipped", "reason": str(e)})
     except CheckFailed as e:
-        _write_json(out, {"status": "failed", "reason": str(e), "figures": e.figures})
+        write_json(out, {"status": "failed", "reason": str(e), "figures": e.figures})
     except Exception as e:  # reported in the file, never hidden
         import traceback
 
         traceback.print_exc()
-        _write_json(out, {"status": "failed", "reason": f"{type(e).__name__}: {e}"})
+        write_json(out, {"status": "failed", "reason": f"{type(e).__name__}: {e}"})
     return 0
 
 
-# ------------------------------------------------------------------------------------------ checks
+# ------------------------------------------------------------------------------------------ 1. env
 
 
-def _importable(module: str, env: Optional[Dict[str, str]] = None) -> bool:
-    """Whether ``module`` imports (in a child when ``env`` is given: WORK/site may hold it)."""
-    if env is None:
-        try:
-            return importlib.util.find_spec(module.split(".")[0]) is not None and bool(__import__(module))
-        except Exception:
-            return False
-    r = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, env=env, timeout=60)
-    return r.returncode == 0
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module.split(".")[0]) is not None and bool(__import__(module))
+    except Exception:
+        return False
 
 
-def check_install(ctx: Ctx, timeout: float) -> Dict[str, Any]:
-    wheel_dir = ctx.wheels
-    if not wheel_dir or not Path(wheel_dir).is_dir():
-        raise Skip(f"no wheel directory ({wheel_dir}); nothing to install")
-    wheels = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
+def install_wheels(ctx: Ctx, timeout: float) -> Dict[str, Any]:
+    """``pip install --no-index --no-deps --target WORK/site`` of the wheels whose module is missing."""
+    wheels = sorted(glob.glob(os.path.join(ctx.wheels or "", "*.whl"))) if ctx.wheels else []
+    if not wheels:
+        return {"wheels": f"none in {ctx.wheels}"}
     missing, present = [], []
     for w in wheels:
         dist = Path(w).name.split("-")[0].replace("_", "-").lower()
-        module = MODULE_OF.get(dist, dist.replace("-", "_"))
-        (present if _importable(module) else missing).append(Path(w).name)
+        (present if _importable(MODULE_OF.get(dist, dist.replace("-", "_"))) else missing).append(Path(w).name)
     if not missing:
         return {"installed": [], "already_importable": present}
     site = Path(ctx.work) / "site"
     rc, output = run_logged([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                              "--no-cache-dir", "--upgrade", "--target", str(site),
-                             *[os.path.join(wheel_dir, m) for m in missing]],
+                             *[os.path.join(ctx.wheels, m) for m in missing]],
                             timeout, Path(ctx.work) / "logs" / "install.log")
-    if rc == 124:
-        raise CheckTimeout(timeout, log_tail=_tail(output))
+    if rc == TIMEOUT_RC:
+        raise CheckTimeout(timeout, log_tail=tail(output))
     if rc != 0:
-        raise CheckFailed(f"pip install exit {rc}: {_tail(output, 400)}")
+        raise CheckFailed(f"pip install exit {rc}: {tail(output, 400)}")
     ctx.site = str(site)
-    sys.path.insert(0, ctx.site)  # the science estimate reads the library's FLOP counts here
+    sys.path.insert(0, ctx.site)  # this process reads bench/reproduce.py's configurations too
     return {"installed": missing, "already_importable": present, "target": str(site)}
+
+
+def stage_env(ctx: Ctx, timeout: float) -> Dict[str, Any]:
+    t0 = time.monotonic()
+    installed = install_wheels(ctx, timeout)
+    figures = in_child("env")(ctx, timeout - (time.monotonic() - t0))
+    return dict(figures, install=installed)
 
 
 def child_env(ctx: Ctx, partial) -> Dict[str, Any]:
@@ -285,25 +279,39 @@ def child_env(ctx: Ctx, partial) -> Dict[str, Any]:
 
     figures: Dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                                "cuda": torch.version.cuda, "cpus": os.cpu_count()}
-    for mod in ("megatron.core", "transformer_engine", "apex", "triton", "pytest", "numba", "zstandard"):
+    for mod in ("megatron.core", "transformer_engine", "apex", "triton", "numba"):
         try:
             m = __import__(mod, fromlist=["__version__"])
             figures[mod] = str(getattr(m, "__version__", "yes"))
         except Exception as e:
             figures[mod] = f"not importable ({type(e).__name__})"
-    # torch.compile's Triton backend builds a C launcher at run time: without both, the fusions stay off.
-    import shutil
     import sysconfig
 
-    figures["c_compiler"] = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or None
+    from megatron_lev.kernels import register_default_kernels, triton_build_missing
+
+    figures["c_compiler"] = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
     figures["python_headers"] = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    if not torch.cuda.is_available():
+    figures["triton_build_missing"] = triton_build_missing()
+    register_default_kernels()
+    from megatron_lev.lev import LEVConfig
+    from megatron_lev.lev.functional import has_fused_product
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    figures["lev_basis"] = LEVConfig().resolved_basis(device)
+    figures["lev_fused_registered"] = bool(has_fused_product(device))
+    from megatron_lev.kernels import lev_triton
+
+    figures["triton_backward"] = {"default": lev_triton.DEFAULT_BACKWARD, "variants": list(lev_triton.BACKWARD_VARIANTS)}
+    if device == "cpu":
         figures["device"] = None
         return figures
     props = torch.cuda.get_device_properties(0)
     figures.update(device=props.name, capability=f"{props.major}.{props.minor}",
                    memory_gib=round(props.total_memory / 2**30, 1), multiprocessors=props.multi_processor_count,
-                   allow_tf32_matmul=torch.backends.cuda.matmul.allow_tf32)
+                   allow_tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+                   sdpa={"flash": torch.backends.cuda.flash_sdp_enabled(),
+                         "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                         "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled()})
     partial(figures)
     figures.update(measure_ceilings())
     return figures
@@ -335,136 +343,28 @@ def measure_ceilings() -> Dict[str, float]:
             "copy_tb_per_s": round(2 * src.numel() * 4 / t_cp / 1e12, 2)}
 
 
-def child_lev_layer(ctx: Ctx, partial) -> Dict[str, Any]:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise Skip("no CUDA device")
-    rows = compare_lev_layer("cuda", bases=("sparse", "triton"), partial=partial)
-    return judge_layer_rows(rows)
+# ---------------------------------------------------------------------------------- 2. correctness
 
 
-def judge_layer_rows(rows: Dict[str, Any]) -> Dict[str, Any]:
-    """Fail on any row over its tolerance or whose basis did not run as asked (figures kept)."""
-    bad = [k for k, v in rows.items() if not v["max_rel_error"] <= LAYER_TOLERANCE[v["dtype"]]]
-    wrong = [k for k, v in rows.items() if not v["basis_ok"]]
-    if bad or wrong:
-        raise CheckFailed(f"LEV layer on CUDA vs the fp64 CPU layer: over tolerance {bad}; basis not run as asked "
-                          f"{wrong}", rows)
-    return rows
+def lev_bases(ctx: Ctx) -> Tuple[str, str]:
+    """(the fused basis that runs, the eager basis it is compared with), from the env stage."""
+    basis = ctx.figures("env").get("lev_basis")
+    if basis is None:
+        raise Skip("the env stage did not say which LEV basis runs")
+    return basis, "dense" if basis == "sparse" else "sparse"
 
 
-@contextlib.contextmanager
-def basis_probe():
-    """Count which separable-product implementations run: the registered fused kernels (by basis, and
-    their eager fallback for flagged inputs) and the eager form (by basis). Yields the Counter."""
-    from megatron_lev.lev import functional
-
-    counts: collections.Counter = collections.Counter()
-    fused = dict(functional._FUSED_PRODUCTS)
-    eager = functional._SeparableProduct.apply
-
-    def wrap(basis, fn):
-        def product(x, delta, num_knots, *, log_eps, fallback):
-            counts[f"{basis} kernel"] += 1
-
-            def counted_fallback(x_, d_):
-                counts[f"{basis} kernel's eager fallback"] += 1
-                return fallback(x_, d_)
-
-            return fn(x, delta, num_knots, log_eps=log_eps, fallback=counted_fallback)
-
-        return product
-
-    def eager_apply(x, delta, num_knots, basis, *rest):
-        counts[f"eager {basis}"] += 1
-        return eager(x, delta, num_knots, basis, *rest)
-
-    for (basis, device), fn in fused.items():
-        functional._FUSED_PRODUCTS[(basis, device)] = wrap(basis, fn)
-    functional._SeparableProduct.apply = eager_apply
-    try:
-        yield counts
-    finally:
-        functional._FUSED_PRODUCTS.clear()
-        functional._FUSED_PRODUCTS.update(fused)
-        functional._SeparableProduct.apply = eager
-
-
-def _ran_as_asked(basis: str, counts: Dict[str, int]) -> bool:
-    """Every product of the row ran in the asked basis (a fused kernel's flagged inputs may fall back)."""
-    if basis in ("triton", "fused"):
-        return counts.get(f"{basis} kernel", 0) > 0 and all(
-            k.startswith(basis) or k == "eager dense" and counts.get(f"{basis} kernel's eager fallback")
-            for k in counts)
-    return set(counts) == {f"eager {basis}"}
-
-
-def compare_lev_layer(device: str = "cuda", vocab: int = 4099, hidden: int = 256, batch=(4, 512),
-                      lev_kw: Optional[Dict[str, Any]] = None, bases: Sequence[str] = ("sparse", "triton"),
-                      dtypes: Sequence[str] = ("float32", "bfloat16"), modes: Sequence[str] = ("unique", "table"),
-                      partial=None) -> Dict[str, Any]:
-    """The LEV layer on ``device`` against the fp64 CPU layer holding the same weights (the paper's
-    defaults unless ``lev_kw``): max |error| / max |reference| of the forward and of every gradient,
-    per ``mode/dtype/basis`` row, with the implementations that actually ran (``ran``) and whether
-    they are the asked basis (``basis_ok``). The fused kernels are registered first, so "triton" is
-    the Triton kernel where one exists (an error where none does, as the layer's ``--lev-basis triton``)."""
-    import torch
-
-    from megatron_lev.kernels import register_default_kernels
-    from megatron_lev.lev import LEVConfig, LEVEmbedding
-
-    register_default_kernels()
-    kw = dict(lev_kw or {}, chunk_size=1024)
-    ids = torch.randint(0, vocab, batch, generator=torch.Generator().manual_seed(0))
-    up = torch.randn(*batch, hidden, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    out: Dict[str, Any] = {}
-    for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
-        source = LEVEmbedding(vocab, hidden, LEVConfig(**kw), init_seed=1, device=device, dtype=dtype)
-        ref = LEVEmbedding(vocab, hidden, LEVConfig(**dict(kw, basis="dense")), initialize=False, dtype=torch.float64)
-        ref.load_state_dict({k: v.to("cpu", torch.float64) for k, v in source.state_dict().items()})
-        y_ref = ref(ids)
-        (y_ref * up).sum().backward()
-        for mode in modes:
-            for basis in bases:
-                layer = LEVEmbedding(vocab, hidden, LEVConfig(**dict(kw, compute_mode=mode, basis=basis)),
-                                     initialize=False, device=device, dtype=dtype)
-                layer.load_state_dict(source.state_dict())
-                with basis_probe() as counts:
-                    y = layer(ids.to(device))
-                    (y.float() * up.to(device, torch.float32)).sum().backward()
-                    if mode == "table":
-                        layer.finish_table_step()
-                errs = {"forward": _rel(y, y_ref)}
-                for (pname, p), (_, q) in zip(layer.named_parameters(), ref.named_parameters()):
-                    errs[pname] = _rel(p.grad, q.grad)
-                out[f"{mode}/{dtype_name}/{basis}"] = {
-                    "mode": mode, "dtype": dtype_name, "basis": basis, "max_rel_error": max(errs.values()),
-                    "errors": errs, "ran": dict(counts), "basis_ok": _ran_as_asked(basis, counts),
-                    "params_device": str(layer.offset.device), "params_dtype": str(layer.offset.dtype)}
-                if partial is not None:
-                    partial(out)
-                del layer
-        del source, ref
-    return out
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().to("cpu", b.dtype), b.detach()
-    err = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-    return err if math.isfinite(err) else float("inf")
-
-
-def _pretrain_argv(arm: str, steps: int, extra: Sequence[str] = ()) -> List[str]:
-    return ["pretrain_lev.py", "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
-            "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "8",
-            "--global-batch-size", "8", "--train-iters", str(steps), "--lr", "3e-4", "--lr-warmup-iters", "2",
-            "--mock-data", "--vocab-size", "50257", "--bf16", "--log-interval", "1", "--eval-iters", "0",
-            "--quiet-config", "--input-embedding", arm, *extra]
-
-
-TABLE_FLAGS = ("--lev-compute-mode", "table", "--use-distributed-optimizer", "--overlap-grad-reduce")
+def correctness_runs(ctx: Ctx) -> Dict[str, List[str]]:
+    """name -> the pretrain_lev.py argv of each run (the metrics file is added by the stage)."""
+    size = ctx.size
+    fused, eager = lev_bases(ctx)
+    c = size["correctness"]
+    base = ["pretrain_lev.py", *c["model"], *_transformer(), *size["precision"], *PRODUCTION, *NO_COMPILED_FUSIONS,
+            "--train-iters", str(c["steps"]), "--lr", "3e-4", "--lr-warmup-iters", "1", "--seed", "1234",
+            "--log-interval", "1", "--eval-iters", "0", "--quiet-config"]
+    return {f"lev_{fused}": base + ["--input-embedding", "lev", "--lev-basis", fused, *size["lev"]],
+            f"lev_{eager}": base + ["--input-embedding", "lev", "--lev-basis", eager, *size["lev"]],
+            "tied": base + ["--input-embedding", "tied"]}
 
 
 def parse_training(log_text: str, metrics_file: Path) -> Dict[str, Any]:
@@ -487,214 +387,358 @@ def parse_training(log_text: str, metrics_file: Path) -> Dict[str, Any]:
     return out
 
 
-def train_check(arm: str, extra: Sequence[str] = ()) -> Callable[[Ctx, float], Dict[str, Any]]:
-    def run(ctx: Ctx, timeout: float) -> Dict[str, Any]:
-        name = "train_" + arm + ("_table" if extra else "")
-        metrics = Path(ctx.work) / f"{name}.metrics.jsonl"
-        metrics.unlink(missing_ok=True)
-        t0 = time.monotonic()
-        rc, output = run_logged([sys.executable, *_pretrain_argv(arm, ctx.steps, extra), "--metrics-file", metrics],
-                                timeout, Path(ctx.work) / "logs" / f"{name}.log", ctx.env())
-        figures = parse_training(output, metrics)
-        figures.update(exit=rc, seconds=round(time.monotonic() - t0, 1), flags=list(extra))
-        figures["startup_s"] = round(figures["seconds"] - figures.get("total_step_s", 0.0), 1)
-        if rc == 124:
-            raise CheckTimeout(timeout, figures, _tail(output))
-        problems = []
-        if figures["iterations"] != ctx.steps:
-            problems.append(f"{figures['iterations']} of {ctx.steps} iterations recorded")
-        losses = [x for x in figures["losses"] if x is not None]
-        if not losses or not all(math.isfinite(x) for x in losses):
-            problems.append(f"non-finite or missing losses {figures['losses']}")
-        elif len(losses) > 1 and not losses[-1] < losses[0]:
-            problems.append(f"loss did not decrease ({losses[0]:.3f} -> {losses[-1]:.3f})")
-        if extra:
-            ref = ctx.figures("train_lev").get("grad_norms") or [None]
-            got = figures["grad_norms"][:1] or [None]
-            if ref[0] and got[0]:
-                gap = abs(got[0] - ref[0]) / ref[0]
-                figures["first_grad_norm_vs_unique"] = {"unique": ref[0], "table": got[0], "relative_gap": gap}
-                if gap > GRAD_NORM_TOLERANCE:
-                    problems.append(f"first grad norm {got[0]:.4f} vs {ref[0]:.4f} in unique mode "
-                                    f"(gap {100 * gap:.1f}% > {100 * GRAD_NORM_TOLERANCE:.0f}%): table-mode gradients lost?")
-        if rc != 0:
-            problems.append(f"exit {rc}: {_tail(output, 600)}")
-        if problems:
-            raise CheckFailed("; ".join(problems), figures)
-        return figures
-
-    return run
+def _gap(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return abs(a - b) / abs(b) if a is not None and b else None
 
 
-def check_throughput(ctx: Ctx, timeout: float) -> Dict[str, Any]:
-    work = Path(ctx.work)
-    md, js = work / "throughput.md", work / "throughput.json"
-    js.unlink(missing_ok=True)
-    rc, output = run_logged([sys.executable, "bench/throughput.py", "--config", "gpu-400m", "--skip-preprocess",
-                             "--modes", "unique,table", "--repeats", "5", "--shared-data", ctx.shared_data,
-                             "--output", md, "--json", js], timeout, work / "logs" / "throughput.log", ctx.env())
-    if rc == 124:
-        raise CheckTimeout(timeout, log_tail=_tail(output))
-    if rc != 0 or not js.exists():
-        raise CheckFailed(f"bench/throughput.py exit {rc}: {_tail(output, 600)}")
-    shutil.copy(md, Path(ctx.out) / "throughput.md")
-    data = json.loads(js.read_text())
-    arms = {}
-    for sec in data.get("sections", []):
-        for name, a in sec["result"]["arms"].items():
-            arms[f"{sec['title']}: {name}"] = {k: a.get(k) for k in ("ms_per_iter", "ms_min", "tokens_per_s",
-                                                                      "peak_extra_mib") if k in a}
-    return {"ratios": _ratios(data), "arms": arms, "tokens_per_step": _tokens_per_step(data), "report": "throughput.md"}
-
-
-def _tokens_per_step(data: Dict[str, Any]) -> Optional[int]:
-    from throughput import CONFIGS  # bench/ is this script's directory
-
-    shape = CONFIGS["gpu-400m"]
-    return shape["micro_batch"] * shape["seq"] if data.get("sections") else None
-
-
-def _ratios(data: Dict[str, Any]) -> Dict[str, Any]:
-    """Median-step ratios of the default LEV arm over tied and untied, per section of a throughput run."""
-    out = {}
-    for sec in data.get("sections", []):
-        res = sec["result"]
-        arms, lev = res["arms"], res.get("lev_default")
-        if lev is None or "tied" not in arms:
-            continue
-        ms = {name: arm["ms_per_iter"] for name, arm in arms.items()}  # medians
-        out[sec["title"]] = {"lev_arm": lev, "lev_over_tied": ms[lev] / ms["tied"],
-                             "lev_over_untied": ms[lev] / ms["untied"] if "untied" in ms else None}
-    return out
-
-
-def check_kernel(ctx: Ctx, timeout: float) -> Dict[str, Any]:
-    from lev_layer import ANCHOR_MS_PER_1K
-
-    path = Path(ctx.work) / "lev_kernel.json"
-    path.unlink(missing_ok=True)
-    rc, output = run_logged([sys.executable, "bench/lev_layer.py", "--device", "cuda", "--dtype", "bfloat16",
-                             "--kernel-only", "--repeats", "5", "--json", path], timeout,
-                            Path(ctx.work) / "logs" / "kernel.log", ctx.env())
-    if rc == 124:
-        raise CheckTimeout(timeout, log_tail=_tail(output))
-    if rc != 0 or not path.exists():
-        raise CheckFailed(f"bench/lev_layer.py --kernel-only exit {rc}: {_tail(output, 600)}")
-    kernel = json.loads(path.read_text())["kernel"]
-    if not kernel.get("rows"):
-        raise CheckFailed(f"no kernel figures: {kernel.get('note')}")
-    fa, ba = ANCHOR_MS_PER_1K
-    for row in kernel["rows"]:
-        row["time_over_anchor"] = (row["triton_fwd_ms_per_1k"] + row["triton_bwd_ms_per_1k"]) / (fa + ba)
-    return {"rows": kernel["rows"], "gpu": kernel.get("gpu"),
-            "anchor": {"fwd_ms_per_1k": fa, "bwd_ms_per_1k": ba,
-                       "what": "Kitsunp's published fused LEV kernel: about 1.1 ms forward and 3.0 ms backward for "
-                               "4,096 ids at D=2048 on an RTX 5070 Ti (bench/lev_layer.py ANCHOR_MS_PER_1K)"}}
-
-
-def check_pytest_gpu(ctx: Ctx, timeout: float) -> Dict[str, Any]:
-    env = ctx.env()
-    if not _importable("pytest", env):
-        raise Skip("pytest is not installed here; the checks above run the same code without it")
-    marker = "gpu" if ctx.have_te else "gpu and not te"
-    rc, output = run_logged([sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider", "tests"],
-                            timeout, Path(ctx.work) / "logs" / "pytest_gpu.log", env)
-    summary = (output.strip().splitlines() or [""])[-1]
-    if rc == 124:
-        raise CheckTimeout(timeout, {"marker": marker}, _tail(output))
-    if rc not in (0, 5):  # 5: nothing collected
-        raise CheckFailed(f"pytest -m '{marker}': {summary}", {"marker": marker, "summary": summary})
-    return {"marker": marker, "summary": summary}
-
-
-def check_next_mcore(ctx: Ctx, timeout: float) -> Dict[str, Any]:
-    wheels = sorted(glob.glob(os.path.join(ctx.wheels or "", "next", "megatron_core-*.whl")))
-    if not wheels:
-        raise Skip("no newer megatron-core wheel in --wheels/next")
-    if sys.version_info < (3, 12):
-        raise Skip(f"newer megatron-core needs Python >= 3.12 (this is {platform.python_version()})")
-    t0 = time.monotonic()
-    work = Path(ctx.work)
-    target = work / "next_mcore_site"
-    rc, output = run_logged([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
-                             target, wheels[-1]], timeout, work / "logs" / "next_mcore_install.log")
-    if rc != 0:
-        raise CheckFailed(f"pip install {Path(wheels[-1]).name}: {_tail(output, 300)}")
-    env = dict(ctx.env(), PYTHONPATH=os.pathsep.join([str(target), ctx.env()["PYTHONPATH"]]))
-    rc, output = run_logged([sys.executable, *_pretrain_argv("lev", 2)], timeout - (time.monotonic() - t0),
-                            work / "logs" / "next_mcore.log", env)
-    figures = {"wheel": Path(wheels[-1]).name, "exit": rc}
-    if rc == 124:
-        raise CheckTimeout(timeout, figures, _tail(output))
-    if rc != 0:
-        raise CheckFailed(f"{Path(wheels[-1]).name}: a 2-step LEV run fails: {_tail(output, 600)}", figures)
+def judge_correctness(runs: Dict[str, Dict[str, Any]], fused: str, eager: str, steps: int) -> Dict[str, Any]:
+    """Every run complete with finite losses; the fused LEV run's first loss and grad norm within
+    LOSS_RTOL / GRAD_NORM_RTOL of the eager run's. Raises CheckFailed with the figures."""
+    problems = []
+    for name, r in runs.items():
+        losses = [x for x in r["losses"] if x is not None]
+        if r["exit"] != 0:
+            problems.append(f"{name}: exit {r['exit']}: {r.get('tail', '')[-300:]}")
+        elif r["iterations"] != steps:
+            problems.append(f"{name}: {r['iterations']} of {steps} iterations recorded")
+        elif not losses or not all(math.isfinite(x) for x in losses):
+            problems.append(f"{name}: non-finite or missing losses {r['losses']}")
+    f, e = runs[f"lev_{fused}"], runs[f"lev_{eager}"]
+    agreement: Dict[str, Any] = {}
+    if f["losses"] and e["losses"]:
+        agreement = {"first_loss": (f["losses"][0], e["losses"][0]), "first_grad_norm": (f["grad_norms"][0], e["grad_norms"][0]),
+                     "loss_gap": _gap(f["losses"][0], e["losses"][0]),
+                     "grad_norm_gap": _gap(f["grad_norms"][0], e["grad_norms"][0]),
+                     "max_loss_gap_any_iteration": max((g for g in map(_gap, f["losses"], e["losses"]) if g is not None),
+                                                       default=None)}
+        if agreement["loss_gap"] is None or agreement["loss_gap"] > LOSS_RTOL:
+            problems.append(f"first loss {fused} {f['losses'][0]} vs {eager} {e['losses'][0]} (relative gap "
+                            f"{agreement['loss_gap']}, tolerance {LOSS_RTOL:g})")
+        if agreement["grad_norm_gap"] is None or agreement["grad_norm_gap"] > GRAD_NORM_RTOL:
+            problems.append(f"first grad norm {fused} {f['grad_norms'][0]} vs {eager} {e['grad_norms'][0]} (relative "
+                            f"gap {agreement['grad_norm_gap']}, tolerance {GRAD_NORM_RTOL:g})")
+    figures = {"fused": fused, "eager": eager, "runs": runs, "agreement": agreement,
+               "tolerance": {"loss": LOSS_RTOL, "grad_norm": GRAD_NORM_RTOL}}
+    if problems:
+        raise CheckFailed("; ".join(problems), figures)
     return figures
 
 
-def science_estimate(ctx: Ctx) -> Tuple[float, str]:
-    """Seconds of the science run from this run's measured throughput (``gpu_science.estimate_seconds``)."""
-    import gpu_science  # bench/ is this script's directory
+def stage_correctness(ctx: Ctx, timeout: float) -> Dict[str, Any]:
+    fused, eager = lev_bases(ctx)
+    work = Path(ctx.work) / "correctness"
+    argvs = correctness_runs(ctx)
+    jobs = []
+    for name, argv in argvs.items():
+        metrics = work / f"{name}.metrics.jsonl"
+        metrics.unlink(missing_ok=True)
+        jobs.append(([sys.executable, *argv, "--metrics-file", metrics], work / f"{name}.log"))
+    t0 = time.monotonic()
+    results = run_parallel(jobs, t0 + timeout, ctx.env())
+    runs = {}
+    for (name, _), (rc, output) in zip(argvs.items(), results):
+        r = parse_training(output, work / f"{name}.metrics.jsonl")
+        r.update(exit=rc, tail=tail(output, 600) if rc else "")
+        runs[name] = r
+    if any(rc == TIMEOUT_RC for rc, _ in results):
+        raise CheckTimeout(timeout, {"runs": runs}, "; ".join(f"{n}: {r['tail'][-200:]}" for n, r in runs.items() if r["exit"]))
+    return judge_correctness(runs, fused, eager, ctx.size["correctness"]["steps"])
 
-    return gpu_science.estimate_seconds(ctx.figures("train_tied"), ctx.figures("train_lev"),
-                                        ctx.figures("throughput"), ctx.science_tflops, corpus=ctx.corpus)
+
+# -------------------------------------------------------------------------------------- 3. kernels
+
+
+def stage_kernels(ctx: Ctx, timeout: float) -> Dict[str, Any]:
+    # Without CUDA the kernels run in Triton's interpreter, which must be chosen before triton is imported.
+    return in_child("kernels", **({} if ctx.cuda else {"TRITON_INTERPRET": "1"}))(ctx, timeout)
+
+
+def kernel_shapes(sizes: str):
+    from megatron_lev.kernels.lev_timing import KernelShape, default_shapes
+
+    given = SIZES[sizes]["kernels"]["shapes"]
+    return default_shapes() if given is None else tuple(KernelShape(*s) for s in given)
+
+
+def shape_partitions(shape) -> Dict[str, int]:
+    """Id partitions of each backward variant's launch at ``shape`` (a function of the shape only)."""
+    from megatron_lev.kernels import lev_triton
+
+    return {v: lev_triton._bwd_partitions(shape.n, shape.h, shape.d_s, shape.kappa, shape.r, v)[0]
+            for v in lev_triton.BACKWARD_VARIANTS}
+
+
+def child_kernels(ctx: Ctx, partial) -> Dict[str, Any]:
+    from megatron_lev.kernels import lev_timing
+
+    k = ctx.size["kernels"]
+    shapes = kernel_shapes(ctx.sizes)
+    try:
+        timings = lev_timing.time_kernels(shapes, reps=k["reps"], warmup=k["warmup"])
+    except RuntimeError as e:  # no triton, or no device it runs on
+        if ctx.cuda:
+            raise
+        raise Skip(str(e))
+    figures: Dict[str, Any] = {"timings": timings}
+    partial(figures)
+    errors = lev_timing.compare_backward(shapes)
+    figures["errors"] = errors
+    ok = {(r["shape"], r["variant"]) for r in errors if r["ok"]}
+    figures["fastest"] = {}
+    for shape in dict.fromkeys(r["shape"] for r in timings):
+        rows = [r for r in timings if r["shape"] == shape and (shape, r["variant"]) in ok]
+        if rows:
+            best = min(rows, key=lambda r: r["bwd_ms"])
+            figures["fastest"][shape] = {"variant": best["variant"], "bwd_ms": best["bwd_ms"]}
+    bad = [f"{r['shape']}/{r['variant']}" for r in errors if not r["ok"]]
+    if bad:
+        raise CheckFailed(f"backward over the fp64 tolerance: {bad}", figures)
+    return figures
+
+
+# ----------------------------------------------------------------------------------- 4. throughput
+
+
+def throughput_shapes(ctx_or_sizes) -> List[Tuple[str, Dict[str, int]]]:
+    """(title, shape) measured: the science model's first, then the size's bench/throughput.py configs."""
+    import gpu_science
+    from throughput import CONFIGS
+
+    sizes = ctx_or_sizes.sizes if isinstance(ctx_or_sizes, Ctx) else ctx_or_sizes
+    science = SIZES[sizes]["science"]["config"]
+    shape = {k: v for k, v in gpu_science.model_shape(science).items() if k != "global_batch"}
+    return [(f"science ({science})", shape)] + [(c, CONFIGS[c]) for c in SIZES[sizes]["throughput"]["configs"]]
+
+
+def child_throughput(ctx: Ctx, partial) -> Dict[str, Any]:
+    import torch
+    from lev_layer import _init_parallel
+    from throughput import _load, _machine, _versions, arm_list, measure, write_report
+
+    device = ctx.device
+    _init_parallel(device)
+    arms = [a for a in arm_list(device, ("unique",)) if a["arm"] != "lev" or a.get("default")]
+    t = ctx.size["throughput"]
+    results: Dict[str, Any] = {"command": "python bench/gpu_check.py (throughput stage)",
+                               "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": _machine(),
+                               "versions": _versions(), "load_start": _load(), "sections": [],
+                               "gpu_ran": device == "cuda"}
+    figures: Dict[str, Any] = {"device": device, "attention": _sdpa(torch), "shapes": {}}
+    for title, shape in throughput_shapes(ctx):
+        res = measure(shape, arms, device=device, dtype_name="bfloat16" if device == "cuda" else "float32",
+                      repeats=t["repeats"], warmup=t["warmup"], shared=Path(ctx.shared_data), log=print)
+        results["sections"].append({"title": title, "target": 1.01, "result": res})
+        figures["shapes"][title] = _throughput_figures(res)
+        results["load_end"] = _load()
+        write_report(Path(ctx.out) / "throughput.md", results)
+        partial(figures)
+    return figures
+
+
+def _sdpa(torch) -> Dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {"note": "no CUDA device: SDPA's math kernel on CPU"}
+    return {"flash": torch.backends.cuda.flash_sdp_enabled(), "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+            "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
+
+
+def _throughput_figures(res: Dict[str, Any]) -> Dict[str, Any]:
+    """Per arm (tied, untied, lev) its median ms and tokens/s; LEV/TIED, LEV/UNTIED, UNTIED/TIED."""
+    lev = res["lev_default"]
+    arms = {"tied": res["arms"]["tied"], "untied": res["arms"]["untied"], "lev": res["arms"][lev]}
+    out = {"shape": res["shape"], "tokens_per_step": res["tokens_per_step"], "lev_arm": lev,
+           "arms": {k: {"ms_per_iter": a["ms_per_iter"], "ms_min": a["ms_min"], "tokens_per_s": a["tokens_per_s"],
+                        "input_layer_ms": a["input_layer_ms"], "parameters": a["parameters"]} for k, a in arms.items()}}
+    ms = {k: a["ms_per_iter"] for k, a in arms.items()}
+    out.update(lev_over_tied=ms["lev"] / ms["tied"], lev_over_untied=ms["lev"] / ms["untied"],
+               untied_over_tied=ms["untied"] / ms["tied"])
+    return out
+
+
+def measured_rates(ctx: Ctx) -> Optional[Dict[str, float]]:
+    """tokens/s per arm at the science model's shape, if the throughput stage measured them (also when it
+    was killed later, at the next shape: each shape's figures are complete when written)."""
+    shapes = ctx.figures("throughput", partial=True).get("shapes") or {}
+    first = shapes.get(throughput_shapes(ctx)[0][0])
+    return {k: a["tokens_per_s"] for k, a in first["arms"].items()} if first else None
+
+
+# -------------------------------------------------------------------------------------- 5. profile
+
+
+def profile_argv(ctx: Ctx, tensorboard: Path) -> List[str]:
+    p, size = ctx.size["profile"], ctx.size
+    start, end = p["window"]
+    return ["pretrain_lev.py", *p["model"], *_transformer(), *size["precision"], *PRODUCTION,
+            "--train-iters", str(p["steps"]), "--lr", "3e-4", "--lr-warmup-iters", "1", "--seed", "1234",
+            "--log-interval", "1", "--eval-iters", "0", "--quiet-config", "--input-embedding", "lev", *size["lev"],
+            "--profile", "--use-pytorch-profiler", "--profile-step-start", str(start), "--profile-step-end", str(end),
+            "--tensorboard-dir", str(tensorboard)]
+
+
+def stage_profile(ctx: Ctx, timeout: float) -> Dict[str, Any]:
+    import _profile_trace
+
+    work = Path(ctx.work) / "profile"
+    tensorboard = work / "tensorboard"
+    shutil.rmtree(tensorboard, ignore_errors=True)
+    t0 = time.monotonic()
+    rc, output = run_logged([sys.executable, *profile_argv(ctx, tensorboard)], timeout, work / "pretrain.log", ctx.env())
+    if rc == TIMEOUT_RC:
+        raise CheckTimeout(timeout, log_tail=tail(output))
+    trace = _profile_trace.find_trace(tensorboard)
+    if rc != 0 or trace is None:
+        raise CheckFailed(f"pretrain_lev.py --profile exit {rc}, trace {'found' if trace else 'missing'}: "
+                          f"{tail(output, 600)}")
+    figures = _profile_trace.summarize(trace)
+    figures.update(run_s=round(time.monotonic() - t0, 1), trace_mib=round(os.path.getsize(trace) / 2**20, 1),
+                   basis=ctx.figures("env").get("lev_basis"))
+    want = ctx.size["profile"]["window"][1] - ctx.size["profile"]["window"][0]
+    if figures["steps"] != want:
+        raise CheckFailed(f"the trace holds {figures['steps']} steps, not {want}", figures)
+    if ctx.cuda and figures["basis"] == "triton" and not figures["ms_per_step"]["lev_triton"]:
+        raise CheckFailed("--lev-basis auto resolved to triton, but no LEV Triton kernel is in the trace", figures)
+    return figures
+
+
+# -------------------------------------------------------------------------------------- 6. science
 
 
 def child_science(ctx: Ctx, partial) -> Dict[str, Any]:
     import gpu_science
 
-    # Its steps are bounded by the child's own timeout, less a moment to write the result.
-    deadline = time.monotonic() + max(1.0, (ctx.timeout_s or 600.0) - 5.0)
-    return gpu_science.run(corpus=ctx.corpus, shared_data=ctx.shared_data, work=Path(ctx.work) / "science",
-                           out=Path(ctx.out), deadline=deadline, env=ctx.env(), partial=partial)
+    s = ctx.size["science"]
+    rates, source = measured_rates(ctx), "the throughput stage's measurement"
+    if rates is None and ctx.assume_tflops:
+        rates, source = gpu_science.assumed_rates(s["config"], ctx.assume_tflops), f"--assume-tflops {ctx.assume_tflops:g}"
+    if rates is None:
+        raise Skip("no tokens/s to size the runs with: the throughput stage did not measure them "
+                   "(give --assume-tflops)")
+    # Every command ends SCIENCE_END_S before the child's own limit: the report and the result are written then.
+    deadline = (ctx.deadline or time.monotonic() + 600.0) - SCIENCE_END_S
+    figures = gpu_science.run(s["config"], ctx.shared_data, Path(ctx.work) / "science", Path(ctx.out), deadline,
+                              rates, max_iters=s["max_iters"], min_iters=s["min_iters"], partial=partial)
+    figures["rates_from"] = source
+    return figures
 
 
-CHILD_FUNCS: Dict[str, Callable] = {"env": child_env, "lev_layer": child_lev_layer, "science": child_science}
+CHILD_FUNCS: Dict[str, Callable] = {"env": child_env, "kernels": child_kernels, "throughput": child_throughput,
+                                    "science": child_science}
 
-CHECKS: Tuple[Check, ...] = (
-    Check("install", check_install, timeout_s=120, estimate_s=15, cuda=False),
-    Check("env", in_child("env"), timeout_s=60, estimate_s=15, cuda=False),
-    Check("lev_layer", in_child("lev_layer"), timeout_s=150, estimate_s=40),
-    Check("train_tied", train_check("tied"), timeout_s=150, estimate_s=30),
-    Check("train_lev", train_check("lev"), timeout_s=150, estimate_s=35),
-    Check("train_lev_table", train_check("lev", TABLE_FLAGS), timeout_s=150, estimate_s=35),
-    Check("throughput", check_throughput, timeout_s=240, estimate_s=130),
-    Check("kernel", check_kernel, timeout_s=150, estimate_s=45),
-    Check("pytest_gpu", check_pytest_gpu, timeout_s=150, estimate_s=60),
-    Check("next_mcore", check_next_mcore, timeout_s=120, estimate_s=40),
-    Check("science", in_child("science"), timeout_s=3600, estimate_s=science_estimate),
+STAGES: Tuple[Stage, ...] = (
+    Stage("env", stage_env, cuda=False),
+    Stage("correctness", stage_correctness),
+    Stage("kernels", stage_kernels),
+    Stage("throughput", in_child("throughput")),
+    Stage("profile", stage_profile),
+    Stage("science", in_child("science")),
 )
-NAMES = tuple(c.name for c in CHECKS)
+NAMES = tuple(s.name for s in STAGES)
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+def stage_seconds(budget_s: float) -> Dict[str, float]:
+    """Each stage's limit: ``BASE_S`` in proportion to the budget; the science stage gets the rest."""
+    k = budget_s / PLAN_BUDGET_S
+    out = {name: s * k for name, s in BASE_S.items()}
+    out["science"] = budget_s - RESERVE_S - sum(out.values())
+    return out
+
+
+def plan(budget_s: float, sizes: str = "device", assume_tflops: Optional[float] = None,
+         shared_data: str = str(SHARED)) -> List[Dict[str, Any]]:
+    """One entry per stage: name, planned_s, what it runs; the science stage's tokens per arm at
+    ``assume_tflops`` (None: sized later from the throughput stage)."""
+    import gpu_science
+
+    size = SIZES[sizes]
+    secs = stage_seconds(budget_s)
+    c, p = size["correctness"], size["profile"]
+    shapes = []
+    for s in kernel_shapes(sizes):
+        parts = shape_partitions(s)
+        shapes.append(f"{s.label} N={s.n} h={s.h} d_s={s.d_s} kappa={s.kappa} r={s.r} (backward partitions: "
+                      + ", ".join(f"{v} {n}" for v, n in parts.items()) + ")")
+    from megatron_lev.kernels import lev_triton
+
+    what = {
+        "env": "the carried wheels, versions, the C compiler and Python.h Triton builds with, the LEV basis that "
+               "will run, the bf16 matmul and copy ceilings",
+        "correctness": f"pretrain_lev.py {c['describe']}, {size['precision'][0][2:]}, distributed optimizer with "
+                       f"overlapped grad reduce, megatron's compiled fusions off, {c['steps']} steps each of lev with the "
+                       "fused basis (--lev-basis triton on CUDA), lev with the eager basis, and tied, at once; first-iteration loss and grad "
+                       f"norm of the two lev runs within {LOSS_RTOL:g} / {GRAD_NORM_RTOL:g}",
+        "kernels": "the fused product alone with CUDA events: forward and backward variants "
+                   f"{', '.join(lev_triton.BACKWARD_VARIANTS)} at " + "; ".join(shapes)
+                   + "; each variant against the fp64 eager product",
+        "throughput": "tied, untied and lev (default arm) round-robin medians, flash/cuDNN attention, at "
+                      + ", ".join(f"{t} {s['layers']} x {s['hidden']} seq {s['seq']} micro-batch {s['micro_batch']}"
+                                  for t, s in throughput_shapes(sizes)),
+        "profile": f"2-step torch.profiler trace of pretrain_lev.py (lev, {p['describe']}, production flags): share "
+                   "of step time in LEV's Triton kernels, LEV's GEMMs and the rest; host syncs per step",
+    }
+    out = [{"name": n, "planned_s": secs[n], "what": what[n]} for n in BASE_S]
+    s = size["science"]
+    science: Dict[str, Any] = {"name": "science", "planned_s": secs["science"],
+                               "what": f"tied, untied and lev, same data, order and seed, bench/reproduce.py "
+                                       f"--config {s['config']}: {gpu_science._reproduce().CONFIGS[s['config']]['description']}"}
+    if assume_tflops:
+        sp = gpu_science.plan(secs["science"], gpu_science.assumed_rates(s["config"], assume_tflops),
+                              gpu_science.corpus_tokens_estimate(shared_data), s["config"], s["max_iters"])
+        science.update(tokens_per_arm=sp["tokens_per_arm"], iterations=sp["iterations"], limited_by=sp["limited_by"],
+                       train_s=sp["train_s"])
+    out.append(science)
+    return out
+
+
+def plan_lines(entries: List[Dict[str, Any]], budget_s: float, sizes: str, assume_tflops: Optional[float]) -> List[str]:
+    lines = [f"plan: budget {budget_s:g} s at the {sizes} sizes, {RESERVE_S:g} s kept for the last report write"
+             + (f"; science sized at {assume_tflops:g} TFLOP/s achieved (LEV assumed "
+                f"{_science_lev_factor():g}x slower than tied)" if assume_tflops else "")]
+    for e in entries:
+        if e["name"] == "science":
+            tokens = (f", {e['tokens_per_arm']} tokens per arm ({e['iterations']} iterations, limited by "
+                      f"{e['limited_by']}; {e['train_s']:.0f} s of training)") if "tokens_per_arm" in e else \
+                ", tokens per arm sized from the throughput stage's measurement"
+            lines.append(f"stage science: planned {e['planned_s']:.0f} s{tokens} - {e['what']}")
+        else:
+            lines.append(f"stage {e['name']}: planned {e['planned_s']:.0f} s - {e['what']}")
+    return lines
+
+
+def _science_lev_factor() -> float:
+    import gpu_science
+
+    return gpu_science.LEV_OVER_TIED_ASSUMED
 
 
 # ------------------------------------------------------------------------------------------ runner
 
 
-def _estimate(check: Check, ctx: Ctx) -> Tuple[float, str]:
-    if callable(check.estimate_s):
-        return check.estimate_s(ctx)
-    return float(check.estimate_s), "fixed estimate"
-
-
-def run_checks(checks: Sequence[Check], ctx: Ctx, budget_s: float, *, clock=time.monotonic,
+def run_stages(stages: Sequence[Stage], ctx: Ctx, budget_s: float, *, clock=time.monotonic, start: Optional[float] = None,
                on_result: Callable[[List[Dict[str, Any]]], None] = lambda results: None, log=print):
-    """Run ``checks`` in order within ``budget_s`` seconds of ``clock``; ``on_result(results)`` after each."""
-    start = clock()
+    """Run ``stages`` in order within ``budget_s`` seconds of ``clock`` from ``start``; ``on_result(results)``
+    after each. A stage runs under min(its limit, what is left); the science stage's limit is what is left."""
+    start = clock() if start is None else start
+    limits = stage_seconds(budget_s)
     results: List[Dict[str, Any]] = []
     ctx.results = {}
-    for check in checks:
+    for stage in stages:
         t0 = clock()
         left = budget_s - RESERVE_S - (t0 - start)
-        entry: Dict[str, Any] = {"name": check.name, "status": "ok", "reason": "", "figures": {}}
+        planned = limits.get(stage.name, left)
+        entry: Dict[str, Any] = {"name": stage.name, "status": "ok", "reason": "", "planned_s": round(planned),
+                                 "figures": {}}
         try:
-            if check.cuda and not ctx.cuda:
+            if stage.cuda and not ctx.cuda and ctx.sizes == "device":
                 raise Skip("no CUDA device")
-            need, basis = _estimate(check, ctx)
-            entry["estimate_s"], entry["estimate_basis"] = round(need), basis
-            if need > left:
-                raise Skip(f"budget: needs ~{need:.0f} s, {max(0.0, left):.0f} s left")
-            timeout = min(check.timeout_s, left)
-            entry["timeout_s"] = round(timeout)
-            entry["figures"] = check.run(ctx, timeout) or {}
+            limit = min(left, left if stage.name == "science" else planned)
+            entry["limit_s"] = round(limit)
+            if limit < 1:
+                raise Skip(f"budget: {max(0.0, left):.0f} s left")
+            entry["figures"] = stage.run(ctx, limit) or {}
         except Skip as e:
             entry.update(status="skipped", reason=str(e))
         except CheckTimeout as e:
@@ -704,11 +748,9 @@ def run_checks(checks: Sequence[Check], ctx: Ctx, budget_s: float, *, clock=time
         except Exception as e:  # reported in the file, never hidden
             entry.update(status="failed", reason=f"{type(e).__name__}: {e}")
         entry["seconds"] = round(clock() - t0, 1)
-        if check.name == "env" and entry["status"] == "ok":
-            ctx.have_te = not str(entry["figures"].get("transformer_engine", "not")).startswith("not")
-        log(f"gpu_check: {check.name:<16} {entry['status']:<8} {entry['seconds']:7.1f} s  {entry['reason'][:300]}")
+        log(f"gpu_check: {stage.name:<12} {entry['status']:<8} {entry['seconds']:7.1f} s  {entry['reason'][:300]}")
         results.append(entry)
-        ctx.results[check.name] = entry
+        ctx.results[stage.name] = entry
         on_result(results)
     return results
 
@@ -716,58 +758,132 @@ def run_checks(checks: Sequence[Check], ctx: Ctx, budget_s: float, *, clock=time
 def not_run_notes(ctx: Ctx) -> List[str]:
     notes = ["Multi-rank collectives: one GPU runs TP=1 over NCCL at most (NCCL refuses two ranks on one device); "
              "tensor/pipeline-parallel LEV and its gradient reductions are tested on CPU (gloo) only."]
-    if not ctx.have_te:
+    if str(ctx.figures("env").get("transformer_engine", "not")).startswith("not"):
         notes.append("FP8 / Transformer Engine: not installed here (its wheel is over the carry limit); the TE spec "
                      "and FP8 recipes are tested on CPU for configuration and refusal only.")
+    if not ctx.cuda:
+        notes.append("No CUDA device: the stages ran at the tiny sizes on the CPU (eager or numba bases, Triton's "
+                     "interpreter, gloo); no figure here is a GPU figure." if ctx.sizes == "tiny" else
+                     "No CUDA device: every stage but env was skipped.")
     return notes
+
+
+# ------------------------------------------------------------------------------------------ report
 
 
 def write_report(out: Path, report: Dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "gpu_check.json", report)
-    env = next((c["figures"] for c in report["checks"] if c["name"] == "env" and c["status"] == "ok"), {})
+    write_json(out / "gpu_check.json", report)
+    env = next((c["figures"] for c in report["stages"] if c["name"] == "env" and c["status"] == "ok"), {})
     L = ["# GPU check", "", f"`{report['command']}`, started {report['created']}; state **{report['state']}**, "
-         f"{report['elapsed_s']} s of a {report['budget_s']} s budget.", "",
-         f"Device: {env.get('device') or 'none (no CUDA device: every GPU check skipped)'}"
+         f"{report['elapsed_s']} s of a {report['budget_s']} s budget, {report['sizes']} sizes.", "",
+         f"Device: {env.get('device') or 'none (no CUDA device)'}"
          + (f" (sm {env.get('capability')}, {env.get('memory_gib')} GiB; bf16 matmul {env.get('bf16_matmul_tflops')} "
             f"TFLOP/s, copy {env.get('copy_tb_per_s')} TB/s measured)" if env.get("device") else "")
-         + "; " + ", ".join(f"{k} {env[k]}" for k in ("python", "torch", "megatron.core", "triton") if k in env), "",
-         "| check | status | seconds | reason |", "|---|---|---|---|"]
-    for c in report["checks"]:
-        L.append(f"| {c['name']} | {c['status']} | {c['seconds']} | {(c['reason'] or '').replace('|', '/')[:400]} |")
+         + "; " + ", ".join(f"{k} {env[k]}" for k in ("python", "torch", "megatron.core", "triton") if k in env)
+         + (f"; LEV basis that runs: **{env['lev_basis']}**" if env.get("lev_basis") else ""), "",
+         "| stage | status | planned s | limit s | seconds | reason |", "|---|---|---|---|---|---|"]
+    for c in report["stages"]:
+        L.append(f"| {c['name']} | {c['status']} | {c.get('planned_s', '')} | {c.get('limit_s', '')} | {c['seconds']} | "
+                 f"{(c['reason'] or '').replace('|', '/')[:400]} |")
     for name in report.get("pending", []):
-        L.append(f"| {name} | pending | | |")
+        L.append(f"| {name} | pending | | | | |")
     if report.get("not_run"):
         L += ["", "## Not proved by this check", ""] + [f"- {x}" for x in report["not_run"]]
-    for c in report["checks"]:
+    for c in report["stages"]:
         if c.get("figures"):
             L += ["", f"## {c['name']}", ""] + _figures_md(c["name"], c["figures"])
-    _write_text(out / "gpu_check.md", "\n".join(L) + "\n")
+    write_text(out / "gpu_check.md", "\n".join(L) + "\n")
 
 
 def _figures_md(name: str, f: Dict[str, Any]) -> List[str]:
     try:
-        return _tables_md(name, f)
-    except (KeyError, TypeError, ValueError):  # figures of an unexpected shape (a partial run): as JSON
+        return MARKDOWN[name](f)
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError):  # a partial run's figures: as JSON
         return ["```json", json.dumps(f, indent=1, default=str)[:6000], "```"]
 
 
-def _tables_md(name: str, f: Dict[str, Any]) -> List[str]:
-    if name == "lev_layer":
-        rows = ["| mode/dtype/basis | max rel. error | tolerance | ran | basis as asked |", "|---|---|---|---|---|"]
-        for k, v in f.items():
-            rows.append(f"| {k} | {v['max_rel_error']:.2e} | {LAYER_TOLERANCE[v['dtype']]:.0e} | "
-                        f"{', '.join(f'{a} x{n}' for a, n in v['ran'].items())} | {v['basis_ok']} |")
-        return rows
-    if name == "kernel" and f.get("rows"):
-        rows = [f"Against {f['anchor']['what']}.", "", "| D | ids | triton fwd / bwd ms per 1k | eager fwd / bwd | "
-                "speed-up vs eager | time / anchor |", "|---|---|---|---|---|---|"]
-        for r in f["rows"]:
-            rows.append(f"| {r['hidden']} | {r['ids']} | {r['triton_fwd_ms_per_1k']:.3f} / {r['triton_bwd_ms_per_1k']:.3f} "
-                        f"| {r['sparse_fwd_ms_per_1k']:.3f} / {r['sparse_bwd_ms_per_1k']:.3f} | "
-                        f"{r['speedup_vs_eager']:.1f}x | {r['time_over_anchor']:.2f}x |")
-        return rows
-    return ["```json", json.dumps(f, indent=1, default=str)[:6000], "```"]
+def _n(v, d: int = 3) -> str:
+    return "–" if v is None else f"{v:.{d}g}" if isinstance(v, float) else str(v)
+
+
+def _md_env(f):
+    keys = ("lev_basis", "lev_fused_registered", "triton_build_missing", "c_compiler", "python_headers",
+            "triton_backward", "sdpa", "transformer_engine", "apex", "numba", "cuda", "cpus", "install")
+    return [f"- {k}: {f[k]}" for k in keys if k in f]
+
+
+def _md_correctness(f):
+    L = [f"LEV with the {f['fused']} basis against the {f['eager']} basis (and tied beside them); tolerance loss "
+         f"{f['tolerance']['loss']:g}, grad norm {f['tolerance']['grad_norm']:g} (relative, first iteration).", "",
+         "| run | exit | iterations | first loss | first grad norm | last loss | median ms | tokens/s |",
+         "|---|---|---|---|---|---|---|---|"]
+    for name, r in f["runs"].items():
+        L.append(f"| {name} | {r['exit']} | {r['iterations']} | {_n((r['losses'] or [None])[0], 7)} | "
+                 f"{_n((r['grad_norms'] or [None])[0], 6)} | {_n((r['losses'] or [None])[-1], 6)} | "
+                 f"{_n(r.get('median_ms'), 4)} | {_n(r.get('median_tokens_per_s'), 4)} |")
+    a = f.get("agreement") or {}
+    if a:
+        L += ["", f"Gaps: first loss {_n(a['loss_gap'])}, first grad norm {_n(a['grad_norm_gap'])}, largest loss gap "
+                  f"at any iteration {_n(a['max_loss_gap_any_iteration'])}."]
+    return L
+
+
+def _md_kernels(f):
+    errs = {(r["shape"], r["variant"]): r for r in f.get("errors", [])}
+    L = ["| shape | N, h, d_s, kappa, r | backward | partitions | forward ms | backward ms | bwd / fwd | "
+         "max rel. error M / dx / dDelta | ok |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in f["timings"]:
+        e = errs.get((r["shape"], r["variant"]))
+        err = (f"{e['max_rel_err_m']:.1e} / {e['max_rel_err_grad_x']:.1e} / {e['max_rel_err_grad_delta']:.1e}"
+               if e else "–")
+        L.append(f"| {r['shape']} | {r['n']}, {r['h']}, {r['d_s']}, {r['kappa']}, {r['r']} | {r['variant']} | "
+                 f"{r['partitions']} | {r['fwd_ms']:.4f} | {r['bwd_ms']:.4f} | {r['bwd_fwd_ratio']:.2f} | {err} | "
+                 f"{e['ok'] if e else '–'} |")
+    if f["timings"]:
+        L += ["", f"Timer: {f['timings'][0]['timer']} ({f['timings'][0]['device']}), median of {f['timings'][0]['reps']}."]
+    for shape, best in (f.get("fastest") or {}).items():
+        L.append(f"- {shape}: fastest backward within tolerance: **{best['variant']}** ({best['bwd_ms']:.4f} ms)")
+    return L
+
+
+def _md_throughput(f):
+    L = [f"Attention: {f.get('attention')}", ""]
+    for title, s in f["shapes"].items():
+        sh = s["shape"]
+        L += [f"### {title}: {sh['layers']} x {sh['hidden']}, seq {sh['seq']}, micro-batch {sh['micro_batch']}", "",
+              f"**LEV/TIED {s['lev_over_tied']:.3f}, LEV/UNTIED {s['lev_over_untied']:.3f}** (median steps; "
+              f"UNTIED/TIED {s['untied_over_tied']:.3f}; LEV arm {s['lev_arm']})", "",
+              "| arm | ms/iter (median) | best | tokens/s | input layer ms | parameters |", "|---|---|---|---|---|---|"]
+        for arm, a in s["arms"].items():
+            L.append(f"| {arm} | {a['ms_per_iter']:.2f} | {a['ms_min']:.2f} | {a['tokens_per_s']:,.0f} | "
+                     f"{a['input_layer_ms']:.2f} | {a['parameters']:,} |")
+        L.append("")
+    return L
+
+
+def _md_profile(f):
+    L = [f"Timeline: {f['timeline']}; {f['steps']} steps, {f['step_ms']:.2f} ms per step (trace {f.get('trace_mib')} MiB).",
+         "", "| part of the step | ms per step | share |", "|---|---|---|"]
+    for k in ("lev_triton", "lev_gemm", "attention", "other", "idle"):
+        L.append(f"| {k} | {f['ms_per_step'][k]:.3f} | {100 * f['share'][k]:.1f}% |")
+    rest = sum(f["share"][k] for k in ("attention", "other", "idle"))
+    L += ["", f"LEV's Triton kernels {100 * f['share']['lev_triton']:.1f}%, LEV's GEMMs {100 * f['share']['lev_gemm']:.1f}%, "
+              f"the rest {100 * rest:.1f}% of the step.",
+          f"Host syncs per step (CUDA runtime): {_n(f['host_syncs_per_step'])}; scalar reads per step "
+          f"(aten::_local_scalar_dense): {_n(f['scalar_reads_per_step'])}.", "", "Largest items:", ""]
+    L += [f"- {t['category']}: `{t['name']}` {t['ms_per_step']:.3f} ms/step" for t in f.get("top", [])[:8]]
+    return L
+
+
+def _md_science(f):
+    import gpu_science
+
+    return gpu_science.markdown(f)
+
+
+MARKDOWN = {"env": _md_env, "correctness": _md_correctness, "kernels": _md_kernels, "throughput": _md_throughput,
+            "profile": _md_profile, "science": _md_science}
 
 
 # ------------------------------------------------------------------------------------------ preparing
@@ -777,27 +893,23 @@ def prepare_wheels(dest: str) -> int:
     """Download (here, with PyPI) the Python 3.12 wheels the GPU image lacks into ``dest``."""
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
             "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-            "--platform", "manylinux2014_x86_64", "-d"]
-    # The newest megatron-core 0.19.x (Python >= 3.12 only; the release make test-next tests, the Makefile's
-    # MCORE_NEXT) goes to DIR/next for the next_mcore check.
-    for spec, where in [(w, dest) for w in WHEELS] + [(NEXT_MCORE, os.path.join(dest, "next"))]:
-        r = subprocess.run(base + [where, spec], capture_output=True, text=True)
-        print(f"{spec}: {'ok' if r.returncode == 0 else 'FAILED ' + _tail(r.stderr, 300)}")
+            "--platform", "manylinux2014_x86_64", "-d", dest]
+    for spec in WHEELS:
+        r = subprocess.run(base + [spec], capture_output=True, text=True)
+        print(f"{spec}: {'ok' if r.returncode == 0 else 'FAILED ' + tail(r.stderr, 300)}")
         if r.returncode != 0:
             return 1
     return 0
 
 
-# Files of the shared data folder the checks read (the science run's corpus and evaluation sets, the
-# GPT-2 tokenizer, the throughput check's ids); downstream sets are cut to their first lines.
+# Files of the shared data folder the stages read (the science run's corpus and evaluation sets, the
+# GPT-2 tokenizer; the throughput stage's ids come from the valid set).
 DATA_FILES = ("corpus/train.jsonl.zst", "corpus/valid.jsonl.zst", "corpus/zeroshot_wiki.jsonl.zst",
               "tokenizers/gpt2/vocab.json", "tokenizers/gpt2/merges.txt")
 
 
-def prepare_data(dest: str, shared: str, task_lines: int) -> int:
-    """Copy what the checks read from ``shared`` into ``dest`` (same layout), to carry to the GPU machine."""
-    import gpu_science
-
+def prepare_data(dest: str, shared: str) -> int:
+    """Copy what the stages read from ``shared`` into ``dest`` (same layout), to carry to the GPU machine."""
     src, dst = Path(shared), Path(dest)
     missing = [f for f in DATA_FILES if not (src / f).exists()]
     if missing:
@@ -806,16 +918,8 @@ def prepare_data(dest: str, shared: str, task_lines: int) -> int:
     for f in DATA_FILES:
         (dst / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src / f, dst / f)
-    for f in sorted((src / "downstream").glob("*.jsonl")):
-        (dst / "downstream").mkdir(parents=True, exist_ok=True)
-        with open(f, "rb") as r, open(dst / "downstream" / f.name, "wb") as w:
-            for i, line in enumerate(r):
-                if i >= task_lines:
-                    break
-                w.write(line)
     size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
-    print(f"--prepare-data: {dst} holds {size / 2**20:.1f} MiB (downstream sets cut to {task_lines} lines; the "
-          f"science run evaluates --limit {gpu_science.TASK_LIMIT})")
+    print(f"--prepare-data: {dst} holds {size / 2**20:.1f} MiB")
     return 0
 
 
@@ -827,79 +931,90 @@ def _csv(value: Optional[str]) -> List[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Run the GPU-only checks of megatron-lev within a budget and write a "
-                                            "report after every check.")
+    p = argparse.ArgumentParser(description="Run the GPU check's stages within a budget and write a report after "
+                                            "every stage (bench/gpu_check.py's docstring says what each does).")
     p.add_argument("--out", default=None, help="folder for gpu_check.json / gpu_check.md (required to run)")
     p.add_argument("--work", default=None, help="logs and scratch files (default OUT/../gpu_check_work)")
-    p.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget of the whole run (default 400)")
+    p.add_argument("--budget-s", type=float, default=PLAN_BUDGET_S,
+                   help=f"wall-clock budget of the whole run (default {PLAN_BUDGET_S:g})")
+    p.add_argument("--sizes", default="device", choices=sorted(SIZES),
+                   help="device (one GPU, default) or tiny (every stage in seconds, on a CPU too)")
     p.add_argument("--wheels", default=str(REPO / "wheels"), help="wheels to install with --no-deps (default wheels/)")
     p.add_argument("--shared-data", default=str(SHARED), help=f"shared data folder (default {SHARED})")
-    p.add_argument("--corpus", default=None, help="training corpus of the science run "
-                                                  "(default SHARED_DATA/corpus/train.jsonl.zst)")
-    p.add_argument("--science-tflops", type=float, default=None,
-                   help="achieved TFLOP/s to plan the science run with when no training check ran in this run")
-    p.add_argument("--steps", type=int, default=10, help="training steps of each train_* check (default 10)")
-    p.add_argument("--only", default=None, help=f"comma list of checks to run ({','.join(NAMES)})")
-    p.add_argument("--skip", default="", help="comma list of checks to leave out")
+    p.add_argument("--assume-tflops", type=float, default=None,
+                   help="achieved TFLOP/s to size the science run with: for --plan, or when the throughput stage "
+                        "measured nothing")
+    p.add_argument("--plan", action="store_true", help="print each stage's planned seconds (and the science run's "
+                                                       "tokens per arm at --assume-tflops), then exit; no GPU needed")
+    p.add_argument("--only", default=None, help=f"comma list of stages to run ({','.join(NAMES)})")
+    p.add_argument("--skip", default="", help="comma list of stages to leave out")
     p.add_argument("--prepare-wheels", default=None, metavar="DIR",
                    help="download the wheels the GPU machine lacks into DIR, then exit")
     p.add_argument("--prepare-data", default=None, metavar="DIR",
-                   help="copy the shared data the checks read into DIR (to carry), then exit")
-    p.add_argument("--task-lines", type=int, default=2000, help="lines kept of each downstream set by --prepare-data")
+                   help="copy the shared data the stages read into DIR (to carry), then exit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-ctx", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child or a.prepare_wheels or a.prepare_data:
         return a
+    if not a.budget_s > 0:
+        p.error(f"--budget-s must be a positive number of seconds (got {a.budget_s})")
+    if a.assume_tflops is not None and not a.assume_tflops > 0:
+        p.error(f"--assume-tflops must be a positive number (got {a.assume_tflops})")
+    if stage_seconds(a.budget_s)["science"] < 0:
+        p.error(f"--budget-s {a.budget_s:g} leaves nothing once {RESERVE_S:g} s are kept for the report")
+    if a.plan:
+        return a
     if a.out is None:
-        p.error("--out DIR is required (or --prepare-wheels DIR / --prepare-data DIR)")
+        p.error("--out DIR is required (or --plan, --prepare-wheels DIR, --prepare-data DIR)")
     chosen, skip = (_csv(a.only) or list(NAMES)), _csv(a.skip)
     unknown = [c for c in chosen + skip if c not in NAMES]
     if unknown:
-        p.error(f"unknown check(s) {unknown}; choose from {','.join(NAMES)}")
-    if a.steps < 3:
-        p.error(f"--steps must be >= 3 (the first two iterations warm up; got {a.steps})")
-    if not a.budget_s > 0:
-        p.error(f"--budget-s must be a positive number of seconds (got {a.budget_s})")
-    a.checks = [c for c in NAMES if c in chosen and c not in skip]
-    a.corpus = a.corpus or str(Path(a.shared_data) / "corpus" / "train.jsonl.zst")
+        p.error(f"unknown stage(s) {unknown}; choose from {','.join(NAMES)}")
+    a.stages = [c for c in NAMES if c in chosen and c not in skip]
     return a
 
 
 def main(argv=None) -> int:
+    t0 = time.monotonic()
     a = parse_args(argv)
     if a.child:
         return child_main(a.child, a.child_ctx, a.child_result)
     if a.prepare_wheels:
         return prepare_wheels(a.prepare_wheels)
     if a.prepare_data:
-        return prepare_data(a.prepare_data, a.shared_data, a.task_lines)
+        return prepare_data(a.prepare_data, a.shared_data)
+    if a.plan:
+        print("\n".join(plan_lines(plan(a.budget_s, a.sizes, a.assume_tflops, a.shared_data), a.budget_s, a.sizes,
+                                   a.assume_tflops)))
+        return 0
     import torch
 
     out = Path(a.out)
     work = Path(a.work or out.resolve().parent / "gpu_check_work")
     out.mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(out=str(out), work=str(work), wheels=a.wheels, shared_data=a.shared_data, corpus=a.corpus,
-              steps=a.steps, cuda=torch.cuda.is_available(), science_tflops=a.science_tflops)
-    t0 = time.monotonic()
+    ctx = Ctx(out=str(out), work=str(work), wheels=a.wheels, shared_data=a.shared_data, sizes=a.sizes,
+              cuda=torch.cuda.is_available(), assume_tflops=a.assume_tflops)
     report: Dict[str, Any] = {
         "state": "running", "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "python bench/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "budget_s": a.budget_s, "elapsed_s": 0.0, "checks": [], "pending": list(a.checks), "not_run": []}
+        "budget_s": a.budget_s, "sizes": a.sizes, "elapsed_s": 0.0,
+        "plan": {e["name"]: round(e["planned_s"]) for e in plan(a.budget_s, a.sizes, None, a.shared_data)},
+        "stages": [], "pending": list(a.stages), "not_run": []}
 
     def on_result(results):
-        report.update(checks=results, pending=a.checks[len(results):], elapsed_s=round(time.monotonic() - t0, 1),
+        report.update(stages=results, pending=a.stages[len(results):], elapsed_s=round(time.monotonic() - t0, 1),
                       not_run=not_run_notes(ctx))
         write_report(out, report)
 
     write_report(out, report)
-    checks = run_checks([c for c in CHECKS if c.name in a.checks], ctx, a.budget_s, on_result=on_result)
+    results = run_stages([s for s in STAGES if s.name in a.stages], ctx, a.budget_s, start=t0, on_result=on_result)
     report.update(state="done")
-    on_result(checks)
+    on_result(results)
     print(f"gpu_check: report in {out / 'gpu_check.md'} ({report['elapsed_s']} s)")
-    return 1 if any(c["status"] == "failed" for c in checks) else 0
+    return 1 if any(c["status"] == "failed" for c in results) else 0
 
 
 if __name__ == "__main__":

@@ -1,17 +1,23 @@
-"""The GPU check's science run: tied and LEV for one pass over a corpus at ~125M parameters in bf16.
+#!/usr/bin/env python
+"""The GPU check's science run: tied, untied and LEV on the same data, order and seed, sized to the
+time it is given.
 
-Run by ``bench/gpu_check.py`` (check ``science``) when its estimate fits the time left; alone:
+    python bench/gpu_science.py --out OUT --work WORK --seconds 200 --assume-tflops 250 [--config gpu-science]
+    python bench/gpu_science.py ... --tokens-per-s tied=6e5,untied=6e5,lev=4e5   # measured rates instead
 
-    python bench/gpu_science.py --out OUT --work WORK [--shared-data DIR] [--corpus FILE] [--budget-s 560]
+Run by ``bench/gpu_check.py`` as its last stage with what is left of the budget and the tokens/s its
+throughput stage measured at this model's shape. The runner is ``bench/reproduce.py``'s: its
+configuration (``--config``, default ``gpu-science``: the model and why it was chosen are written there),
+its data preparation, training and evaluation commands, and its report; here only the iteration count
+is chosen and the three runs go at once (``reproduce.train_and_evaluate(..., parallel=3)``: on one GPU
+their start-ups overlap and the device is shared), all killed at the deadline.
 
-Steps, each a subprocess bounded by the time left: ``tools/preprocess_data.py`` of the corpus (with
-``--output-token-counts``, the frequency buckets' source) and of the valid set, GPT-2 BPE, on all
-CPUs; ``pretrain_lev.py`` of each arm for one pass over the preprocessed tokens (the same flags but
-``--input-embedding``, so the data order, tokens, schedule and transformer are identical; the
-micro-reproduction's Llama-style transformer, ``bench/reproduce.py``'s ``TRANSFORMER``); then
-``tools/evaluate.py``: validation PPL with frequency buckets, zero-shot PPL on ``zeroshot_wiki``,
-LAMBADA and the multiple-choice tasks (first ``TASK_LIMIT`` examples). ``OUT/science.md`` is the
-report, rewritten after every step.
+Sizing (``plan``): of the seconds given, ``OVERHEAD_S`` (preprocessing, start-ups, the checkpoint,
+evaluation, the report) is set aside; ``TRAIN_SAFETY`` of the rest trains. The arms share the device,
+so a token of every arm costs the sum of the three arms' seconds per token; tokens per arm = training
+seconds / that sum, at most one pass over the corpus, in whole iterations. The rates are the measured
+ones, or (planning without a device) ``--assume-tflops`` over the model's training FLOPs per token,
+LEV's ``LEV_OVER_TIED_ASSUMED`` times slower than tied.
 """
 
 from __future__ import annotations
@@ -19,120 +25,89 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-ARMS = ("tied", "lev")
-# ~125M parameters with the GPT-2 vocabulary (padded to 50,304): 12 x 768, 12 heads, sequence 1024.
-MODEL = dict(layers=12, hidden=768, heads=12, seq=1024, micro_batch=32, global_batch=64, vocab=50304)
-LR, MIN_LR, WARMUP_FRAC = "6e-4", "6e-5", 0.02
-TASK_LIMIT = 500  # examples per downstream task
-MAX_EVAL_TOKENS = 262144  # per perplexity set
-# Planning figures that no earlier check measures (the estimate says so).
+from _check_harness import CheckFailed, Skip, write_text  # noqa: E402
+
+ARMS = ("tied", "untied", "lev")
+SEED = "1234"
+OVERHEAD_S = {"preprocessing": 15.0, "start-ups": 25.0, "checkpoint": 5.0, "evaluation": 30.0, "report": 5.0}
+TRAIN_SAFETY = 0.8  # of the training window planned: the three processes' switching and the measurement's error
+LEV_OVER_TIED_ASSUMED = 1.3  # only when planning without a measured LEV rate
 TOKENS_PER_COMPRESSED_BYTE = 1.06  # GPT-2 tokens per byte of the shared corpus's zstd file (21.6 M / 20.5 MB)
-PREPROCESS_S, CHECKPOINT_S, EVAL_S, STARTUP_S = 60.0, 15.0, 60.0, 30.0
-MARGIN = 1.15
 
 
-def _flops_per_token(shape: Dict[str, int]) -> float:
-    """Training FLOPs per token of a tied model of ``shape`` (the library's forward count, x3)."""
+def _reproduce():
+    import reproduce  # bench/ is this script's directory
+
+    return reproduce
+
+
+def model_shape(config: str) -> Dict[str, int]:
+    """layers, hidden, heads, seq, micro_batch, global_batch of a ``bench/reproduce.py`` configuration."""
+    cfg = _reproduce().CONFIGS[config]
+    flags = dict(zip(cfg["model"][::2], cfg["model"][1::2]))
+    flags.update(zip(cfg["batch"][::2], cfg["batch"][1::2]))
+    return {"layers": int(flags["--num-layers"]), "hidden": int(flags["--hidden-size"]),
+            "heads": int(flags["--num-attention-heads"]), "seq": int(flags["--seq-length"]),
+            "micro_batch": int(flags["--micro-batch-size"]), "global_batch": int(flags["--global-batch-size"])}
+
+
+def flops_per_token(shape: Dict[str, int], vocab: int = 50304) -> float:
+    """Training FLOPs per token of the tied model of ``shape`` (the library's forward count, x3)."""
     from megatron_lev.training.flops import transformer_forward_flops_per_token
 
     cfg = SimpleNamespace(hidden_size=shape["hidden"], num_layers=shape["layers"], num_attention_heads=shape["heads"],
                           kv_channels=None, num_query_groups=None, ffn_hidden_size=4 * shape["hidden"],
                           gated_linear_unit=True)
-    return 3.0 * transformer_forward_flops_per_token(cfg, MODEL["vocab"], shape["seq"])
+    return 3.0 * transformer_forward_flops_per_token(cfg, vocab, shape["seq"])
 
 
-def corpus_tokens(corpus: str) -> int:
-    return int(os.path.getsize(corpus) * TOKENS_PER_COMPRESSED_BYTE)
+def assumed_rates(config: str, tflops: float) -> Dict[str, float]:
+    """tokens/s per arm at ``tflops`` achieved (planning without a device)."""
+    tied = tflops * 1e12 / flops_per_token(model_shape(config))
+    return {"tied": tied, "untied": tied, "lev": tied / LEV_OVER_TIED_ASSUMED}
 
 
-def estimate_seconds(tied: Dict[str, Any], lev: Dict[str, Any], throughput: Dict[str, Any],
-                     tflops: Optional[float], corpus: str) -> Tuple[float, str]:
-    """(seconds, how it was estimated) of the whole science run, from the achieved TFLOP/s this run
-    measured: the 400M throughput check's tied arm when it ran (the closest shape), else the tied
-    training check's, else ``tflops`` (--science-tflops). Raises gpu_check.Skip when none exists."""
-    from gpu_check import Skip
-
-    if not os.path.exists(corpus):
-        raise Skip(f"no corpus at {corpus} (carry it and pass --shared-data or --corpus)")
-    tokens = corpus_tokens(corpus)
-    lev_over_tied = (lev["median_ms"] / tied["median_ms"]) if lev.get("median_ms") and tied.get("median_ms") else None
-    achieved, source = None, None
-    tput = _tied_400m(throughput)
-    if tput:
-        from throughput import CONFIGS
-
-        achieved = tput["tokens_per_s"] * _flops_per_token(CONFIGS["gpu-400m"]) / 1e12
-        source = f"the throughput check's tied 400M step ({achieved:.0f} TFLOP/s)"
-        ratio = tput.get("lev_over_tied")
-        lev_over_tied = ratio or lev_over_tied
-    elif tied.get("median_tflops"):
-        achieved = tied["median_tflops"]
-        source = f"the train_tied check's {achieved:.0f} TFLOP/s (a smaller model: a conservative estimate)"
-    elif tflops:
-        achieved, source = tflops, f"--science-tflops {tflops:g}"
-    if not achieved:
-        raise Skip("no measured throughput to plan with: run train_tied or throughput first, or give --science-tflops")
-    lev_over_tied = lev_over_tied or 1.5
-    train_tied = tokens * _flops_per_token(MODEL) / (achieved * 1e12)
-    startup = tied.get("startup_s") or STARTUP_S
-    per_arm = [train_tied, train_tied * lev_over_tied]
-    total = MARGIN * (PREPROCESS_S + sum(t + startup + CHECKPOINT_S + EVAL_S for t in per_arm))
-    return total, (f"~{tokens / 1e6:.1f} M tokens per arm at {source}, LEV/TIED {lev_over_tied:.2f}; assumed "
-                   f"{PREPROCESS_S:.0f} s preprocessing, {EVAL_S:.0f} s evaluation per arm, x{MARGIN} margin")
+def corpus_tokens_estimate(shared_data: str) -> int:
+    corpus = Path(shared_data) / "corpus" / "train.jsonl.zst"
+    return int(corpus.stat().st_size * TOKENS_PER_COMPRESSED_BYTE) if corpus.exists() else 0
 
 
-def _tied_400m(throughput: Dict[str, Any]) -> Optional[Dict[str, float]]:
-    """tokens/s of the tied arm and LEV/TIED of the throughput check's figures, if it ran."""
-    for title, ratio in (throughput.get("ratios") or {}).items():
-        tied = (throughput.get("arms") or {}).get(f"{title}: tied") or {}
-        if tied.get("ms_per_iter") and throughput.get("tokens_per_step"):
-            return {"tokens_per_s": throughput["tokens_per_step"] / (tied["ms_per_iter"] / 1e3),
-                    "lev_over_tied": ratio.get("lev_over_tied")}
-    return None
+def plan(seconds: float, rates: Dict[str, float], corpus_tokens: int, config: str,
+         max_iters: Optional[int] = None, overhead_s: Optional[float] = None) -> Dict[str, Any]:
+    """Tokens and iterations per arm in ``seconds`` (module doc); ``overhead_s`` replaces the sum of
+    OVERHEAD_S (what is still to come once some of it is spent)."""
+    shape = model_shape(config)
+    per_iter = shape["global_batch"] * shape["seq"]
+    missing = [a for a in ARMS if not rates.get(a)]
+    if missing:
+        raise Skip(f"no tokens/s for {missing}: the throughput stage did not measure them (give --assume-tflops)")
+    overhead = sum(OVERHEAD_S.values()) if overhead_s is None else overhead_s
+    train_s = max(0.0, seconds - overhead) * TRAIN_SAFETY
+    seconds_per_token = sum(1.0 / rates[a] for a in ARMS)
+    by_time = train_s / seconds_per_token
+    tokens, limit = by_time, "time"
+    if corpus_tokens and corpus_tokens < tokens:
+        tokens, limit = corpus_tokens, "one pass over the corpus"
+    iters = int(tokens // per_iter)
+    if max_iters is not None and iters > max_iters:
+        iters, limit = max_iters, f"at most {max_iters} iterations (these sizes)"
+    return {"seconds": seconds, "overhead_s": overhead, "train_s": train_s, "tokens_per_s": dict(rates),
+            "iterations": iters, "tokens_per_arm": iters * per_iter, "limited_by": limit,
+            "tokens_per_iteration": per_iter, "config": config, "shape": shape}
 
 
 # ------------------------------------------------------------------------------------------ the run
-
-
-def _tokenizer(shared: Path) -> List[str]:
-    tok = shared / "tokenizers" / "gpt2"
-    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tok / "vocab.json"),
-            "--merge-file", str(tok / "merges.txt")]
-
-
-def train_argv(arm: str, iters: int, data: Dict[str, Path], shared: Path, run_dir: Path) -> List[str]:
-    from reproduce import TRANSFORMER
-
-    m = MODEL
-    return ["pretrain_lev.py", "--num-layers", str(m["layers"]), "--hidden-size", str(m["hidden"]),
-            "--num-attention-heads", str(m["heads"]), "--seq-length", str(m["seq"]),
-            "--max-position-embeddings", str(m["seq"]), "--micro-batch-size", str(m["micro_batch"]),
-            "--global-batch-size", str(m["global_batch"]), *TRANSFORMER, "--bf16",
-            "--train-iters", str(iters), "--lr", LR, "--min-lr", MIN_LR,
-            "--lr-warmup-iters", str(max(1, round(WARMUP_FRAC * iters))), "--seed", "1234",
-            "--train-data-path", str(data["train"]), "--valid-data-path", str(data["valid"]),
-            "--data-cache-path", str(run_dir.parent / "cache"), *_tokenizer(shared),
-            "--log-interval", "10", "--eval-iters", "0", "--save-interval", str(iters), "--no-save-optim",
-            "--quiet-config", "--input-embedding", arm, "--save", str(run_dir / "ckpt"),
-            "--metrics-file", str(run_dir / "metrics.jsonl")]
-
-
-def eval_argv(arm: str, data: Dict[str, Path], shared: Path, run_dir: Path) -> List[str]:
-    return ["tools/evaluate.py", "--load", str(run_dir / "ckpt"), "--valid-data", f"valid={data['valid']}",
-            "--token-counts", str(data["counts"]), "--zeroshot-data",
-            f"zeroshot={shared / 'corpus' / 'zeroshot_wiki.jsonl.zst'}", "--max-tokens", str(MAX_EVAL_TOKENS),
-            "--tasks", "all", "--downstream-dir", str(shared / "downstream"), "--limit", str(TASK_LIMIT),
-            "--micro-batch-size", "16", "--output-dir", str(run_dir / "eval"), "--label", arm, "--no-progress"]
 
 
 def _dataset_tokens(prefix: Path) -> int:
@@ -142,94 +117,125 @@ def _dataset_tokens(prefix: Path) -> int:
     return int(dataset.sequence_lengths.sum())
 
 
-def run(corpus: str, shared_data: str, work: Path, out: Path, deadline: float, env: Dict[str, str],
-        partial: Callable[[Dict[str, Any]], None] = lambda f: None) -> Dict[str, Any]:
-    """Every step within ``deadline`` (time.monotonic); figures per step; OUT/science.md after each."""
-    from gpu_check import CheckFailed, run_logged
+def run(config: str, shared_data: str, work: Path, out: Path, deadline: float, rates: Dict[str, float],
+        max_iters: Optional[int] = None, min_iters: int = 1, partial: Callable[[Dict[str, Any]], None] = lambda f: None,
+        clock=time.monotonic) -> Dict[str, Any]:
+    """Prepare the data, size the runs to what is left before ``deadline`` (``clock`` time), train and
+    evaluate tied, untied and lev through ``bench/reproduce.py``; OUT/science.md is its report. Figures:
+    the plan, each arm's summary and the validation set's frequency buckets."""
+    rep = _reproduce()
+    work, out = Path(work), Path(out)
+    report = work / "report" / "science.md"
+    a = rep.parse_args(["--config", config, "--arms", ",".join(ARMS), "--seeds", SEED, "--multi-seed-arms", "",
+                        "--work-dir", str(work), "--shared-data", str(shared_data), "--output", str(report)])
+    a.deadline = deadline
+    figures: Dict[str, Any] = {"config": config, "description": rep.CONFIGS[config]["description"], "steps": {}}
 
-    shared, work, out = Path(shared_data), Path(work), Path(out)
-    work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    d = work / "data"
-    data = {"train": d / "gpt2_train_text_document", "valid": d / "gpt2_valid_text_document",
-            "counts": d / "gpt2_train_text_token_counts.npy"}
-    figures: Dict[str, Any] = {"corpus": corpus, "model": MODEL, "steps": {}}
-
-    def step(name: str, argv: List[str]) -> None:
-        left = deadline - time.monotonic()
-        t0 = time.monotonic()
-        rc, output = run_logged([sys.executable, *argv], left, work / f"{name}.log", env)
-        figures["steps"][name] = {"exit": rc, "seconds": round(time.monotonic() - t0, 1)}
+    def step(name: str, fn) -> None:
+        t0 = clock()
+        try:
+            fn()
+        except SystemExit as e:  # reproduce's one-line failure
+            figures["steps"][name] = {"seconds": round(clock() - t0, 1), "ok": False}
+            why = "killed at the deadline" if clock() >= deadline else str(e.code)
+            raise CheckFailed(f"science {name}: {why}", figures)
+        figures["steps"][name] = {"seconds": round(clock() - t0, 1), "ok": True}
         partial(figures)
-        write_report(out / "science.md", figures, work)
-        if rc != 0:
-            why = f"timeout: killed after {left:.0f} s" if rc == 124 else f"exit {rc}"
-            raise CheckFailed(f"science step {name}: {why}: {output[-600:]}", figures)
 
-    workers = str(max(1, (os.cpu_count() or 1)))
-    for split, src, extra in (("train", corpus, ["--output-token-counts"]),
-                              ("valid", str(shared / "corpus" / "valid.jsonl.zst"), [])):
-        step(f"preprocess_{split}", ["tools/preprocess_data.py", "--input", src, "--output-prefix",
-                                     str(d / f"gpt2_{split}"), *_tokenizer(shared), "--append-eod", "--workers",
-                                     workers, "--overwrite", "--no-progress-bar", *extra])
-    tokens = _dataset_tokens(data["train"])
-    iters = tokens // (MODEL["global_batch"] * MODEL["seq"])
-    figures.update(train_tokens=tokens, iterations=iters, tokens_trained=iters * MODEL["global_batch"] * MODEL["seq"])
-    for arm in ARMS:
-        step(f"train_{arm}", train_argv(arm, iters, data, shared, work / arm))
-    for arm in ARMS:
-        step(f"eval_{arm}", eval_argv(arm, data, shared, work / arm))
-    figures["summary"] = summarize(work)
-    write_report(out / "science.md", figures, work)
+    step("preprocess", lambda: rep.prepare_data(a))
+    paths = rep.data_paths(a)
+    # What is left now, less what is still to come after training.
+    rest = sum(v for k, v in OVERHEAD_S.items() if k != "preprocessing")
+    figures["plan"] = p = plan(deadline - clock(), rates, _dataset_tokens(paths["train"]), config, max_iters,
+                               overhead_s=rest)
+    if p["iterations"] < min_iters:
+        raise Skip(f"{p['iterations']} iterations fit in {p['seconds']:.0f} s (fewer than {min_iters}): "
+                   "not worth a run")
+    a.train_iters = p["iterations"]
+    runs = rep.runs_of(a)
+    step("train_and_evaluate", lambda: rep.train_and_evaluate(a, runs, parallel=len(runs)))
+    t0 = clock()
+    rows = rep.collect(a)
+    command = (f"python bench/reproduce.py --config {config} --arms {','.join(ARMS)} --seeds {SEED} "
+               f"--multi-seed-arms '' --train-iters {a.train_iters} --work-dir WORK")
+    rep.build_report(a, rows, report, command, {"machine": _machine(), "load_start": None, "load_end": None})
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(report, out / "science.md")
+    curves = report.parent / report.stem / "loss_curves.png"
+    if curves.exists():
+        shutil.copyfile(curves, out / "science_loss_curves.png")
+    figures["steps"]["report"] = {"seconds": round(clock() - t0, 1), "ok": True}
+    figures["arms"] = {r["arm"]: dict(rep.summary_metrics(r), **r["log"]) for r in rows}
+    figures["buckets"] = frequency_buckets(rows)
+    figures["report"] = "science.md"
     return figures
 
 
-def summarize(work: Path) -> Dict[str, Any]:
-    from reproduce import read_metrics, read_train_log, summary_metrics
+def _machine() -> str:
+    try:
+        import torch
 
-    out = {}
-    for arm in ARMS:
-        res = work / arm / "eval" / "results.json"
-        row = {"metrics": read_metrics(work / arm / "metrics.jsonl"),
-               "eval": json.loads(res.read_text()) if res.exists() else None}
-        out[arm] = dict(summary_metrics(row), **read_train_log(work / f"train_{arm}.log"))
-    return out
+        return f"{os.cpu_count()} CPUs, torch {torch.__version__}, " + (
+            f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU")
+    except Exception:
+        return f"{os.cpu_count()} CPUs"
 
 
-def write_report(path: Path, figures: Dict[str, Any], work: Path) -> None:
-    from gpu_check import _write_text
+def frequency_buckets(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Validation PPL per training-frequency bucket of each arm (the evaluation suite's buckets)."""
+    table: Dict[str, Dict[str, Any]] = {}
+    for r in rows:
+        per = ((r.get("eval") or {}).get("perplexity") or {}).get("valid") or {}
+        for b in per.get("frequency_buckets") or []:
+            row = table.setdefault(b["bucket"], {"bucket": b["bucket"], "tokens": b.get("tokens"), "ppl": {}})
+            row["ppl"][r["arm"]] = b.get("ppl")
+    return list(table.values())
 
-    m = MODEL
-    L = ["# Science run on one GPU: tied vs LEV, one pass, ~125M parameters, bf16", "",
-         "Generated by `bench/gpu_science.py` (the `science` check of `bench/gpu_check.py`); no number is edited.", "",
-         f"- corpus: `{figures['corpus']}`; GPT-2 BPE; "
-         + (f"{figures['train_tokens']:,} tokens, {figures['iterations']} iterations of {m['global_batch']} x {m['seq']} "
-            f"= {figures['tokens_trained']:,} tokens trained per arm (one pass)" if "train_tokens" in figures else
-            "not preprocessed yet"),
-         f"- transformer: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, sequence {m['seq']}, "
-         f"micro-batch {m['micro_batch']}, Llama-style (RoPE, RMSNorm, SwiGLU, no biases); lr {LR} cosine to {MIN_LR}; "
-         "both arms share every flag but `--input-embedding`",
-         f"- evaluation: validation PPL (at most {MAX_EVAL_TOKENS:,} tokens) with buckets by training frequency, "
-         f"zero-shot PPL on `zeroshot_wiki`, LAMBADA and multiple choice (first {TASK_LIMIT} examples each)", "",
-         "| step | exit | seconds |", "|---|---|---|"]
-    L += [f"| {k} | {v['exit']} | {v['seconds']} |" for k, v in figures["steps"].items()]
-    summary = figures.get("summary")
-    if summary:
-        from reproduce import COLUMNS, _f
 
-        L += ["", "| arm | " + " | ".join(c[1] for c in COLUMNS) + " | ms/iter | tokens/s |",
-              "|---|" + "---|" * (len(COLUMNS) + 2)]
-        for arm, s in summary.items():
-            L.append(f"| {arm} | " + " | ".join(_f(s.get(k), 3) for k, _, _ in COLUMNS)
-                     + f" | {_f(s.get('ms_per_iter'), 0)} | {_f(s.get('tokens_per_s'), 0)} |")
-        results = [str(work / arm / "eval" / "results.json") for arm in ARMS]
-        if all(os.path.exists(r) for r in results):
-            from megatron_lev.evaluation.report import compare_results, comparison_markdown
+def markdown(figures: Dict[str, Any]) -> List[str]:
+    """The science figures as markdown lines (bench/gpu_check.py's report)."""
+    L: List[str] = []
+    p = figures.get("plan")
+    if p:
+        rates = ", ".join(f"{a} {p['tokens_per_s'][a]:,.0f}" for a in ARMS)
+        L += [f"{figures['description']}; {p['iterations']} iterations = {p['tokens_per_arm']:,} tokens per arm "
+              f"(limited by {p['limited_by']}; {p['train_s']:.0f} s of training planned at tokens/s {rates}).", ""]
+    arms = figures.get("arms") or {}
+    if arms:
+        L += ["| arm | valid PPL | zero-shot PPL | train loss (last 10%) | ms/iter | tokens/s |", "|---|---|---|---|---|---|"]
+        for arm in ARMS:
+            s = arms.get(arm) or {}
+            L.append(f"| {arm} | {_f(s.get('valid_ppl'), 2)} | {_f(s.get('zeroshot_ppl'), 2)} | "
+                     f"{_f(s.get('final_train_loss'), 3)} | {_f(s.get('ms_per_iter'), 0)} | {_f(s.get('tokens_per_s'), 0)} |")
+        L.append("")
+    buckets = figures.get("buckets") or []
+    if buckets:
+        L += ["Validation PPL by the target token's frequency in the training set:", "",
+              "| bucket | tokens | " + " | ".join(ARMS) + " | lev vs tied | lev vs untied |", "|---|---|---|---|---|---|---|"]
+        for b in buckets:
+            ppl = b["ppl"]
+            L.append(f"| {b['bucket']} | {_f(b['tokens'], 0)} | " + " | ".join(_f(ppl.get(a), 2) for a in ARMS)
+                     + f" | {_rel(ppl.get('lev'), ppl.get('tied'))} | {_rel(ppl.get('lev'), ppl.get('untied'))} |")
+        L.append("")
+    L += [f"- {k}: {v['seconds']} s{'' if v['ok'] else ' (failed)'}" for k, v in figures.get("steps", {}).items()]
+    return L
 
-            body = comparison_markdown(compare_results(results, list(ARMS)))
-            L += ["", "## Perplexity by training frequency of the target token, and tasks (LEV against tied)", "",
-                  body.split("\n", 1)[1] if body.startswith("# ") else body]  # its own title dropped
-    _write_text(path, "\n".join(L) + "\n")
+
+def _f(v, d: int) -> str:
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    return "–" if v is None else f"{v:,.{d}f}"
+
+
+def _rel(a, b) -> str:
+    return "–" if not a or not b else f"{100 * (a / b - 1):+.1f}%"
+
+
+def _rates(text: str) -> Dict[str, float]:
+    try:
+        return {k: float(v) for k, v in (x.split("=") for x in text.split(",") if x)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens-per-s wants ARM=RATE,... (got {text!r})")
 
 
 def main(argv=None) -> int:
@@ -237,14 +243,22 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder of science.md")
     p.add_argument("--work", required=True, help="preprocessed data, checkpoints, logs")
     p.add_argument("--shared-data", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--corpus", default=None, help="default SHARED_DATA/corpus/train.jsonl.zst")
-    p.add_argument("--budget-s", type=float, default=560.0)
+    p.add_argument("--config", default="gpu-science", help="a bench/reproduce.py configuration (default gpu-science)")
+    p.add_argument("--seconds", type=float, required=True, help="the whole run's time, preprocessing to report")
+    p.add_argument("--assume-tflops", type=float, default=None, help="achieved TFLOP/s to size the runs with")
+    p.add_argument("--tokens-per-s", type=_rates, default=None, help="measured tokens/s per arm: tied=R,untied=R,lev=R")
     a = p.parse_args(argv)
-    corpus = a.corpus or str(Path(a.shared_data) / "corpus" / "train.jsonl.zst")
-    if not os.path.exists(corpus):
-        p.error(f"--corpus {corpus}: no such file")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    run(corpus, a.shared_data, Path(a.work), Path(a.out), time.monotonic() + a.budget_s, env)
+    if a.config not in _reproduce().CONFIGS:
+        p.error(f"--config {a.config}: not a bench/reproduce.py configuration ({', '.join(_reproduce().CONFIGS)})")
+    if (a.assume_tflops is None) == (a.tokens_per_s is None):
+        p.error("give one of --assume-tflops or --tokens-per-s (the rates the runs are sized with)")
+    rates = a.tokens_per_s or assumed_rates(a.config, a.assume_tflops)
+    try:
+        figures = run(a.config, a.shared_data, Path(a.work), Path(a.out), time.monotonic() + a.seconds, rates)
+    except (Skip, CheckFailed) as e:
+        raise SystemExit(f"bench/gpu_science.py: {e}")
+    print("\n".join(markdown(figures)))
+    print(json.dumps(figures.get("plan"), default=str))
     return 0
 
 

@@ -1,7 +1,7 @@
-"""bench/gpu_check.py's CPU-side parts: the checks' selection, the budget it enforces (fake clock, tiny
-budget), the report rewritten after every check (and kept when the run is killed), the judgements of
-the training and layer checks, and the LEV layer comparison itself on the CPU (eager bases and the
-Triton kernel in Triton's interpreter), including a miscompiled kernel it must catch."""
+"""bench/gpu_check.py on the CPU: its plan (the science stage's share and sizing, the kernel stage's
+variants and shapes), the budget it enforces (fake clock), the report rewritten after every stage and
+kept when the run is killed, the judgements of its stages, the profiler-trace summary, and one run of
+every stage end to end at the tiny sizes (the CPU stands in for the device)."""
 
 from __future__ import annotations
 
@@ -20,23 +20,28 @@ import torch
 
 from tests.bench import REPO
 
-SMALL_LEV = dict(num_digits=2, seed_dim=8, num_knots=5, rank=4, num_heads=2)
+BENCH = REPO / "bench"
 
 
 @pytest.fixture(scope="module")
 def gc():
-    # Imported by name (not load_bench's private copy): bench/gpu_science.py imports it so, and both must
-    # share its exception classes.
-    if str(REPO / "bench") not in sys.path:
-        sys.path.insert(0, str(REPO / "bench"))
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
     import gpu_check
 
     return gpu_check
 
 
+@pytest.fixture(scope="module")
+def sci(gc):
+    import gpu_science
+
+    return gpu_science
+
+
 def _ctx(gc, tmp_path, **kw):
     args = dict(out=str(tmp_path / "out"), work=str(tmp_path / "work"), wheels=None, shared_data=str(tmp_path),
-                corpus=str(tmp_path / "corpus.jsonl.zst"), steps=10, cuda=True)
+                sizes="device", cuda=True)
     args.update(kw)
     (tmp_path / "work" / "logs").mkdir(parents=True, exist_ok=True)
     return gc.Ctx(**args)
@@ -50,136 +55,194 @@ class FakeClock:
         return self.t
 
 
+# -------------------------------------------------------------------------------- arguments and plan
+
+
 def test_arguments(gc, capsys):
     a = gc.parse_args(["--out", "x"])
-    assert a.checks == list(gc.NAMES) and a.steps == 10 and a.budget_s == 400
-    assert a.corpus.endswith(os.path.join("corpus", "train.jsonl.zst"))
-    assert gc.parse_args(["--out", "x", "--only", "train_lev,env"]).checks == ["env", "train_lev"]
-    assert "science" not in gc.parse_args(["--out", "x", "--skip", "science,next_mcore"]).checks
-    for bad, msg in ((["--out", "x", "--only", "nope"], "unknown check(s) ['nope']"),
-                     (["--out", "x", "--steps", "2"], "--steps must be >= 3"),
+    assert a.stages == list(gc.NAMES) and a.budget_s == 400 and a.sizes == "device"
+    assert gc.parse_args(["--out", "x", "--only", "science,env"]).stages == ["env", "science"]
+    assert "science" not in gc.parse_args(["--out", "x", "--skip", "science"]).stages
+    assert gc.parse_args(["--plan"]).plan
+    for bad, msg in ((["--out", "x", "--only", "nope"], "unknown stage(s) ['nope']"),
                      (["--out", "x", "--budget-s", "0"], "--budget-s must be a positive number"),
+                     (["--out", "x", "--budget-s", "4"], "--budget-s 4 leaves nothing"),
+                     (["--plan", "--assume-tflops", "-1"], "--assume-tflops must be a positive number"),
                      ([], "--out DIR is required")):
         with pytest.raises(SystemExit) as e:
             gc.parse_args(bad)
         assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
-def test_the_order_puts_what_we_most_need_first(gc):
-    names = list(gc.NAMES)
-    assert names.index("env") < names.index("lev_layer") < names.index("train_tied") < names.index("throughput")
-    assert names.index("throughput") < names.index("kernel") < names.index("science") == len(names) - 1
-    assert [n for n in names if n.startswith("train_")] == ["train_tied", "train_lev", "train_lev_table"]
+def test_the_stages_are_in_the_order_of_what_their_figures_are_worth(gc):
+    assert gc.NAMES == ("env", "correctness", "kernels", "throughput", "profile", "science")
 
 
-def test_budget_skips_what_does_not_fit_and_bounds_the_timeouts(gc, tmp_path):
+PLAN_RE = re.compile(r"^stage (\w+): planned (\d+) s(.*)$")
+
+
+def _plan(gc, capsys, *args):
+    assert gc.main(["--plan", *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    stages = {m.group(1): (int(m.group(2)), m.group(3)) for m in map(PLAN_RE.match, lines) if m}
+    return lines, stages
+
+
+def test_the_plan_gives_the_science_stage_200_s_of_400_and_its_tokens(gc, sci, capsys):
+    counts = {}
+    for tflops in (150, 250, 400):
+        lines, stages = _plan(gc, capsys, "--budget-s", "400", "--assume-tflops", str(tflops))
+        assert list(stages) == list(gc.NAMES)
+        assert sum(s for s, _ in stages.values()) <= 400 - gc.RESERVE_S + len(stages)  # rounding
+        seconds, rest = stages["science"]
+        assert seconds >= 200
+        m = re.match(r"^, (\d+) tokens per arm \((\d+) iterations", rest)
+        assert m, rest
+        counts[tflops] = int(m.group(1))
+    shape = sci.model_shape("gpu-science")
+    assert 0 < counts[150] < counts[250] <= counts[400]  # sized by the rate, whole iterations
+    assert all(n % (shape["global_batch"] * shape["seq"]) == 0 for n in counts.values())
+
+
+def test_the_plan_holds_kernel_only_timing_of_both_backwards_at_several_partitions(gc, capsys):
+    """Findings 4 and 5: the fused product alone with CUDA events, every backward variant, and a shape whose
+    reference backward runs over several id partitions, besides the defaults (one)."""
+    from megatron_lev.kernels import lev_triton
+
+    _, stages = _plan(gc, capsys, "--budget-s", "400")
+    what = stages["kernels"][1]
+    assert "alone with CUDA events" in what
+    for variant in lev_triton.BACKWARD_VARIANTS:
+        assert variant in what.split(" at ")[0], what
+    parts = [int(n) for n in re.findall(r"backward partitions: reference (\d+)", what)]
+    assert 1 in parts and max(parts) > 1, what
+    assert "tokens per arm sized from the throughput stage" in stages["science"][1]
+
+
+def test_stage_limits_follow_the_budget_and_the_science_stage_gets_the_rest(gc):
+    s = gc.stage_seconds(400)
+    assert s["science"] == 400 - gc.RESERVE_S - sum(gc.BASE_S.values()) and s["science"] >= 200
+    s2 = gc.stage_seconds(800)
+    assert s2["correctness"] == 2 * s["correctness"] and s2["science"] > 2 * s["science"]
+
+
+# -------------------------------------------------------------------------------- the runner
+
+
+def test_budget_bounds_each_stage_by_its_limit_and_what_is_left(gc, tmp_path):
     clock, seen = FakeClock(), {}
 
     def work(seconds):
-        def run(ctx, timeout):
-            seen[len(seen)] = timeout
+        def run(ctx, limit):
+            seen[len(seen)] = limit
             clock.t += seconds
             return {"took": seconds}
         return run
 
-    checks = [gc.Check("a", work(30), timeout_s=100, estimate_s=10, cuda=False),
-              gc.Check("b", work(30), timeout_s=20, estimate_s=10, cuda=False),
-              gc.Check("c", work(30), timeout_s=100, estimate_s=10, cuda=False),
-              gc.Check("d", work(1), timeout_s=100, estimate_s=lambda ctx: (2.0, "tiny"), cuda=False),
-              gc.Check("e", work(1), timeout_s=100, estimate_s=1, cuda=True)]
-    res = gc.run_checks(checks, _ctx(gc, tmp_path, cuda=False), 75 + gc.RESERVE_S, clock=clock, log=lambda m: None)
+    limits = gc.stage_seconds(100 + gc.RESERVE_S)
+    stages = [gc.Stage("env", work(limits["env"] + 50), cuda=False),  # overran its limit (a fake clock)
+              gc.Stage("correctness", work(1), cuda=False),
+              gc.Stage("kernels", work(1), cuda=True),
+              gc.Stage("science", work(1), cuda=False)]
+    res = gc.run_stages(stages, _ctx(gc, tmp_path, cuda=False), 100 + gc.RESERVE_S, clock=clock, log=lambda m: None)
     status = {r["name"]: (r["status"], r["reason"]) for r in res}
-    assert status["a"] == status["b"] == status["c"] == ("ok", "")
-    # a ran (75 left, timeout its own 100 capped at 75), b (45 left: its own 20), c (15 left: 15)
-    assert seen[0] == 75 and seen[1] == 20 and seen[2] == 15
-    assert status["d"] == ("skipped", "budget: needs ~2 s, 0 s left")
-    assert status["e"] == ("skipped", "no CUDA device")
-    assert res[3]["estimate_basis"] == "tiny"
+    assert seen[0] == pytest.approx(limits["env"]) and seen[1] == pytest.approx(limits["correctness"])
+    assert status["kernels"] == ("skipped", "no CUDA device")
+    left = 100 - (limits["env"] + 50) - 1
+    assert seen[2] == pytest.approx(left)  # science: all that is left, not its planned share
+    assert res[0]["planned_s"] == round(limits["env"])
+
+    clock.t, seen = 0.0, {}
+    res = gc.run_stages([gc.Stage("env", work(200), cuda=False), gc.Stage("correctness", work(1), cuda=False)],
+                        _ctx(gc, tmp_path, cuda=False), 100 + gc.RESERVE_S, clock=clock, log=lambda m: None)
+    assert res[1]["status"] == "skipped" and res[1]["reason"] == "budget: 0 s left"
 
 
-def test_a_tiny_budget_skips_every_check_with_its_reason(gc, tmp_path):
-    code = gc.main(["--out", str(tmp_path / "out"), "--budget-s", "1", "--wheels", str(tmp_path / "none")])
-    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert code == 0 and report["state"] == "done" and report["pending"] == []
-    status = {c["name"]: (c["status"], c["reason"]) for c in report["checks"]}
-    assert status["env"] == ("skipped", "budget: needs ~15 s, 0 s left")
-    gpu = "no CUDA device" if not torch.cuda.is_available() else "budget: needs ~40 s, 0 s left"
-    assert status["lev_layer"] == ("skipped", gpu)
-    assert all(s == "skipped" and r for s, r in status.values())
+def test_stage_failures_are_reported_with_their_figures(gc, tmp_path):
+    def slow(ctx, limit):
+        raise gc.CheckTimeout(limit, {"rows_done": 3}, "last words")
 
-
-def test_timeouts_and_failures_are_reported_with_their_figures(gc, tmp_path):
-    def timed_out(ctx, timeout):
-        raise gc.CheckTimeout(timeout, {"rows_done": 3}, "last words")
-
-    def broken(ctx, timeout):
+    def bad(ctx, limit):
         raise gc.CheckFailed("arms disagree", {"lev": {"exit": 1}})
 
-    def crash(ctx, timeout):
+    def crashed(ctx, limit):
         raise KeyError("x")
 
-    checks = [gc.Check("slow", timed_out, timeout_s=42, estimate_s=1, cuda=False),
-              gc.Check("bad", broken, timeout_s=10, estimate_s=1, cuda=False),
-              gc.Check("crash", crash, timeout_s=10, estimate_s=1, cuda=False)]
-    slow, bad, crashed = gc.run_checks(checks, _ctx(gc, tmp_path), 400, log=lambda m: None)
-    assert slow["status"] == "failed" and slow["reason"] == "timeout: killed after 42 s"
-    assert slow["figures"] == {"rows_done": 3} and slow["log_tail"] == "last words"
-    assert bad["reason"] == "arms disagree" and bad["figures"] == {"lev": {"exit": 1}}
-    assert crashed["status"] == "failed" and crashed["reason"] == "KeyError: 'x'"
+    stages = [gc.Stage(n, f, cuda=False) for n, f in (("env", slow), ("correctness", bad), ("kernels", crashed))]
+    res = gc.run_stages(stages, _ctx(gc, tmp_path), 400, log=lambda m: None)
+    slow_, bad_, crashed_ = res
+    assert slow_["status"] == "failed" and slow_["reason"].startswith("timeout: killed after")
+    assert slow_["figures"] == {"rows_done": 3} and slow_["log_tail"] == "last words"
+    assert bad_["reason"] == "arms disagree" and bad_["figures"] == {"lev": {"exit": 1}}
+    assert crashed_["status"] == "failed" and crashed_["reason"] == "KeyError: 'x'"
 
 
-def test_the_report_is_on_disk_and_valid_after_every_check(gc, tmp_path, monkeypatch):
+def test_the_report_is_on_disk_and_valid_after_every_stage(gc, tmp_path, monkeypatch):
     out = tmp_path / "out"
     seen_on_disk = []
 
-    def look(ctx, timeout):
+    def look(ctx, limit):
         report = json.loads((out / "gpu_check.json").read_text())
-        seen_on_disk.append([(c["name"], c["status"]) for c in report["checks"]])
+        seen_on_disk.append([(c["name"], c["status"]) for c in report["stages"]])
         if len(seen_on_disk) == 2:
             raise RuntimeError("boom")
         return {"n": len(seen_on_disk)}
 
-    fakes = tuple(gc.Check(n, look, timeout_s=10, estimate_s=1, cuda=False) for n in ("install", "env", "lev_layer"))
-    monkeypatch.setattr(gc, "CHECKS", fakes)
-    code = gc.main(["--out", str(out), "--only", "install,env,lev_layer"])
+    monkeypatch.setattr(gc, "STAGES", tuple(gc.Stage(n, look, cuda=False) for n in ("env", "correctness", "kernels")))
+    code = gc.main(["--out", str(out), "--only", "env,correctness,kernels"])
     assert code == 1
-    assert seen_on_disk == [[], [("install", "ok")], [("install", "ok"), ("env", "failed")]]
+    assert seen_on_disk == [[], [("env", "ok")], [("env", "ok"), ("correctness", "failed")]]
     report = json.loads((out / "gpu_check.json").read_text())
-    assert report["state"] == "done" and [c["status"] for c in report["checks"]] == ["ok", "failed", "ok"]
+    assert report["state"] == "done" and [c["status"] for c in report["stages"]] == ["ok", "failed", "ok"]
+    assert report["plan"]["science"] >= 200
     md = (out / "gpu_check.md").read_text()
-    assert "| env | failed |" in md and "RuntimeError: boom" in md
+    assert "| correctness | failed |" in md and "RuntimeError: boom" in md
     assert not list(out.glob("*.tmp"))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_at_the_device_sizes_without_cuda_every_stage_but_env_is_skipped(gc, tmp_path, monkeypatch):
+    stages = tuple(gc.Stage(s.name, (lambda ctx, limit: {"python": "3"}) if s.name == "env" else s.run, s.cuda)
+                   for s in gc.STAGES)
+    monkeypatch.setattr(gc, "STAGES", stages)
+    assert gc.main(["--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert [(c["name"], c["status"], c["reason"]) for c in report["stages"]] == [("env", "ok", "")] + [
+        (n, "skipped", "no CUDA device") for n in gc.NAMES[1:]]
+    assert "No CUDA device: every stage but env was skipped." in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
 def test_a_killed_run_keeps_what_it_learnt(tmp_path):
-    """The run is killed (SIGKILL) inside its second check: the first check's result is on disk."""
+    """The run is killed (SIGKILL) inside its second stage: the first stage's result is on disk."""
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(REPO)!r})
-        sys.path.insert(0, {str(REPO / "bench")!r})
+        sys.path.insert(0, {str(BENCH)!r})
         import gpu_check as gc
-        def ok(ctx, timeout):
+        def ok(ctx, limit):
             return {{"measured": 1.5}}
-        def die(ctx, timeout):
+        def die(ctx, limit):
             os.kill(os.getpid(), signal.SIGKILL)
-        gc.CHECKS = (gc.Check("install", ok, 10, 1, cuda=False), gc.Check("env", die, 10, 1, cuda=False),
-                     gc.Check("lev_layer", ok, 10, 1, cuda=False))
-        gc.main(["--out", {str(tmp_path / "out")!r}, "--only", "install,env,lev_layer"])
+        gc.STAGES = (gc.Stage("env", ok, cuda=False), gc.Stage("correctness", die, cuda=False),
+                     gc.Stage("kernels", ok, cuda=False))
+        gc.main(["--out", {str(tmp_path / "out")!r}, "--only", "env,correctness,kernels"])
     """))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=str(REPO))
     assert r.returncode == -9, r.stderr
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert report["state"] == "running" and report["pending"] == ["env", "lev_layer"]
-    assert [(c["name"], c["status"], c["figures"]) for c in report["checks"]] == [("install", "ok", {"measured": 1.5})]
-    assert "| install | ok |" in (tmp_path / "out" / "gpu_check.md").read_text()
+    assert report["state"] == "running" and report["pending"] == ["correctness", "kernels"]
+    assert [(c["name"], c["status"], c["figures"]) for c in report["stages"]] == [("env", "ok", {"measured": 1.5})]
+    assert "| env | ok |" in (tmp_path / "out" / "gpu_check.md").read_text()
 
 
 def test_a_subprocess_past_its_timeout_is_killed_with_its_children(gc, tmp_path):
+    import _check_harness as harness
+
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']);"
             " print('child', p.pid, flush=True); time.sleep(300)")
-    rc, output = gc.run_logged([sys.executable, "-c", code], 3, tmp_path / "log")
-    assert rc == 124 and "child" in output
+    rc, output = harness.run_logged([sys.executable, "-c", code], 3, tmp_path / "log")
+    assert rc == harness.TIMEOUT_RC and "child" in output
     pid = int(re.search(r"^child (\d+)$", output, re.M).group(1))
     state = Path(f"/proc/{pid}/status")
 
@@ -195,77 +258,69 @@ def test_a_subprocess_past_its_timeout_is_killed_with_its_children(gc, tmp_path)
     while not dead() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert dead(), state.read_text()
+    rc, output = harness.run_logged([sys.executable, "-c", "print('again')"], None, tmp_path / "log", append=True)
+    assert rc == 0 and output.strip().endswith("again") and "child" not in output  # this command's output only
+    assert "child" in (tmp_path / "log").read_text()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-def test_without_cuda_every_gpu_check_is_skipped_and_reported(gc, tmp_path):
-    code = gc.main(["--out", str(tmp_path / "out"), "--budget-s", "400", "--wheels", str(tmp_path / "none")])
-    assert code == 0
-    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    status = {c["name"]: (c["status"], c["reason"]) for c in report["checks"]}
-    assert list(status) == list(gc.NAMES)
-    for c in gc.CHECKS:
-        if c.cuda:
-            assert status[c.name] == ("skipped", "no CUDA device"), c.name
-    assert status["env"][0] == "ok" and status["install"][0] == "skipped"
-    env = next(c for c in report["checks"] if c["name"] == "env")["figures"]
-    assert env["device"] is None and env["megatron.core"] != "" and not env["megatron.core"].startswith("not")
-    md = (tmp_path / "out" / "gpu_check.md").read_text()
-    assert "| lev_layer | skipped | 0.0 | no CUDA device |" in md and "none (no CUDA device" in md
-    assert "TP=1 over NCCL" in md
-    if env["transformer_engine"].startswith("not"):
-        assert "FP8 / Transformer Engine: not installed here" in md
+def test_the_check_and_the_science_run_do_not_import_each_other():
+    """Both take the harness from bench/_check_harness.py; the science run imports nothing of the check."""
+
+    def imports(path):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names.add(node.module)
+        return names
+
+    science = imports(BENCH / "gpu_science.py")
+    assert "gpu_check" not in science and "_check_harness" in science
+    check = imports(BENCH / "gpu_check.py")
+    assert "_check_harness" in check
+    assert "sys.modules" not in (BENCH / "gpu_check.py").read_text()
 
 
-# -------------------------------------------------------------------------------- the layer comparison
+# -------------------------------------------------------------------------------- stage judgements
 
 
-def test_lev_layer_comparison_agrees_on_cpu_and_records_the_basis_that_ran(gc):
-    res = gc.compare_lev_layer("cpu", vocab=257, hidden=16, batch=(2, 24), lev_kw=SMALL_LEV,
-                               bases=("dense", "sparse", "triton"))
-    assert len(res) == 2 * 2 * 3
-    for name, r in res.items():
-        assert r["params_dtype"] == f"torch.{r['dtype']}" and r["params_device"] == "cpu"
-        assert set(r["errors"]) >= {"forward", "offset", "heads.delta", "seed.codebooks"}
-        assert 0 < r["max_rel_error"] <= gc.LAYER_TOLERANCE[r["dtype"]], (name, r["errors"])
-        assert r["basis_ok"], (name, r["ran"])
-        want = "triton kernel" if r["basis"] == "triton" else f"eager {r['basis']}"
-        assert set(r["ran"]) == {want}, (name, r["ran"])
-        assert r["ran"][want] == (2 if r["mode"] == "table" else 1)  # table: the table, then its backward
-    assert gc.judge_layer_rows(res) is res
+def _run(losses, grads, exit=0):
+    return {"exit": exit, "iterations": len(losses), "losses": losses, "grad_norms": grads}
 
 
-def test_a_miscompiled_triton_kernel_fails_the_layer_check(gc, monkeypatch):
-    from megatron_lev.kernels import register_default_kernels
-    from megatron_lev.lev import functional
-
-    register_default_kernels()
-    good = functional._FUSED_PRODUCTS[("triton", "cpu")]
-
-    def miscompiled(x, delta, num_knots, **kw):
-        return good(x, delta, num_knots, **kw) * 1.05
-
-    monkeypatch.setitem(functional._FUSED_PRODUCTS, ("triton", "cpu"), miscompiled)
-    res = gc.compare_lev_layer("cpu", vocab=257, hidden=16, batch=(2, 24), lev_kw=SMALL_LEV,
-                               bases=("sparse", "triton"), dtypes=("float32",), modes=("unique",))
+def test_correctness_needs_the_fused_and_eager_first_iterations_to_agree(gc):
+    runs = {"lev_triton": _run([10.90, 10.5, 10.1], [3.241, 2.0, 1.5]),
+            "lev_sparse": _run([10.9001, 10.5, 10.1], [3.2415, 2.0, 1.5]),
+            "tied": _run([10.95, 10.6, 10.3], [2.5, 2.0, 1.8])}
+    fig = gc.judge_correctness(runs, "triton", "sparse", 3)
+    assert fig["agreement"]["grad_norm_gap"] == pytest.approx(0.0005 / 3.2415)
+    runs["lev_triton"] = _run([10.90, 10.5, 10.1], [0.812, 2.0, 1.5])  # gradients lost on one path
+    with pytest.raises(gc.CheckFailed, match=r"first grad norm triton 0.812 vs sparse 3.2415") as e:
+        gc.judge_correctness(runs, "triton", "sparse", 3)
+    assert e.value.figures["runs"]["tied"]["losses"][0] == 10.95
+    runs["lev_triton"] = _run([10.90, 10.5], [3.241, 2.0])
+    runs["tied"] = _run([10.95, float("nan"), 10.3], [2.5, 2.0, 1.8])
     with pytest.raises(gc.CheckFailed) as e:
-        gc.judge_layer_rows(res)
-    assert "over tolerance ['unique/float32/triton']" in str(e.value)
-    assert res["unique/float32/sparse"]["max_rel_error"] <= gc.LAYER_TOLERANCE["float32"]
-    assert functional._FUSED_PRODUCTS[("triton", "cpu")] is miscompiled  # the probe put it back
+        gc.judge_correctness(runs, "triton", "sparse", 3)
+    assert "lev_triton: 2 of 3 iterations recorded" in str(e.value) and "tied: non-finite" in str(e.value)
 
 
-def test_basis_judgement(gc):
-    ok = gc._ran_as_asked
-    assert ok("triton", {"triton kernel": 2})
-    assert ok("triton", {"triton kernel": 1, "triton kernel's eager fallback": 1, "eager dense": 1})
-    assert not ok("triton", {"eager sparse": 1})  # asked for the kernel, the eager path ran
-    assert not ok("triton", {"triton kernel": 1, "eager sparse": 1})
-    assert not ok("fused", {"eager dense": 1})
-    assert ok("sparse", {"eager sparse": 3}) and not ok("sparse", {"eager dense": 1}) and not ok("sparse", {})
-
-
-# -------------------------------------------------------------------------------- training checks
+def test_correctness_runs_share_every_flag_but_the_arm_and_basis(gc, tmp_path):
+    ctx = _ctx(gc, tmp_path)
+    ctx.results = {"env": {"status": "ok", "figures": {"lev_basis": "triton"}}}
+    runs = gc.correctness_runs(ctx)
+    assert list(runs) == ["lev_triton", "lev_sparse", "tied"]
+    for argv in runs.values():
+        assert {"--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce"} <= set(argv)
+    strip = [a for a in runs["lev_triton"] if a not in ("triton",)]
+    assert strip == [a for a in runs["lev_sparse"] if a != "sparse"]
+    assert runs["lev_triton"][runs["lev_triton"].index("--lev-basis") + 1] == "triton"
+    ctx.results = {"env": {"status": "ok", "figures": {"lev_basis": "sparse"}}}  # no fused kernel here
+    assert list(gc.correctness_runs(ctx)) == ["lev_sparse", "lev_dense", "tied"]
+    ctx.results = {}
+    with pytest.raises(gc.Skip, match="did not say which LEV basis"):
+        gc.correctness_runs(ctx)
 
 
 def _log_lines(ms, grad=1.0):
@@ -277,116 +332,113 @@ def _log_lines(ms, grad=1.0):
         skipped=0, nan=0, tokens_per_s=4096 / m * 1e3, tflops_per_device=m / 10, mfu=None) for i, m in enumerate(ms))
 
 
-def _fake_pretrain(gc, monkeypatch, losses, grad_norms, rc=0):
-    ms = [900.0, 300.0] + [100.0 + i for i in range(len(losses) - 2)]
-
-    def fake_run(cmd, timeout, log, env=None):
-        metrics = Path(cmd[cmd.index("--metrics-file") + 1])
-        metrics.write_text("".join(json.dumps({"kind": "train", "iteration": i + 1, "lm loss": x, "grad norm": g}) + "\n"
-                                   for i, (x, g) in enumerate(zip(losses, grad_norms))))
-        return rc, _log_lines(ms)
-
-    monkeypatch.setattr(gc, "run_logged", fake_run)
-    return ms
-
-
-def test_training_figures_come_from_the_log_lines_and_the_metrics_file(gc, tmp_path, monkeypatch):
-    losses = [10.9 - 0.2 * i for i in range(10)]
-    ms = _fake_pretrain(gc, monkeypatch, losses, [2.0] * 10)
-    fig = gc.train_check("tied")(_ctx(gc, tmp_path), 100)
-    assert fig["iterations"] == 10 and fig["losses"] == losses and fig["exit"] == 0
+def test_training_figures_come_from_the_log_lines_and_the_metrics_file(gc, tmp_path):
+    ms = [900.0, 300.0] + [100.0 + i for i in range(8)]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"kind": "train", "iteration": i + 1, "lm loss": 10.9 - 0.2 * i,
+                                           "grad norm": 2.0}) + "\n" for i in range(10)))
+    fig = gc.parse_training(_log_lines(ms), metrics)
+    assert fig["iterations"] == 10 and fig["losses"][0] == 10.9 and fig["grad_norms"] == [2.0] * 10
     assert fig["median_ms"] == pytest.approx(sorted(ms[2:])[4] / 2 + sorted(ms[2:])[3] / 2)  # after the warm-up two
     assert fig["median_tflops"] == pytest.approx(fig["median_ms"] / 10)
     assert fig["total_step_s"] == pytest.approx(sum(ms) / 1e3)
 
 
-def test_training_check_fails_on_short_runs_and_non_decreasing_loss(gc, tmp_path, monkeypatch):
-    _fake_pretrain(gc, monkeypatch, [10.0] * 10, [1.0] * 10)
-    with pytest.raises(gc.CheckFailed, match=r"loss did not decrease \(10.000 -> 10.000\)"):
-        gc.train_check("tied")(_ctx(gc, tmp_path), 100)
-    _fake_pretrain(gc, monkeypatch, [10.0, 9.0], [1.0] * 2, rc=1)
-    with pytest.raises(gc.CheckFailed, match="(?s)^2 of 10 iterations recorded; exit 1: .*iteration        2/"):
-        gc.train_check("lev")(_ctx(gc, tmp_path), 100)
+def test_the_science_run_is_sized_from_the_rates_and_capped_by_one_pass(sci):
+    shape = sci.model_shape("gpu-science")
+    per_iter = shape["global_batch"] * shape["seq"]
+    rates = {"tied": 6e5, "untied": 6e5, "lev": 3e5}
+    p = sci.plan(205, rates, 10**9, "gpu-science")
+    train = (205 - sum(sci.OVERHEAD_S.values())) * sci.TRAIN_SAFETY
+    assert p["train_s"] == pytest.approx(train) and p["limited_by"] == "time"
+    assert p["iterations"] == int(train / (1 / 6e5 + 1 / 6e5 + 1 / 3e5) // per_iter)  # the arms share the device
+    assert p["tokens_per_arm"] == p["iterations"] * per_iter
+    capped = sci.plan(205, {a: 1e8 for a in sci.ARMS}, 3 * per_iter + 5, "gpu-science")
+    assert capped["iterations"] == 3 and capped["limited_by"] == "one pass over the corpus"
+    assert sci.plan(205, rates, 10**9, "gpu-science", max_iters=2)["iterations"] == 2
+    assert sci.plan(10, rates, 10**9, "gpu-science")["iterations"] == 0
+    with pytest.raises(sci.Skip, match=r"no tokens/s for \['lev'\]"):
+        sci.plan(205, {"tied": 1.0, "untied": 1.0}, 10**9, "gpu-science")
+    assumed = sci.assumed_rates("gpu-science", 250)
+    assert assumed["tied"] == pytest.approx(250e12 / sci.flops_per_token(shape))
+    assert assumed["lev"] == pytest.approx(assumed["tied"] / sci.LEV_OVER_TIED_ASSUMED)
 
 
-def test_table_mode_check_catches_lost_gradients(gc, tmp_path, monkeypatch):
-    ctx = _ctx(gc, tmp_path)
-    ctx.results = {"train_lev": {"status": "ok", "figures": {"grad_norms": [3.241] + [1.0] * 9}}}
-    losses = [10.9 - 0.1 * i for i in range(10)]
-    _fake_pretrain(gc, monkeypatch, losses, [0.812] + [1.0] * 9)  # overlap dispatched LEV's bucket too early
-    with pytest.raises(gc.CheckFailed, match="first grad norm 0.8120 vs 3.2410 in unique mode") as e:
-        gc.train_check("lev", gc.TABLE_FLAGS)(ctx, 100)
-    assert e.value.figures["first_grad_norm_vs_unique"]["relative_gap"] == pytest.approx(1 - 0.812 / 3.241)
-    _fake_pretrain(gc, monkeypatch, losses, [3.25] + [1.0] * 9)
-    fig = gc.train_check("lev", gc.TABLE_FLAGS)(ctx, 100)
-    assert fig["flags"] == list(gc.TABLE_FLAGS) and fig["first_grad_norm_vs_unique"]["relative_gap"] < 0.01
+def test_the_science_figures_read_the_evaluation_buckets(sci):
+    def row(arm, ppls):
+        buckets = [{"bucket": b, "tokens": n, "ppl": p} for (b, n), p in zip((("< 1e-5", 10), (">= 1e-5", 90)), ppls)]
+        return {"arm": arm, "eval": {"perplexity": {"valid": {"ppl": ppls[1], "frequency_buckets": buckets}}}}
+
+    rows = [row("tied", (200.0, 50.0)), row("untied", (180.0, 48.0)), row("lev", (150.0, 49.0))]
+    buckets = sci.frequency_buckets(rows)
+    assert buckets[0] == {"bucket": "< 1e-5", "tokens": 10, "ppl": {"tied": 200.0, "untied": 180.0, "lev": 150.0}}
+    md = "\n".join(sci.markdown({"description": "d", "steps": {"preprocess": {"seconds": 1.0, "ok": True}},
+                                 "buckets": buckets}))
+    assert "| < 1e-5 | 10 | 200.00 | 180.00 | 150.00 | -25.0% | -16.7% |" in md and "- preprocess: 1.0 s" in md
 
 
-def test_throughput_ratios_are_median_steps_of_the_default_lev_arm(gc):
-    data = {"sections": [{"title": "GPU (gpu-400m configuration, bf16)", "result": {
-        "lev_default": "lev unique/triton",
-        "arms": {"tied": {"ms_per_iter": 100.0}, "untied": {"ms_per_iter": 104.0},
-                 "lev unique/triton": {"ms_per_iter": 105.0}, "lev table/triton": {"ms_per_iter": 150.0}}}}]}
-    (r,) = gc._ratios(data).values()
-    assert r["lev_arm"] == "lev unique/triton"
-    assert r["lev_over_tied"] == pytest.approx(1.05) and r["lev_over_untied"] == pytest.approx(105 / 104)
+# -------------------------------------------------------------------------------- the profiler trace
 
 
-# -------------------------------------------------------------------------------- science run planning
+def _x(name, cat, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
-def test_science_is_planned_from_measured_throughput(gc, tmp_path):
-    import gpu_science as sci
+def test_the_trace_summary_splits_a_step_into_lev_kernels_lev_gemms_and_the_rest(tmp_path):
+    import _profile_trace as pt
 
-    corpus = tmp_path / "train.jsonl.zst"
-    ctx = _ctx(gc, tmp_path, corpus=str(corpus))
-    ctx.results = {}
-    with pytest.raises(gc.Skip, match="no corpus at"):
-        gc.science_estimate(ctx)
-    corpus.write_bytes(b"x" * 20_000_000)
-    with pytest.raises(gc.Skip, match="no measured throughput to plan with"):
-        gc.science_estimate(ctx)
-    ctx.results = {"train_tied": {"status": "ok", "figures": {"median_tflops": 100.0, "median_ms": 50.0, "startup_s": 20}},
-                   "train_lev": {"status": "ok", "figures": {"median_ms": 60.0}}}
-    slow, basis = gc.science_estimate(ctx)
-    assert "train_tied check's 100 TFLOP/s" in basis and "LEV/TIED 1.20" in basis
-    tokens = 20_000_000 * sci.TOKENS_PER_COMPRESSED_BYTE
-    train = tokens * sci._flops_per_token(sci.MODEL) / 100e12
-    fixed = sci.PREPROCESS_S + 2 * (20 + sci.CHECKPOINT_S + sci.EVAL_S)
-    assert slow == pytest.approx(sci.MARGIN * (fixed + train * 2.2))
-    ctx.results["train_tied"]["status"] = "failed"  # a failed check's figures are not used
-    ctx.science_tflops = 400.0
-    fast, basis = gc.science_estimate(ctx)
-    assert basis.startswith(f"~{tokens / 1e6:.1f} M tokens per arm at --science-tflops 400") and fast < slow
+    ev = []
+    for step, t in enumerate((0.0, 1000.0)):
+        ev.append(_x(f"ProfilerStep#{step + 3}", "user_annotation", t, 1000.0))
+        ev.append(_x("aten::mm", "cpu_op", t + 10, 50, **{"Input type": ["float", "float"]}))  # LEV's fp32 projection
+        ev.append(_x("cudaLaunchKernel", "cuda_runtime", t + 20, 5, correlation=10 * step + 1))
+        ev.append(_x("sm90_xmma_gemm_f32", "kernel", t + 30, 100, tid=7, correlation=10 * step + 1))
+        ev.append(_x("aten::linear", "cpu_op", t + 100, 80))
+        ev.append(_x("aten::mm", "cpu_op", t + 110, 50, **{"Input type": ["c10::BFloat16", "c10::BFloat16"]}))
+        ev.append(_x("cudaLaunchKernel", "cuda_runtime", t + 120, 5, correlation=10 * step + 2))
+        ev.append(_x("sm90_gemm_bf16", "kernel", t + 130, 300, tid=7, correlation=10 * step + 2))
+        ev.append(_x("cuLaunchKernelEx", "cuda_driver", t + 200, 5, correlation=10 * step + 3))
+        ev.append(_x("_bwd_grouped_kernel", "kernel", t + 430, 200, tid=7, correlation=10 * step + 3))
+        ev.append(_x("aten::_scaled_dot_product_flash_attention", "cpu_op", t + 300, 20))
+        ev.append(_x("cudaLaunchKernel", "cuda_runtime", t + 305, 5, correlation=10 * step + 4))
+        ev.append(_x("pytorch_flash::flash_fwd_kernel", "kernel", t + 630, 100, tid=7, correlation=10 * step + 4))
+        ev.append(_x("aten::_local_scalar_dense", "cpu_op", t + 800, 30))
+        ev += [_x("cudaStreamSynchronize", "cuda_runtime", t + 805 + i, 1) for i in range(3)]
+    path = tmp_path / "host_1.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    assert pt.find_trace(tmp_path) == str(path)
+    f = pt.summarize(str(path))
+    assert f["timeline"] == "cuda kernels" and f["steps"] == 2 and f["step_ms"] == pytest.approx(1.0)
+    ms = f["ms_per_step"]
+    assert ms["lev_gemm"] == pytest.approx(0.1) and ms["other"] == pytest.approx(0.3)
+    assert ms["lev_triton"] == pytest.approx(0.2) and ms["attention"] == pytest.approx(0.1)
+    assert ms["idle"] == pytest.approx(0.3) and f["share"]["lev_triton"] == pytest.approx(0.2)
+    assert f["host_syncs_per_step"] == 3 and f["scalar_reads_per_step"] == 1
+    with pytest.raises(ValueError, match="no ProfilerStep# spans"):
+        pt.summarize({"traceEvents": ev[1:2]})
 
 
-def test_science_report_is_written_from_its_steps(tmp_path):
-    import gpu_science as sci
+def test_the_trace_summary_knows_the_lev_kernels_by_their_names():
+    import _profile_trace as pt
 
-    fig = {"corpus": "c.jsonl.zst", "steps": {"preprocess_train": {"exit": 0, "seconds": 40.0},
-                                             "train_tied": {"exit": 124, "seconds": 300.0}}}
-    sci.write_report(tmp_path / "science.md", fig, tmp_path)
-    md = (tmp_path / "science.md").read_text()
-    assert "| train_tied | 124 | 300.0 |" in md and "not preprocessed yet" in md
+    source = (REPO / "megatron_lev" / "kernels" / "lev_triton.py").read_text()
+    kernels = set(re.findall(r"@triton\.jit\s+def (\w+_kernel)\(", source))
+    assert kernels == set(pt.LEV_KERNELS)
 
 
 # -------------------------------------------------------------------------------- preparing and markers
 
 
-def test_prepare_data_copies_what_the_checks_read_and_cuts_the_task_files(gc, tmp_path):
+def test_prepare_data_copies_what_the_stages_read(gc, tmp_path):
     src = tmp_path / "shared"
     for f in gc.DATA_FILES:
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         (src / f).write_bytes(b"data of " + f.encode())
-    (src / "downstream").mkdir()
-    (src / "downstream" / "piqa_validation.jsonl").write_text("".join(f'{{"i": {i}}}\n' for i in range(10)))
-    assert gc.prepare_data(str(tmp_path / "carry"), str(src), task_lines=3) == 0
+    assert gc.prepare_data(str(tmp_path / "carry"), str(src)) == 0
     for f in gc.DATA_FILES:
         assert (tmp_path / "carry" / f).read_bytes() == (src / f).read_bytes()
-    assert (tmp_path / "carry" / "downstream" / "piqa_validation.jsonl").read_text().splitlines() == [
-        '{"i": 0}', '{"i": 1}', '{"i": 2}']
     (src / gc.DATA_FILES[0]).unlink()
-    assert gc.prepare_data(str(tmp_path / "carry2"), str(src), task_lines=3) == 1
+    assert gc.prepare_data(str(tmp_path / "carry2"), str(src)) == 1
 
 
 def _marks(fn: ast.FunctionDef) -> set:
@@ -395,7 +447,7 @@ def _marks(fn: ast.FunctionDef) -> set:
 
 
 def test_gpu_tests_that_need_transformer_engine_are_marked_te():
-    """``pytest -m "gpu and not te"`` (the GPU check without TE) must not select a test that fails without TE."""
+    """``pytest -m "gpu and not te"`` on a GPU without TE must not select a test that fails without TE."""
     needing_te = []
     for path in (REPO / "tests").rglob("test_*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -405,3 +457,55 @@ def test_gpu_tests_that_need_transformer_engine_are_marked_te():
                     needing_te.append((path.name, node.name, "te" in _marks(node)))
     assert ("test_te_layout.py", "test_te_spec_checkpoint_and_local_spec_checkpoint_swap_on_gpu", True) in needing_te
     assert all(marked for _, _, marked in needing_te), needing_te
+
+
+# -------------------------------------------------------------------------------- every stage, tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One run of the whole check at the tiny sizes on this machine's CPU (no device), as a subprocess."""
+    shared = Path(os.environ.get("MEGATRON_LEV_SHARED_DATA", REPO.parent / "shared" / "data"))
+    if not (shared / "tokenizers" / "gpt2").is_dir():
+        pytest.skip(f"real-data check: the science stage reads the GPT-2 tokenizer and corpus under {shared}")
+    root = tmp_path_factory.mktemp("gpu_check_tiny")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the check chooses it per stage
+    # The stage limits are in proportion to the budget: a large one keeps a loaded CPU from reaching them
+    # (the tiny sizes bound the work; the science run is capped at 3 iterations).
+    r = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--out", str(root / "out"), "--sizes", "tiny",
+                        "--budget-s", "40000", "--wheels", str(root / "none"), "--shared-data", str(shared)],
+                       capture_output=True, text=True, cwd=str(REPO), env=env, timeout=3600)
+    report = json.loads((root / "out" / "gpu_check.json").read_text())
+    return r, report, root / "out"
+
+
+@pytest.mark.slow
+@pytest.mark.real_data
+def test_every_stage_runs_end_to_end_at_the_tiny_sizes(gc, tiny_run):
+    r, report, out = tiny_run
+    status = {s["name"]: (s["status"], s["reason"]) for s in report["stages"]}
+    assert status == {n: ("ok", "") for n in gc.NAMES}, (status, r.stdout[-3000:], r.stderr[-3000:])
+    assert r.returncode == 0 and report["state"] == "done"
+    f = {s["name"]: s["figures"] for s in report["stages"]}
+    basis = f["env"]["lev_basis"]
+    assert f["correctness"]["fused"] == basis and set(f["correctness"]["runs"]) == {
+        f"lev_{basis}", f"lev_{'dense' if basis == 'sparse' else 'sparse'}", "tied"}
+    assert f["correctness"]["agreement"]["grad_norm_gap"] <= gc.GRAD_NORM_RTOL
+    from megatron_lev.kernels import lev_triton
+
+    assert {r["variant"] for r in f["kernels"]["timings"]} == set(lev_triton.BACKWARD_VARIANTS)
+    assert all(r["ok"] for r in f["kernels"]["errors"]) and max(r["partitions"] for r in f["kernels"]["timings"]) > 1
+    science_shape = next(iter(f["throughput"]["shapes"].values()))
+    assert set(science_shape["arms"]) == {"tied", "untied", "lev"} and science_shape["lev_over_untied"] > 0
+    assert f["profile"]["steps"] == 2 and f["profile"]["scalar_reads_per_step"] > 0
+    s = f["science"]
+    assert s["plan"]["iterations"] == 3 and s["rates_from"] == "the throughput stage's measurement"
+    assert set(s["arms"]) == {"tied", "untied", "lev"} and all(a["valid_ppl"] for a in s["arms"].values())
+    assert s["buckets"] and all(set(b["ppl"]) == {"tied", "untied", "lev"} for b in s["buckets"])
+    md = (out / "gpu_check.md").read_text()
+    for name in gc.NAMES:
+        assert f"## {name}\n" in md, name
+    assert "LEV/TIED" in md and "Host syncs per step" in md and "no figure here is a GPU figure" in md
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "science.md",
+                                                     "science_loss_curves.png", "throughput.md"]
+    assert "Agreement with the paper" in (out / "science.md").read_text()
