@@ -29,7 +29,10 @@ def add_data_flags(p) -> None:
                    help="positions restart at each document (the learned position table; with rope, together with "
                         "--reset-attention-mask only)")
     g.add_argument("--reset-attention-mask", action="store_true",
-                   help="a token attends to its own document only (a dense mask per sample; local layer spec)")
+                   help="a token attends to its own document only (local layer spec). The dense s x s mask is "
+                        "built per sample on the CPU by megatron-core's GPTDataset (use --num-workers > 0), and "
+                        "with it SDPA cannot use flash attention (auto falls back to the memory-efficient or "
+                        "cuDNN kernels)")
     g.add_argument("--eod-mask-loss", action="store_true", help="leave the EOD tokens out of the loss")
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                    help="read the .bin files with file reads instead of memory-mapping them")
