@@ -104,10 +104,13 @@ class SDPAttention(MegatronModule):
         v = value.permute(1, 2, 0, 3)
         mask = None
         is_causal = False
-        if attention_mask is not None:
-            mask = ~attention_mask.bool()  # SDPA: True = attend
-        elif mask_type == AttnMaskType.causal:
-            is_causal = True
+        if attention_mask is None:
+            is_causal = mask_type == AttnMaskType.causal
+        elif attention_mask.is_floating_point():
+            # Additive, built once per micro-batch (get_batch): passed as it is, no per-layer copy.
+            mask = attention_mask if attention_mask.dtype == q.dtype else attention_mask.to(q.dtype)
+        else:
+            mask = ~attention_mask.bool()  # megatron's True = masked out; SDPA's True = attend
         dropout_p = self.dropout_p if self.training else 0.0
         if (self.config.attention_softmax_in_fp32 and q.dtype in (torch.float16, torch.bfloat16)
                 and torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()):

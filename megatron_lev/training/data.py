@@ -153,9 +153,17 @@ def valid_iterators(dataset, args):
     return [make_iterator(dataset, 0, args, cyclic=True) for _ in range(vpp)]
 
 
-def get_batch(data_iterator, device: Optional[torch.device] = None):
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """megatron's boolean attention mask (True = masked out) as the additive mask SDPA adds to the scores
+    (0 or -inf) in ``dtype``, on the mask's device."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+def get_batch(data_iterator, device: Optional[torch.device] = None, mask_dtype: Optional[torch.dtype] = None):
     """tokens, labels, loss_mask, attention_mask (None: causal), position_ids of the next micro-batch,
-    on ``device`` (default ``batch_device()``: the model's device)."""
+    on ``device`` (default ``batch_device()``: the model's device). With ``mask_dtype`` the document mask
+    comes additive in that dtype (the compute dtype), built once here for every layer: from the boolean
+    mask each layer's SDPA would make (and keep for backward) its own additive copy."""
     batch = next(data_iterator)
     device = batch_device() if device is None else device
 
@@ -163,6 +171,8 @@ def get_batch(data_iterator, device: Optional[torch.device] = None):
         # non_blocking: from pinned memory the copy is queued behind the step's work, no host sync.
         return None if t is None else t.to(device=device, dtype=dtype, non_blocking=True)
 
+    attention_mask = move(batch.get("attention_mask"))
+    if attention_mask is not None and mask_dtype is not None:
+        attention_mask = additive_mask(attention_mask.bool(), mask_dtype)
     return (move(batch["tokens"], torch.long), move(batch["labels"], torch.long),
-            move(batch["loss_mask"], torch.float), move(batch.get("attention_mask")),
-            move(batch["position_ids"], torch.long))
+            move(batch["loss_mask"], torch.float), attention_mask, move(batch["position_ids"], torch.long))

@@ -330,7 +330,8 @@ def _holds(chunk, module) -> bool:
 def _forward_step(state: _State, args, data_iterator, model):
     from .data import get_batch
 
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, mask_dtype=getattr(torch, args.params_dtype_name))
     output = model(tokens, position_ids, attention_mask, labels=labels)
     inject = args.inject_nan_at_iteration is not None and state.iteration + 1 == args.inject_nan_at_iteration
     return output, partial(_loss_func, loss_mask, inject and model.training)

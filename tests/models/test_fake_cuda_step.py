@@ -55,7 +55,7 @@ def test_training_forward_on_cuda_meets_no_cpu_tensor(parallel_state, arm, mode)
 
     model = _model(arm, mode)
     batches = _samples()
-    args = types.SimpleNamespace(inject_nan_at_iteration=None)
+    args = types.SimpleNamespace(inject_nan_at_iteration=None, params_dtype_name="bfloat16")
     with fake_cuda() as fm:
         model = to_fake_cuda(fm, model, torch.bfloat16)
         with cuda_visible():
@@ -79,5 +79,5 @@ def test_cpu_batches_are_caught(parallel_state, monkeypatch):
     with fake_cuda() as fm:
         model = to_fake_cuda(fm, model, torch.bfloat16)
         with pytest.raises(FakeTensorDeviceMismatchError):
-            loop._forward_step(loop._State(), types.SimpleNamespace(inject_nan_at_iteration=None), _samples(),
+            loop._forward_step(loop._State(), types.SimpleNamespace(inject_nan_at_iteration=None, params_dtype_name="bfloat16"), _samples(),
                                model)

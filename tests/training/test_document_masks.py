@@ -102,6 +102,29 @@ def test_with_reset_attention_mask_a_token_does_not_see_the_documents_before_it(
     assert not torch.allclose(changed[end + 1:], logits[end + 1:], atol=1e-3)
 
 
+def test_the_loop_builds_the_additive_mask_once_and_every_layer_takes_it_as_it_is(corpus, one_rank, monkeypatch):
+    from megatron_lev.models import attention
+    from megatron_lev.training.data import _collate, get_batch
+
+    sample, model = _run_parts(corpus, ["--position-embedding-type", "rope", "--reset-attention-mask"])
+    tokens, _, _, mask, position_ids = get_batch(iter([_collate([sample])]), mask_dtype=torch.float32)
+    assert mask.dtype == torch.float32 and torch.equal(mask == float("-inf"), sample["attention_mask"][None])
+    assert torch.equal(mask[mask != float("-inf")], torch.zeros(int((mask == 0).sum())))
+    seen, sdpa = [], attention.F.scaled_dot_product_attention
+
+    def recorded(*a, attn_mask=None, **kw):
+        seen.append(attn_mask)
+        return sdpa(*a, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recorded)
+    with torch.no_grad():
+        logits = model(tokens, position_ids, mask)[0].float()
+    assert len(seen) == 2 and all(m is mask for m in seen)  # each layer: the batch's mask, no copy
+    seen.clear()
+    torch.testing.assert_close(logits, _logits(model, sample), rtol=0, atol=1e-6)  # the boolean mask's result
+    assert len(seen) == 2 and all(m.dtype == torch.bool for m in seen)
+
+
 def test_reset_position_ids_restart_the_learned_positions_at_each_document(corpus, one_rank):
     flags = ["--position-embedding-type", "learned_absolute", "--reset-attention-mask"]
     sample, model = _run_parts(corpus, flags + ["--reset-position-ids"])
