@@ -73,8 +73,10 @@ from _check_harness import (CheckFailed, CheckTimeout, Skip, TIMEOUT_RC, run_log
                             tail, write_json, write_text)
 
 SHARED = REPO.parent / "shared" / "data"
-# What a bare GPU image (torch, triton, transformers, tokenizers, sentencepiece, safetensors) may lack.
-WHEELS = ("megatron-core==0.16.1", "tiktoken", "zstandard", "psutil", "pyyaml")
+# What a bare GPU image (torch, triton, transformers, tokenizers, sentencepiece, safetensors) may lack;
+# megatron-core is the newest release make test-next tests (the Makefile's MCORE_NEXT), so the device runs
+# what CI runs.
+WHEELS = ("megatron-core>=0.19,<0.20", "tiktoken", "zstandard", "psutil", "pyyaml")
 MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml"}
 PLAN_BUDGET_S = 400.0
 # Each stage's limit at a 400 s budget (in proportion at others); the science stage gets the rest.
@@ -242,6 +244,18 @@ def _importable(module: str) -> bool:
         return False
 
 
+def _dist(wheel: str) -> str:
+    return Path(wheel).name.split("-")[0].replace("_", "-").lower()
+
+
+def _wheels_twice(folder: Optional[str]) -> Optional[Tuple[str, List[str]]]:
+    """(distribution, its wheels) of the first distribution with several wheels in ``folder``: pip would refuse."""
+    by: Dict[str, List[str]] = {}
+    for w in sorted(glob.glob(os.path.join(folder or "", "*.whl"))) if folder else []:
+        by.setdefault(_dist(w), []).append(Path(w).name)
+    return next(((d, ws) for d, ws in by.items() if len(ws) > 1), None)
+
+
 def install_wheels(ctx: Ctx, timeout: float) -> Dict[str, Any]:
     """``pip install --no-index --no-deps --target WORK/site`` of the wheels whose module is missing."""
     wheels = sorted(glob.glob(os.path.join(ctx.wheels or "", "*.whl"))) if ctx.wheels else []
@@ -249,7 +263,7 @@ def install_wheels(ctx: Ctx, timeout: float) -> Dict[str, Any]:
         return {"wheels": f"none in {ctx.wheels}"}
     missing, present = [], []
     for w in wheels:
-        dist = Path(w).name.split("-")[0].replace("_", "-").lower()
+        dist = _dist(w)
         (present if _importable(MODULE_OF.get(dist, dist.replace("-", "_"))) else missing).append(Path(w).name)
     if not missing:
         return {"installed": [], "already_importable": present}
@@ -966,6 +980,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--budget-s {a.budget_s:g} leaves nothing once {RESERVE_S:g} s are kept for the report")
     if a.plan:
         return a
+    twice = _wheels_twice(a.wheels)
+    if twice:
+        p.error(f"--wheels {a.wheels}: several wheels of {twice[0]} ({', '.join(twice[1])}); keep one")
     if a.out is None:
         p.error("--out DIR is required (or --plan, --prepare-wheels DIR, --prepare-data DIR)")
     chosen, skip = (_csv(a.only) or list(NAMES)), _csv(a.skip)

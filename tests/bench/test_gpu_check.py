@@ -58,8 +58,8 @@ class FakeClock:
 # -------------------------------------------------------------------------------- arguments and plan
 
 
-def test_arguments(gc, capsys):
-    a = gc.parse_args(["--out", "x"])
+def test_arguments(gc, capsys, tmp_path):
+    a = gc.parse_args(["--out", "x", "--wheels", str(tmp_path)])
     assert a.stages == list(gc.NAMES) and a.budget_s == 400 and a.sizes == "device"
     assert gc.parse_args(["--out", "x", "--only", "science,env"]).stages == ["env", "science"]
     assert "science" not in gc.parse_args(["--out", "x", "--skip", "science"]).stages
@@ -72,6 +72,11 @@ def test_arguments(gc, capsys):
         with pytest.raises(SystemExit) as e:
             gc.parse_args(bad)
         assert e.value.code == 2 and msg in capsys.readouterr().err
+    for name in ("megatron_core-0.16.1-cp312-cp312-any.whl", "megatron_core-0.19.2-cp312-cp312-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(SystemExit):  # pip would refuse two versions of one package: say so before any stage
+        gc.parse_args(["--out", "x", "--wheels", str(tmp_path)])
+    assert "several wheels of megatron-core (megatron_core-0.16.1" in capsys.readouterr().err
 
 
 def test_the_stages_are_in_the_order_of_what_their_figures_are_worth(gc):
@@ -189,7 +194,7 @@ def test_the_report_is_on_disk_and_valid_after_every_stage(gc, tmp_path, monkeyp
         return {"n": len(seen_on_disk)}
 
     monkeypatch.setattr(gc, "STAGES", tuple(gc.Stage(n, look, cuda=False) for n in ("env", "correctness", "kernels")))
-    code = gc.main(["--out", str(out), "--only", "env,correctness,kernels"])
+    code = gc.main(["--out", str(out), "--only", "env,correctness,kernels", "--wheels", str(tmp_path / "none")])
     assert code == 1
     assert seen_on_disk == [[], [("env", "ok")], [("env", "ok"), ("correctness", "failed")]]
     report = json.loads((out / "gpu_check.json").read_text())
@@ -205,7 +210,7 @@ def test_at_the_device_sizes_without_cuda_every_stage_but_env_is_skipped(gc, tmp
     stages = tuple(gc.Stage(s.name, (lambda ctx, limit: {"python": "3"}) if s.name == "env" else s.run, s.cuda)
                    for s in gc.STAGES)
     monkeypatch.setattr(gc, "STAGES", stages)
-    assert gc.main(["--out", str(tmp_path / "out")]) == 0
+    assert gc.main(["--out", str(tmp_path / "out"), "--wheels", str(tmp_path / "none")]) == 0
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert [(c["name"], c["status"], c["reason"]) for c in report["stages"]] == [("env", "ok", "")] + [
         (n, "skipped", "no CUDA device") for n in gc.NAMES[1:]]
@@ -226,7 +231,7 @@ def test_a_killed_run_keeps_what_it_learnt(tmp_path):
             os.kill(os.getpid(), signal.SIGKILL)
         gc.STAGES = (gc.Stage("env", ok, cuda=False), gc.Stage("correctness", die, cuda=False),
                      gc.Stage("kernels", ok, cuda=False))
-        gc.main(["--out", {str(tmp_path / "out")!r}, "--only", "env,correctness,kernels"])
+        gc.main(["--out", {str(tmp_path / "out")!r}, "--only", "env,correctness,kernels", "--wheels", {str(tmp_path)!r}])
     """))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=str(REPO))
     assert r.returncode == -9, r.stderr
