@@ -122,7 +122,9 @@ def summarize(trace: Union[str, Path, Dict[str, Any]]) -> Dict[str, Any]:
         with open(trace, encoding="utf-8") as f:
             trace = json.load(f)
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
-    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    # The host's spans only: on CUDA kineto draws each ProfilerStep# again on the GPU's timeline.
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")
+             and e.get("cat") != "gpu_user_annotation"]
     if not steps:
         raise ValueError("the trace has no ProfilerStep# spans: was it recorded with a profiler schedule?")
     step_us = sum(e["dur"] for e in steps) / len(steps)

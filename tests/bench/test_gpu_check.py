@@ -389,12 +389,14 @@ def _x(name, cat, ts, dur, tid=1, **args):
     return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
-def test_the_trace_summary_splits_a_step_into_lev_kernels_lev_gemms_and_the_rest(tmp_path):
+def test_the_trace_summary_splits_a_step_into_lev_kernels_lev_gemms_and_the_rest(gc, tmp_path):  # gc: bench/ on sys.path
     import _profile_trace as pt
 
     ev = []
     for step, t in enumerate((0.0, 1000.0)):
         ev.append(_x(f"ProfilerStep#{step + 3}", "user_annotation", t, 1000.0))
+        # On CUDA kineto also draws each step on the GPU's timeline (the H200 run counted 4 steps for 2)
+        ev.append(_x(f"ProfilerStep#{step + 3}", "gpu_user_annotation", t + 30, 900.0, tid=7))
         ev.append(_x("aten::mm", "cpu_op", t + 10, 50, **{"Input type": ["float", "float"]}))  # LEV's fp32 projection
         ev.append(_x("cudaLaunchKernel", "cuda_runtime", t + 20, 5, correlation=10 * step + 1))
         ev.append(_x("sm90_xmma_gemm_f32", "kernel", t + 30, 100, tid=7, correlation=10 * step + 1))
@@ -423,7 +425,7 @@ def test_the_trace_summary_splits_a_step_into_lev_kernels_lev_gemms_and_the_rest
         pt.summarize({"traceEvents": ev[1:2]})
 
 
-def test_the_trace_summary_knows_the_lev_kernels_by_their_names():
+def test_the_trace_summary_knows_the_lev_kernels_by_their_names(gc):
     import _profile_trace as pt
 
     source = (REPO / "megatron_lev" / "kernels" / "lev_triton.py").read_text()
