@@ -3,10 +3,11 @@ imports: spawned children import this module)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
-from typing import Optional
+from typing import Iterator, Optional
 
 _PRCTL = None
 PR_SET_PDEATHSIG = 1
@@ -89,3 +90,20 @@ def unwritable(path: str) -> Optional[str]:
     except OSError as e:
         return f"cannot write in {where} ({e.strerror or e})"
     return None
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """A temporary name beside ``path`` (same extension) to write to: renamed to ``path`` when the block
+    ends, removed when it fails or is interrupted (a full disk, Ctrl-C), so that a result file is whole or
+    absent, never truncated."""
+    head, base = os.path.split(os.path.abspath(path))
+    stem, ext = os.path.splitext(base)
+    tmp = os.path.join(head, f".{stem}.partial{ext}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

@@ -15,13 +15,14 @@ reference), plus the change of the overall PPL and the accuracy differences on t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+
+from megatron_lev._procutil import atomic_path
 
 NA = "–"
 
@@ -47,23 +48,6 @@ def _table(header: Sequence[str], rows: List[Sequence[Any]]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(_fmt(x) if not isinstance(x, str) else x for x in r) + " |")
     return "\n".join(lines)
-
-
-@contextlib.contextmanager
-def atomic_path(path: str) -> Iterator[str]:
-    """A temporary name beside ``path`` (same extension) to write to: renamed to ``path`` when the block
-    ends, removed when it fails or is interrupted (a full disk, Ctrl-C), so that a result file is whole or
-    absent, never truncated."""
-    head, base = os.path.split(os.path.abspath(path))
-    stem, ext = os.path.splitext(base)
-    tmp = os.path.join(head, f".{stem}.partial{ext}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
 
 
 def write_json(results: Dict[str, Any], path: str) -> None:

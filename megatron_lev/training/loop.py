@@ -629,7 +629,7 @@ class _Run:
 def dump_memory_snapshot(path: str) -> None:
     """--record-memory-history's snapshot, written beside ``path`` and renamed: a reader (or a stop
     mid-write) never sees a truncated pickle, and a failed write keeps the previous snapshot."""
-    from megatron_lev.evaluation.report import atomic_path
+    from megatron_lev._procutil import atomic_path
 
     with atomic_path(path) as tmp:
         torch.cuda.memory._dump_snapshot(tmp)
