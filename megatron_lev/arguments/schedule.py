@@ -92,8 +92,8 @@ def add_schedule_flags(p) -> None:
                         "linear: the output head and the loss in one, chunk by chunk, never holding the "
                         "[tokens, V/TP] logits (training loss only; evaluation still gets logits)")
     g.add_argument("--linear-cross-entropy-chunk-size", type=POSITIVE_INT, default=None,
-                   help="tokens per chunk of --cross-entropy-fusion-impl linear (default: fp32 logits of about "
-                        "256 MiB per chunk)")
+                   help="tokens per chunk of --cross-entropy-fusion-impl linear (default: on CUDA fp32 logits of "
+                        "about 256 MiB a chunk; on the CPU 512 tokens, in cache-sized vocabulary blocks)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -264,8 +264,8 @@ class LevModelConfig:
     "transformer_engine" (flag --transformer-impl)."""
 
     linear_cross_entropy_chunk_size: Optional[int] = field(default=None, metadata={"min": 1})
-    """Tokens per chunk of the linear cross-entropy (``--cross-entropy-fusion-impl linear``); None = fp32
-    logits of about 256 MiB per chunk (flag --linear-cross-entropy-chunk-size)."""
+    """Tokens per chunk of the linear cross-entropy (``--cross-entropy-fusion-impl linear``); None =
+    ``parallel.linear_cross_entropy.tiling``'s default for the device (flag --linear-cross-entropy-chunk-size)."""
 
     # ------------------------------------------------------------------ helpers
 

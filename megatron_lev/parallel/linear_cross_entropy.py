@@ -1,5 +1,5 @@
-"""The output head and its cross-entropy in one, chunk by chunk over the tokens: the per-token loss of a
-vocab-parallel linear head without the [tokens, V/TP] logits.
+"""The output head and its cross-entropy in one, tile by tile: the per-token loss of a vocab-parallel
+linear head without the [tokens, V/TP] logits.
 
 For tokens x_t (rows of the final hidden states) and the head's weight W, split by rows over the
 tensor-parallel group (rank r holds the rows [r V/TP, (r+1) V/TP), as megatron's ColumnParallelLinear
@@ -7,48 +7,78 @@ output layer), the loss of token t with target y_t is
 
     loss_t = log sum_v exp(x_t . w_v) - x_t . w_{y_t}
 
-Per chunk of tokens each rank forms its local logits x_c W_r^T in the compute dtype, takes them to fp32
-as megatron's ``vocab_parallel_cross_entropy`` does, and keeps three numbers per token: the local
-maximum, the local sum of exp(logit - local maximum) and the target's logit where the target is one of
-its rows (0 elsewhere). After the last chunk the statistics are reduced over the TP group with
+The logits are formed in tiles of a chunk of tokens by a block of this rank's vocabulary rows
+(``tiling``), in the compute dtype, and taken to fp32 as megatron's ``vocab_parallel_cross_entropy``
+does. Per token each rank keeps three numbers over its blocks: the running maximum, the sum of
+exp(logit - maximum) rescaled as the maximum grows, and the target's logit where the target is one of
+its rows (0 elsewhere). After the last tile the statistics are reduced over the TP group with
 megatron's reductions: MAX for the maximum, then SUM for the sums (each rescaled to the global maximum)
-and for the target logit. Two collectives of [tokens] per call, whatever the number of chunks.
+and for the target logit: two collectives of [tokens] per call, whatever the number of tiles.
 
 Only the per-token log-sum-exp is kept for the backward (fp32, [tokens]), beside the inputs. The
-backward recomputes each chunk's logits, forms softmax - one_hot(target) times the upstream gradient
-in fp32 (megatron's formula), casts it to the compute dtype (as autograd casts megatron's fp32 logit
-gradient to the logits' dtype) and accumulates the input gradient and the weight gradient chunk by
-chunk. The input gradient is then reduced as the output layer reduces it: all-reduced over TP, or with
-sequence parallelism (the hidden states arrive split along the sequence) the forward all-gathers them
-and the backward all-gathers them again and reduce-scatters their gradient, saving only the local
-slice as megatron's linear layer does. With gradient-accumulation fusion (megatron DDP's fp32
-``main_grad`` on the weight) each chunk's weight gradient is added into ``main_grad`` and the weight's
-``grad_added_to_main_grad`` convention of megatron's linear layer is followed.
+backward recomputes each tile's logits, forms softmax - one_hot(target) times the upstream gradient in
+fp32 (megatron's formula), casts it to the compute dtype (as autograd casts megatron's fp32 logit
+gradient to the logits' dtype) and adds the tile's input- and weight-gradient GEMMs (in fp32 across
+tiles; with one block, the input gradient is one GEMM as megatron's). The input gradient is then
+reduced as the output layer reduces it: all-reduced over TP, or with sequence parallelism (the hidden
+states arrive split along the sequence) the forward all-gathers them and the backward all-gathers them
+again and reduce-scatters their gradient, saving only the local slice as megatron's linear layer does.
+With gradient-accumulation fusion (megatron DDP's fp32 ``main_grad`` on the weight) the weight gradient
+is added into ``main_grad`` and the weight's ``grad_added_to_main_grad`` convention of megatron's linear
+layer is followed.
 
-Memory beyond the inputs: one chunk's logits (fp32, plus the compute-dtype copy under bf16) and the
-weight gradient; never a [tokens, V/TP] tensor. Compute: one more logits GEMM than megatron's path
-(the recomputation), in exchange for never writing or reading the logits in memory.
+Memory beyond the inputs and gradients: one tile's logits (fp32, plus the compute-dtype copy under
+bf16), an fp32 accumulator of one block's weight gradient (of the input gradient over several blocks),
+and [tokens] statistics; never a [tokens, V/TP] tensor. Compute: one more logits GEMM than megatron's
+path (the recomputation); on the CPU the tiles stay in the cache between their GEMM and the passes over
+them, which megatron's path makes over the whole logits in fresh memory.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from torch import Tensor
 
-__all__ = ["linear_cross_entropy", "default_chunk_size", "CHUNK_BYTES", "LinearCrossEntropyHead", "DeferredLogits"]
+__all__ = ["linear_cross_entropy", "tiling", "Tiling", "default_chunk_size", "LinearCrossEntropyHead",
+           "DeferredLogits"]
 
-# Default chunk: the fp32 logits of one chunk about this large (V/TP = 200k: 320 tokens). Large enough
-# for full-speed GEMMs, small enough that the chunk's logits stay far below the head's weight gradient.
+# The tiles the logits are formed in: ``chunk`` tokens by ``block`` of this rank's vocabulary rows.
+# On CUDA one block spans the rows, and a chunk holds about CHUNK_BYTES of fp32 logits (V/TP = 200k: 335
+# tokens): large GEMMs, few launches. On the CPU a tile of CPU_TILE_BYTES (CPU_CHUNK = 512 tokens x 2,048
+# rows) stays in the cache between its GEMM and the passes over it (max, exp, sum; the gradient's exp,
+# target, scaling and cast), which megatron's path makes over the whole logits in fresh memory; measured
+# on a 2-core Zen 5 (bench/linear_cross_entropy.py), 32 MiB tiles took ~10% and 64 MiB ones ~40% longer.
 CHUNK_BYTES = 256 * 2**20
+CPU_TILE_BYTES = 4 * 2**20
+CPU_CHUNK = 512
+
+
+class Tiling(NamedTuple):
+    chunk: int
+    """Tokens per chunk."""
+    block: int
+    """Vocabulary rows per block (this rank's rows: one block)."""
 
 
 def default_chunk_size(local_vocab: int) -> int:
-    """Tokens per chunk when none is given: fp32 logits of about ``CHUNK_BYTES`` per chunk (at least 1)."""
+    """Tokens per chunk on CUDA when none is given: fp32 logits of about ``CHUNK_BYTES`` (at least 1)."""
     return max(1, CHUNK_BYTES // (4 * max(1, local_vocab)))
+
+
+def tiling(tokens: int, rows: int, device: torch.device, chunk_size: Optional[int] = None,
+           vocab_block: Optional[int] = None) -> Tiling:
+    """The tiles for ``tokens`` tokens and ``rows`` vocabulary rows on ``device`` (see the constants)."""
+    if device.type == "cpu":
+        chunk = min(tokens, chunk_size or CPU_CHUNK)
+        block = vocab_block or max(1, CPU_TILE_BYTES // (4 * max(1, chunk)))
+    else:
+        chunk = min(tokens, chunk_size or default_chunk_size(rows))
+        block = vocab_block or rows
+    return Tiling(max(1, chunk), max(1, min(rows, block)))
 
 
 def _group_size(group) -> int:
@@ -74,33 +104,65 @@ def _local_targets(target: Tensor, start: int, rows: int) -> Tuple[Tensor, Tenso
     return torch.where(mine, local, torch.zeros_like(local)), mine
 
 
-class _ChunkBuffers:
-    """One chunk's logits buffers, reused by every chunk of a call: a fresh [chunk, V/TP] tensor per chunk
-    would be a fresh allocation (and, on CPU, fresh pages to fault in) each time. ``f32`` holds the fp32
-    logits; ``native`` their compute-dtype GEMM output when that is not fp32."""
+class _TileBuffers:
+    """One tile's buffers, reused by every tile of a call: a fresh tensor per tile would be a fresh
+    allocation (and, on the CPU, fresh pages to fault in) each time; mixed-dtype torch ops allocate one, so
+    each dtype change here is a ``copy_`` into a buffer. ``f32``: the fp32 tile; ``native``: the tile in the
+    compute dtype when that is not fp32; ``dx``, ``dw`` (and their fp32 ``dx32``, ``dw32``): the tile's
+    input- and weight-gradient GEMMs before they are added in fp32."""
 
-    def __init__(self, chunk: int, rows: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.f32 = torch.empty((chunk, rows), dtype=torch.float32, device=device)
-        self.native = None if dtype == torch.float32 else torch.empty((chunk, rows), dtype=dtype, device=device)
+    def __init__(self, tiles: Tiling, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.f32 = torch.empty(tiles, dtype=torch.float32, device=device)
+        self.native = self.dx = self.dw = self.dx32 = self.dw32 = None
+        if dtype != torch.float32:
+            self.native = torch.empty(tiles, dtype=dtype, device=device)
+            self.dx = torch.empty((tiles.chunk, hidden), dtype=dtype, device=device)
+            self.dw = torch.empty((tiles.block, hidden), dtype=dtype, device=device)
+            self.dx32 = torch.empty((tiles.chunk, hidden), dtype=torch.float32, device=device)
+            self.dw32 = torch.empty((tiles.block, hidden), dtype=torch.float32, device=device)
 
-    def logits(self, xc: Tensor, w_t: Tensor) -> Tensor:
-        """fp32 logits of the chunk ``xc``, computed in its dtype (megatron: the head's GEMM, then .float())."""
-        n = xc.shape[0]
-        if self.native is None:
-            return torch.matmul(xc, w_t, out=self.f32[:n])
-        return self.f32[:n].copy_(torch.matmul(xc, w_t, out=self.native[:n]))
+    def logits(self, xc: Tensor, w: Tensor) -> Tensor:
+        """The logits of the tokens ``xc`` and the rows ``w`` in their dtype (megatron: the head's GEMM)."""
+        n, m = xc.shape[0], w.shape[0]
+        return torch.matmul(xc, w.t(), out=(self.f32 if self.native is None else self.native)[:n, :m])
 
-    def to_compute_dtype(self, d: Tensor) -> Tensor:
-        """``d`` in the compute dtype (autograd casts megatron's fp32 logit gradient so)."""
-        if self.native is None:
-            return d
-        return self.native[:d.shape[0]].copy_(d)
+    def shifted(self, logits: Tensor, shift: Tensor) -> Tensor:
+        """fp32 ``logits - shift[:, None]`` (megatron: .float(), then the subtraction)."""
+        f32 = logits if self.native is None else self.f32[:logits.shape[0], :logits.shape[1]].copy_(logits)
+        return f32.sub_(shift.unsqueeze(1))
+
+    def scaled(self, d: Tensor, g: Tensor) -> Tensor:
+        """``d * g[:, None]`` in the compute dtype (megatron: the product in fp32, cast by autograd)."""
+        d.mul_(g.unsqueeze(1))
+        return d if self.native is None else self.native[:d.shape[0], :d.shape[1]].copy_(d)
+
+    def add_input_grad(self, acc: Tensor, d: Tensor, w: Tensor) -> None:
+        """``acc += d @ w`` (the GEMM in the compute dtype, as megatron's, summed in fp32)."""
+        if acc.dtype == d.dtype:
+            acc.addmm_(d, w)
+        else:
+            n = d.shape[0]
+            acc.add_(self.dx32[:n].copy_(torch.matmul(d, w, out=self.dx[:n])))
+
+    def add_weight_grad(self, acc: Tensor, d: Tensor, xc: Tensor) -> None:
+        """``acc += d^T @ xc`` (likewise)."""
+        if acc.dtype == d.dtype:
+            acc.addmm_(d.t(), xc)
+        else:
+            m = d.shape[1]
+            acc.add_(self.dw32[:m].copy_(torch.matmul(d.t(), xc, out=self.dw[:m])))
+
+
+def _in_block(local: Tensor, mine: Tensor, j: int, rows: int) -> Tuple[Tensor, Tensor]:
+    """(index into the block of rows [j, j + rows), whether the target is in it)."""
+    inside = mine & (local >= j) & (local < j + rows)
+    return (local - j).clamp_(0, rows - 1), inside
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, tp_group, sequence_parallel: bool,
-                chunk_size: Optional[int], gradient_accumulation_fusion: bool) -> Tensor:
+                chunk_size: Optional[int], vocab_block: Optional[int], gradient_accumulation_fusion: bool):
         tp = _group_size(tp_group)
         sp = bool(sequence_parallel) and tp > 1
         total = _gather_sequence(hidden, tp_group) if sp else hidden
@@ -109,24 +171,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
         y = target.reshape(-1)
         if y.numel() != x.shape[0]:
             raise ValueError(f"linear cross-entropy: {x.shape[0]} tokens of hidden states but {y.numel()} targets")
-        rows = weight.shape[0]
+        rows, n = weight.shape[0], x.shape[0]
         start = _group_rank(tp_group) * rows
-        n = x.shape[0]
-        step = chunk_size or default_chunk_size(rows)
-        stats = torch.empty((3, n), dtype=torch.float32, device=x.device)  # local max, local sum-exp, target
+        tiles = tiling(n, rows, x.device, chunk_size, vocab_block)
+        c, vb = tiles
+        # Per token: this rank's max logit, sum of exp(logit - max), target logit (0 if not its row); argmax.
+        stats = torch.empty((3, n), dtype=torch.float32, device=x.device)
         local_argmax = torch.empty(n, dtype=torch.long, device=x.device)
-        bufs = _ChunkBuffers(min(step, n), rows, x.dtype, x.device)
-        w_t = weight.t()
-        for i in range(0, n, step):
-            xc = x[i:i + step]
-            logits = bufs.logits(xc, w_t)
-            idx, mine = _local_targets(y[i:i + step], start, rows)
-            top, arg = logits.max(dim=-1)
-            stats[0, i:i + step] = top
-            local_argmax[i:i + step] = arg
-            picked = logits.gather(1, idx.unsqueeze(1)).squeeze(1)
-            stats[2, i:i + step] = torch.where(mine, picked, torch.zeros_like(picked))
-            stats[1, i:i + step] = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=-1)
+        stats[0].fill_(float("-inf"))
+        stats[1:].zero_()
+        local_argmax.zero_()
+        local, mine = _local_targets(y, start, rows)
+        bufs = _TileBuffers(tiles, h, x.dtype, x.device)
+        # Vocabulary blocks outside, token chunks inside: a block's rows stay in the cache for every chunk.
+        for j in range(0, rows, vb):
+            w = weight[j:j + vb]
+            for i in range(0, n, c):
+                top, sums, picked, arg = stats[0, i:i + c], stats[1, i:i + c], stats[2, i:i + c], local_argmax[i:i + c]
+                logits = bufs.logits(x[i:i + c], w)
+                idx, inside = _in_block(local[i:i + c], mine[i:i + c], j, w.shape[0])
+                picked.add_(torch.where(inside, logits.gather(1, idx.unsqueeze(1)).squeeze(1).float(), 0.0))
+                block_top, block_arg = logits.max(dim=-1)
+                block_top = block_top.float()
+                new_top = torch.maximum(top, block_top)
+                arg.copy_(torch.where(block_top > top, block_arg + j, arg))  # the first maximum, as torch.max
+                # Running sum of exp over the blocks, rescaled to the running maximum (exactly megatron's
+                # sum with one block: the previous sum is 0 before the first).
+                sums.mul_(torch.exp(top - new_top)).add_(bufs.shifted(logits, new_top).exp_().sum(dim=-1))
+                top.copy_(new_top)
         del bufs
         local_max, sums = stats[0], stats[1:]
         if tp > 1:
@@ -140,7 +212,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss = lse - sums[1]
 
         ctx.save_for_backward(hidden, weight, target, lse)
-        ctx.tp_group, ctx.sp, ctx.step, ctx.start = tp_group, sp, step, start
+        ctx.tp_group, ctx.sp, ctx.tiles, ctx.start = tp_group, sp, tiles, start
         # Saved here, not with save_for_backward: the same head may serve several losses (MTP), as in
         # megatron's linear layer.
         ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
@@ -152,43 +224,61 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_max, _grad_argmax):
         hidden, weight, target, lse = ctx.saved_tensors
-        tp_group, sp, step, start = ctx.tp_group, ctx.sp, ctx.step, ctx.start
+        tp_group, sp, tiles, start = ctx.tp_group, ctx.sp, ctx.tiles, ctx.start
+        c, vb = tiles
         total = _gather_sequence(hidden, tp_group) if sp else hidden
         h = total.shape[-1]
         x = total.reshape(-1, h)
         y = target.reshape(-1)
         g = grad_loss.reshape(-1).float()
-        rows = weight.shape[0]
-        n = x.shape[0]
-        grad_x = torch.empty_like(x)
+        rows, n = weight.shape[0], x.shape[0]
+        several = vb < rows
+        # Over several blocks the input gradient is summed in fp32 (one rounding, as one GEMM's).
+        grad_x = torch.zeros_like(x) if several and x.dtype == torch.float32 else torch.empty_like(x)
+        acc_x = torch.zeros((n, h), dtype=torch.float32, device=x.device) \
+            if several and x.dtype != torch.float32 else grad_x
         main_grad = ctx.main_grad
         fused_wgrad = ctx.fusion and main_grad is not None
         need_w = ctx.needs_input_grad[1]  # not for a frozen (detached) head weight, as megatron's linear layer
-        grad_w = None
+        grad_w = acc_w = None
         if need_w and fused_wgrad:
             weight.main_grad = main_grad
-            grad_w = main_grad
         elif need_w:
-            # Summed in fp32 whatever the weight's dtype: a bf16 sum would round once per chunk.
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        bufs = _ChunkBuffers(min(step, n), rows, x.dtype, x.device)
-        w_t = weight.t()
-        for i in range(0, n, step):
-            xc = x[i:i + step]
-            # softmax - one_hot(target), times the upstream gradient: megatron's backward, in fp32.
-            d = bufs.logits(xc, w_t).sub_(lse[i:i + step].unsqueeze(1)).exp_()
-            idx, mine = _local_targets(y[i:i + step], start, rows)
-            d.scatter_add_(1, idx.unsqueeze(1), -mine.to(d.dtype).unsqueeze(1))
-            d.mul_(g[i:i + step].unsqueeze(1))
-            d = bufs.to_compute_dtype(d)
-            torch.matmul(d, weight, out=grad_x[i:i + step])
-            if grad_w is None:
-                pass
-            elif grad_w.dtype == d.dtype:
-                grad_w.addmm_(d.t(), xc)
-            else:  # the chunk's GEMM in the compute dtype, as megatron's, added in fp32
-                grad_w.add_(torch.matmul(d.t(), xc))
+            grad_w = torch.empty_like(weight)
+            # A block's weight gradient is summed over the chunks in fp32: a bf16 sum would round per chunk.
+            acc_w = None if weight.dtype == torch.float32 else torch.empty((vb, h), dtype=torch.float32,
+                                                                          device=weight.device)
+        local, mine = _local_targets(y, start, rows)
+        bufs = _TileBuffers(tiles, h, x.dtype, x.device)
+        for j in range(0, rows, vb):
+            w = weight[j:j + vb]
+            if not need_w:
+                gw = None
+            elif fused_wgrad:
+                gw = main_grad[j:j + vb]
+            elif acc_w is None:
+                gw = grad_w[j:j + vb].zero_()
+            else:
+                gw = acc_w[:w.shape[0]].zero_()
+            for i in range(0, n, c):
+                xc = x[i:i + c]
+                # softmax - one_hot(target), times the upstream gradient: megatron's backward, in fp32.
+                d = bufs.shifted(bufs.logits(xc, w), lse[i:i + c]).exp_()
+                idx, inside = _in_block(local[i:i + c], mine[i:i + c], j, w.shape[0])
+                d.scatter_add_(1, idx.unsqueeze(1), -inside.to(d.dtype).unsqueeze(1))
+                d = bufs.scaled(d, g[i:i + c])
+                if several:
+                    bufs.add_input_grad(acc_x[i:i + c], d, w)
+                else:  # one GEMM over the rows, as megatron's
+                    torch.matmul(d, w, out=acc_x[i:i + c])
+                if gw is not None:
+                    bufs.add_weight_grad(gw, d, xc)
+            if acc_w is not None:
+                grad_w[j:j + vb].copy_(gw)
         del bufs
+        if acc_x is not grad_x:
+            grad_x.copy_(acc_x)
+        del acc_x, acc_w
         if _group_size(tp_group) > 1:
             if sp:
                 out = torch.empty_like(hidden).reshape(-1, h)
@@ -208,13 +298,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else:
                 grad_weight = None
         else:
-            grad_weight = grad_w if grad_w is None or grad_w.dtype == weight.dtype else grad_w.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+            grad_weight = grad_w
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          tp_group: Optional[dist.ProcessGroup] = None, sequence_parallel: bool = False,
-                         chunk_size: Optional[int] = None, gradient_accumulation_fusion: bool = False) -> Tensor:
+                         chunk_size: Optional[int] = None, vocab_block: Optional[int] = None,
+                         gradient_accumulation_fusion: bool = False) -> Tensor:
     """Per-token cross-entropy of the vocab-parallel head ``weight`` on ``hidden``, without its logits.
 
     Args:
@@ -223,22 +314,25 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         target: token ids [s, b] (the whole sequence on every rank, as megatron's loss takes them), or [tokens].
         tp_group: the tensor-parallel group (None: one rank).
         sequence_parallel: ``hidden`` is split along dim 0 over ``tp_group`` (megatron's sequence parallelism).
-        chunk_size: tokens per chunk (None: ``default_chunk_size``).
+        chunk_size, vocab_block: tokens and vocabulary rows per tile (None: ``tiling``'s defaults).
         gradient_accumulation_fusion: add the weight gradient into ``weight.main_grad`` (megatron DDP).
 
     Returns:
         fp32 loss shaped like ``target``; equal to megatron's ``vocab_parallel_cross_entropy`` of the
         head's logits, without label smoothing.
     """
-    return _apply(hidden, weight, target, tp_group, sequence_parallel, chunk_size, gradient_accumulation_fusion)[0]
+    return _apply(hidden, weight, target, tp_group, sequence_parallel, chunk_size, vocab_block,
+                  gradient_accumulation_fusion)[0]
 
 
-def _apply(hidden, weight, target, tp_group, sequence_parallel, chunk_size, gradient_accumulation_fusion):
+def _apply(hidden, weight, target, tp_group, sequence_parallel, chunk_size, vocab_block,
+           gradient_accumulation_fusion):
     """(loss, this rank's largest logit per token, its index among this rank's rows)."""
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"linear cross-entropy: chunk_size must be >= 1 (got {chunk_size})")
+    for name, value in (("chunk_size", chunk_size), ("vocab_block", vocab_block)):
+        if value is not None and value < 1:
+            raise ValueError(f"linear cross-entropy: {name} must be >= 1 (got {value})")
     return _LinearCrossEntropy.apply(hidden, weight, target, tp_group, sequence_parallel, chunk_size,
-                                     gradient_accumulation_fusion)
+                                     vocab_block, gradient_accumulation_fusion)
 
 
 class DeferredLogits:
@@ -310,6 +404,6 @@ class LinearCrossEntropyHead(ColumnParallelLinear):
     def loss(self, deferred: DeferredLogits, labels: Tensor) -> Tensor:
         """Per-token loss [b, s] for ``labels`` [b, s], as megatron's ``compute_language_model_loss``."""
         loss, top, arg = _apply(deferred.hidden, deferred.weight, labels.transpose(0, 1).contiguous(), self.tp_group,
-                                self.sequence_parallel, self.chunk_size, self.gradient_accumulation_fusion)
+                                self.sequence_parallel, self.chunk_size, None, self.gradient_accumulation_fusion)
         deferred.local_max = torch.return_types.max((top, arg))
         return loss.transpose(0, 1).contiguous()

@@ -45,7 +45,8 @@ def _exact(x, w, y, up, tp: int, rank: int, sp: bool):
     return loss.view(S, B), gx, w64.grad.chunk(tp, dim=0)[rank]
 
 
-def function_case(sp: bool, dtype: torch.dtype, chunk: Optional[int] = 5) -> Dict[str, Dict[str, float]]:
+def function_case(sp: bool, dtype: torch.dtype, chunk: Optional[int] = 5,
+                  block: Optional[int] = 13) -> Dict[str, Dict[str, float]]:
     """One rank's figures for the loss, the input gradient and the weight-shard gradient: ``vs_megatron``,
     the relative difference from megatron's path; ``err`` and ``megatron_err``, each one's relative error
     from the float64 result of the same inputs."""
@@ -75,7 +76,8 @@ def function_case(sp: bool, dtype: torch.dtype, chunk: Optional[int] = 5) -> Dic
 
     got_w = torch.nn.Parameter(shard.clone())
     got_x = local_x.clone().requires_grad_(True)
-    got_loss = linear_cross_entropy(got_x, got_w, y, tp_group=group, sequence_parallel=sp, chunk_size=chunk)
+    got_loss = linear_cross_entropy(got_x, got_w, y, tp_group=group, sequence_parallel=sp, chunk_size=chunk,
+                                    vocab_block=block)
     (got_loss * up).sum().backward()
     assert got_loss.dtype == torch.float32 and got_loss.shape == (S, B)
     assert got_x.grad.dtype == dtype and got_w.grad.dtype == dtype and got_x.grad.shape == local_x.shape
@@ -131,8 +133,10 @@ def _grads(chunks) -> Dict[str, torch.Tensor]:
 
 
 def model_case(arm: str, *, sp: bool = False, bf16: bool = False, per_token: bool = False, moe: bool = False,
-               chunk: int = 7, **extra) -> Dict[str, Any]:
-    """The same weights trained one step with megatron's loss and with the linear cross-entropy."""
+               chunk: int = 7, block: Optional[int] = None, **extra) -> Dict[str, Any]:
+    """The same weights trained one step with megatron's loss and with the linear cross-entropy (tiles of
+    ``chunk`` tokens by ``block`` vocabulary rows: the CPU tile's size is set for it)."""
+    from megatron_lev.parallel import linear_cross_entropy as lce
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
@@ -173,7 +177,13 @@ def model_case(arm: str, *, sp: bool = False, bf16: bool = False, per_token: boo
         if bf16:
             chunks = [Float16Module(config, c) for c in chunks]
         wrapped = H.wrap_ddp(chunks, config)
-        losses = _schedule(wrapped, config)
+        tile_bytes = lce.CPU_TILE_BYTES
+        if name == "linear" and block is not None:
+            lce.CPU_TILE_BYTES = 4 * chunk * block
+        try:
+            losses = _schedule(wrapped, config)
+        finally:
+            lce.CPU_TILE_BYTES = tile_bytes
         runs[name] = (losses, _grads(chunks))
     if "logits" in runs:
         ref_logits, logits = runs.pop("logits")
@@ -196,10 +206,12 @@ def all_checks() -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for sp in (False, True):
         for dtype in (torch.float32, torch.bfloat16):
-            out[f"fn tp2 sp={sp} {dtype}"] = function_case(sp, dtype)
-    out["fn tp2 sp=True default chunk"] = function_case(True, torch.float32, chunk=None)
+            out[f"fn tp2 sp={sp} {dtype} blocks"] = function_case(sp, dtype)  # 48 rows a rank: 4 blocks
+            out[f"fn tp2 sp={sp} {dtype} one block"] = function_case(sp, dtype, block=None)
+    out["fn tp2 sp=True default tiles"] = function_case(True, torch.float32, chunk=None, block=None)
     mtp = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
-    out["model tp2 sp untied moe mtp per-token"] = model_case("untied", sp=True, moe=True, per_token=True, **mtp)
+    out["model tp2 sp untied moe mtp per-token"] = model_case("untied", sp=True, moe=True, per_token=True, block=100,
+                                                             **mtp)
     # LEV's codebook gradient sums many cancelling terms, so fp32 rounding shows there at ~1e-6 in either
     # path: its arm is compared in float64.
     out["model tp2 sp lev mtp per-token float64"] = model_case("lev", sp=True, per_token=True,
@@ -207,9 +219,9 @@ def all_checks() -> Dict[str, Any]:
     out["model tp2 tied bf16"] = model_case("tied", bf16=True)
     H._reinit(pp=2)
     out["model pp2 untied mtp per-token"] = model_case("untied", per_token=True, mtp_num_layers=1)
-    out["model pp2 lev bf16"] = model_case("lev", bf16=True)
+    out["model pp2 lev bf16"] = model_case("lev", bf16=True, block=100)
     H._reinit(tp=1)
     for dtype in (torch.float32, torch.bfloat16):
-        out[f"fn tp1 {dtype}"] = function_case(False, dtype)
+        out[f"fn tp1 {dtype} blocks"] = function_case(False, dtype)
     out["model tp1 factored_mlp"] = model_case("factored_mlp")
     return out
