@@ -9,7 +9,8 @@ ColumnParallelLinear head, then ``vocab_parallel_cross_entropy``) against the li
 
 A step is the head's forward and backward on given final hidden states [tokens, 1, hidden] with a loss
 mask (the loss summed over the unmasked tokens and divided by their count, as the training loop's loss
-function), the gradients of the hidden states and of the head's weight included. Each (V, TP) layout
+function), the gradients of the hidden states and of the head's weight included. The two paths' loss
+and gradients are compared once (relative difference of the norms). Each (V, TP) layout
 runs on TP ranks of its own (gloo on the CPU, one rank's share of the cores each), the two paths
 alternately, ``--repeats`` times after one warm-up each for the time and as many again for the peak;
 the figures are medians, per rank (the largest over the ranks).
@@ -51,6 +52,7 @@ def _step_megatron(head, x, y, mask):
     loss = vocab_parallel_cross_entropy(logits, y)
     del logits
     ((loss * mask).sum() / mask.sum()).backward()
+    return loss.detach()
 
 
 def _step_chunked(head, x, y, mask, chunk_size, vocab_block):
@@ -59,6 +61,11 @@ def _step_chunked(head, x, y, mask, chunk_size, vocab_block):
     loss = linear_cross_entropy(x, head.weight, y, tp_group=head.tp_group, chunk_size=chunk_size,
                                 vocab_block=vocab_block)
     ((loss * mask).sum() / mask.sum()).backward()
+    return loss.detach()
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _timed(step, device: str, group, exact_memory: bool) -> tuple:
@@ -128,9 +135,15 @@ def rank_measure(vocab: int, tokens: int, hidden: int, dtype_name: str, repeats:
         x.grad = None
         head.weight.grad = None
 
-    for step in steps.values():  # warm-up: allocator, first touch of the code paths
-        step()
+    # Warm-up (allocator, first touch of the code paths), and the two paths' agreement on these sizes.
+    outputs = {}
+    for name, step in steps.items():
+        loss = step()
+        outputs[name] = (loss, x.grad.clone(), head.weight.grad.clone())
         clear()
+    agreement = {what: _rel(got, ref) for what, got, ref in zip(("loss", "grad_input", "grad_weight"),
+                                                                 outputs["chunked"], outputs["megatron"])}
+    del outputs
     # Times first, under glibc's own allocation policy; then peaks, with every block of 256 KiB or more
     # counted (``_exact_resident_set``), which costs page faults the timed steps do not pay.
     for kind in ("s", "mib"):
@@ -140,7 +153,7 @@ def rank_measure(vocab: int, tokens: int, hidden: int, dtype_name: str, repeats:
                 figures[name][kind].append(s if kind == "s" else mib)
                 clear()
     tiles = tiling(tokens, head.weight.shape[0], dev, chunk_size, vocab_block)
-    return {"tiles": tuple(tiles), "threads": torch.get_num_threads(),
+    return {"tiles": tuple(tiles), "threads": torch.get_num_threads(), "agreement": agreement,
             **{name: {k: statistics.median(v) for k, v in f.items()} for name, f in figures.items()}}
 
 
@@ -153,7 +166,8 @@ def measure(vocab: int, tp: int, a) -> dict:
                            args=(vocab, a.tokens, a.hidden, a.dtype, a.repeats, a.device, a.chunk_size, a.vocab_block,
                                  a.threads))
     out = {name: {k: max(r[name][k] for r in per_rank) for k in ("mib", "s")} for name in ("megatron", "chunked")}
-    out.update(tiles=per_rank[0]["tiles"], threads=per_rank[0]["threads"])
+    out.update(tiles=per_rank[0]["tiles"], threads=per_rank[0]["threads"],
+               agreement={k: max(r["agreement"][k] for r in per_rank) for k in per_rank[0]["agreement"]})
     return out
 
 
@@ -192,7 +206,8 @@ def main(argv=None) -> int:
             print(f"V={v} TP={tp} ({r['threads']} threads a rank; tiles {r['tiles'][0]} tokens x "
                   f"{r['tiles'][1]} rows): megatron {m['mib']:.0f} MiB {m['s']:.2f} s | chunked {c['mib']:.0f} MiB "
                   f"{c['s']:.2f} s | memory ratio {m['mib'] / max(c['mib'], 1e-9):.2f}, time ratio "
-                  f"{c['s'] / m['s']:.2f}", flush=True)
+                  f"{c['s'] / m['s']:.2f} | relative difference: " +
+                  ", ".join(f"{k} {v:.1e}" for k, v in r["agreement"].items()), flush=True)
     print(f"load average after: {tuple(round(x, 1) for x in os.getloadavg())}")
     key = (max(a.vocab), min(a.tp))
     r = results[key]
