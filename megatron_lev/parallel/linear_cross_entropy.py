@@ -111,11 +111,13 @@ class _TileBuffers:
     compute dtype when that is not fp32; ``dx``, ``dw`` (and their fp32 ``dx32``, ``dw32``): the tile's
     input- and weight-gradient GEMMs before they are added in fp32."""
 
-    def __init__(self, tiles: Tiling, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, tiles: Tiling, hidden: int, dtype: torch.dtype, device: torch.device,
+                 gradients: bool = False) -> None:
         self.f32 = torch.empty(tiles, dtype=torch.float32, device=device)
         self.native = self.dx = self.dw = self.dx32 = self.dw32 = None
         if dtype != torch.float32:
             self.native = torch.empty(tiles, dtype=dtype, device=device)
+        if dtype != torch.float32 and gradients:
             self.dx = torch.empty((tiles.chunk, hidden), dtype=dtype, device=device)
             self.dw = torch.empty((tiles.block, hidden), dtype=dtype, device=device)
             self.dx32 = torch.empty((tiles.chunk, hidden), dtype=torch.float32, device=device)
@@ -187,7 +189,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for j in range(0, rows, vb):
             w = weight[j:j + vb]
             for i in range(0, n, c):
-                top, sums, picked, arg = stats[0, i:i + c], stats[1, i:i + c], stats[2, i:i + c], local_argmax[i:i + c]
+                top, sums, picked = stats[0, i:i + c], stats[1, i:i + c], stats[2, i:i + c]
+                arg = local_argmax[i:i + c]
                 logits = bufs.logits(x[i:i + c], w)
                 idx, inside = _in_block(local[i:i + c], mine[i:i + c], j, w.shape[0])
                 picked.add_(torch.where(inside, logits.gather(1, idx.unsqueeze(1)).squeeze(1).float(), 0.0))
@@ -249,7 +252,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             acc_w = None if weight.dtype == torch.float32 else torch.empty((vb, h), dtype=torch.float32,
                                                                           device=weight.device)
         local, mine = _local_targets(y, start, rows)
-        bufs = _TileBuffers(tiles, h, x.dtype, x.device)
+        bufs = _TileBuffers(tiles, h, x.dtype, x.device, gradients=True)
         for j in range(0, rows, vb):
             w = weight[j:j + vb]
             if not need_w:
