@@ -69,9 +69,9 @@ def _rel(a, b) -> float:
 
 
 def _timed(step, device: str, group, exact_memory: bool) -> tuple:
-    """(peak MiB above the start, seconds) of one step; the time is the slowest rank's."""
-    if exact_memory and device == "cpu":
-        _exact_resident_set()
+    """(peak MiB above the start, seconds, whether the peak counts every block of 256 KiB or more) of one
+    step; the time is the slowest rank's."""
+    exact = device != "cpu" or (exact_memory and _exact_resident_set())
     torch.distributed.barrier(group=group)
     with PeakMemory(device) as mem:
         t0 = time.perf_counter()
@@ -80,23 +80,26 @@ def _timed(step, device: str, group, exact_memory: bool) -> tuple:
             torch.cuda.synchronize()
         elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX, group=group)
-    return mem.mib, float(elapsed)
+    return mem.mib, float(elapsed), exact
 
 
-def _exact_resident_set() -> None:
+def _exact_resident_set() -> bool:
     """Make the resident set count every block of 256 KiB or more while it lives. glibc serves blocks below
     its mmap threshold (which grows up to 32 MiB as large blocks are freed) from its heap, where a freed
     block stays resident and is reused without the resident set moving: the threshold is fixed at 256 KiB
     and the heap's free pages are returned (``malloc_trim``), so that a block the heap hands out again
-    is faulted in, and counted, anew. Called before each measured step."""
+    is faulted in, and counted, anew. Called before each measured step; False where the C library has no
+    ``mallopt``/``malloc_trim`` (not glibc): there the peak can miss blocks the heap reused."""
     import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD
+        if libc.mallopt(-3, 256 * 1024) != 1:  # -3: M_MMAP_THRESHOLD; 1 is success
+            return False
         libc.malloc_trim(0)
     except (OSError, AttributeError):
-        pass
+        return False
+    return True
 
 
 def rank_measure(vocab: int, tokens: int, hidden: int, dtype_name: str, repeats: int, device: str,
@@ -130,6 +133,7 @@ def rank_measure(vocab: int, tokens: int, hidden: int, dtype_name: str, repeats:
     steps = {"megatron": lambda: _step_megatron(head, x, y, mask),
              "chunked": lambda: _step_chunked(head, x, y, mask, chunk_size, vocab_block)}
     figures = {name: {"mib": [], "s": []} for name in steps}
+    exact = True
 
     def clear():
         x.grad = None
@@ -149,11 +153,12 @@ def rank_measure(vocab: int, tokens: int, hidden: int, dtype_name: str, repeats:
     for kind in ("s", "mib"):
         for _ in range(repeats):
             for name, step in steps.items():
-                mib, s = _timed(step, device, group, exact_memory=kind == "mib")
+                mib, s, step_exact = _timed(step, device, group, exact_memory=kind == "mib")
                 figures[name][kind].append(s if kind == "s" else mib)
+                exact = exact and (kind == "s" or step_exact)
                 clear()
     tiles = tiling(tokens, head.weight.shape[0], dev, chunk_size, vocab_block)
-    return {"tiles": tuple(tiles), "threads": torch.get_num_threads(), "agreement": agreement,
+    return {"tiles": tuple(tiles), "threads": torch.get_num_threads(), "agreement": agreement, "exact_peak": exact,
             **{name: {k: statistics.median(v) for k, v in f.items()} for name, f in figures.items()}}
 
 
@@ -167,6 +172,7 @@ def measure(vocab: int, tp: int, a) -> dict:
                                  a.threads))
     out = {name: {k: max(r[name][k] for r in per_rank) for k in ("mib", "s")} for name in ("megatron", "chunked")}
     out.update(tiles=per_rank[0]["tiles"], threads=per_rank[0]["threads"],
+               exact_peak=all(r["exact_peak"] for r in per_rank),
                agreement={k: max(r["agreement"][k] for r in per_rank) for k in per_rank[0]["agreement"]})
     return out
 
@@ -208,6 +214,9 @@ def main(argv=None) -> int:
                   f"{c['s']:.2f} s | memory ratio {m['mib'] / max(c['mib'], 1e-9):.2f}, time ratio "
                   f"{c['s'] / m['s']:.2f} | relative difference: " +
                   ", ".join(f"{k} {v:.1e}" for k, v in r["agreement"].items()), flush=True)
+    if not all(r["exact_peak"] for r in results.values()):
+        print("peak memory NOT exact: this C library has no glibc mallopt/malloc_trim, so blocks its heap "
+              "reused are missing from the peaks above (a lower bound)")
     print(f"load average after: {tuple(round(x, 1) for x in os.getloadavg())}")
     key = (max(a.vocab), min(a.tp))
     r = results[key]

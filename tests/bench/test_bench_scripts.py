@@ -158,3 +158,28 @@ def test_startup_bench_interleaves_the_arms_and_reports_medians_and_ratios(monke
     assert "start-up CPU ratio (deferred / eager): 0.50" in out and "3 samples per arm, load average" in out
     with pytest.raises(SystemExit):
         st.main(["--samples", "0"])
+
+
+def test_linear_cross_entropy_bench_says_when_its_peaks_are_not_exact(monkeypatch, capsys):
+    lce = _load("linear_cross_entropy")
+    import ctypes
+
+    assert lce._exact_resident_set() is True  # glibc here: the threshold is fixed and the heap trimmed
+
+    def no_libc(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_libc)
+    assert lce._exact_resident_set() is False
+
+    def fake_measure(vocab, tp, a, exact=True):
+        step = {"mib": 10.0, "s": 1.0}
+        return {"megatron": step, "chunked": step, "tiles": (512, 2048), "threads": 1, "agreement": {"loss": 0.0},
+                "exact_peak": exact}
+
+    monkeypatch.setattr(lce, "measure", fake_measure)
+    lce.main(["--vocab", "64", "--tp", "1"])
+    assert "NOT exact" not in capsys.readouterr().out
+    monkeypatch.setattr(lce, "measure", lambda vocab, tp, a: fake_measure(vocab, tp, a, exact=tp == 1))
+    lce.main(["--vocab", "64", "--tp", "1", "2"])
+    assert "peak memory NOT exact" in capsys.readouterr().out
