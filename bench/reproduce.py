@@ -192,7 +192,9 @@ def train_command(a, run: Dict[str, Any]) -> List[str]:
         "--train-iters", str(a.train_iters), "--lr", cfg["lr"], "--min-lr", cfg["min_lr"],
         "--lr-warmup-iters", str(warm), "--seed", str(run["seed"]),
         "--train-data-path", str(paths["train"]), "--valid-data-path", str(paths["valid"]),
-        "--data-cache-path", str(a.work_dir / "cache"), *tokenizer_args(a),
+        # The run's own index cache: runs trained side by side (train_and_evaluate's parallel) would otherwise
+        # build and read the same megatron-core index files at once (a reader can map a half-written one).
+        "--data-cache-path", str(d / "cache"), *tokenizer_args(a),
         "--log-interval", str(cfg["log_interval"]), "--eval-interval", str(cfg["eval_interval"]),
         "--eval-iters", str(cfg["eval_iters"]), "--save-interval", str(cfg["save_interval"]),
         "--exit-signal-handler", "--quiet-config", "--input-embedding", run["arm"],

@@ -29,7 +29,7 @@ import random
 import re
 import shutil
 import signal
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -627,15 +627,17 @@ def refuse_newer_checkpoints(args, start: Optional[int] = None, *, checksums_on:
     process group is set up), each newer one is also verified against its checksums, spread over the
     ranks, so one whose bytes changed is not in the way of resuming from an older one."""
     load, save = args.load, args.save
-    if save is None or args.overwrite_checkpoints or not os.path.isdir(save):
+    if save is None or args.overwrite_checkpoints:
         return
     if load is None or os.path.realpath(load) != os.path.realpath(save):
         return  # another --save than --load: check_save_and_load refused any complete checkpoint there
-    if start is None:
-        start = _start_iteration(args)
-    if checksums_on:  # collective: every rank verifies the same list, rank 0's
-        newer = _newer_in_the_way(save, start)
+    if checksums_on:  # collective: every rank takes rank 0's view of the folder and verifies the same list
+        start, newer = _newer_in_the_way(args, start)
     else:
+        if not os.path.isdir(save):
+            return
+        if start is None:
+            start = _start_iteration(args)
         newer = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
                  and find_damage(checkpoint_dir(save, it)) is None]
     if newer:
@@ -649,23 +651,36 @@ def refuse_newer_checkpoints(args, start: Optional[int] = None, *, checksums_on:
             f"--overwrite-checkpoints to replace it")
 
 
-def _newer_in_the_way(save: str, start: Optional[int]) -> List[int]:
-    """Collective. The first complete checkpoint under ``save`` newer than ``start`` that matches its
-    checksums, as a list (empty: none). Rank 0 lists the candidates and sends them, so every rank runs the
-    same verifications; a newer checkpoint whose files changed or went missing may be written over (one
-    line on rank 0 says so), one that cannot be read or checked stays in the way."""
+def _newer_in_the_way(args, start: Optional[int]) -> Tuple[Optional[int], List[int]]:
+    """Collective. The iteration the run continues from (``start``; None: resolved from the flags) and the
+    first complete checkpoint under ``--save`` newer than it that matches its checksums, as a list (empty:
+    none). Rank 0 reads the folder and sends what it found: a rank's own look could differ (another rank,
+    the TensorBoard writer among them, may be creating ``--save`` at that moment), and every rank must make
+    the same collective calls and run the same verifications. A newer checkpoint whose files changed or
+    went missing may be written over (one line on rank 0 says so), one that cannot be read or checked stays
+    in the way."""
     from megatron_lev.parallel.collectives import broadcast_object
 
+    save = args.save
     rank = torch.distributed.get_rank()
     if rank == 0:
         try:
-            sent = [it for it in complete_iterations(save) if it > (-1 if start is None else start)
-                    and find_damage(checkpoint_dir(save, it)) is None]
+            if not os.path.isdir(save):
+                sent = (start, [])
+            else:
+                start = _start_iteration(args) if start is None else start
+                sent = (start, [it for it in complete_iterations(save) if it > (-1 if start is None else start)
+                                and find_damage(checkpoint_dir(save, it)) is None])
+        except CheckpointError as e:  # a bad tracker: its own line, on every rank
+            sent = str(e)
         except OSError as e:
             sent = f"--save {save}: cannot be listed ({type(e).__name__}: {_first_line(e)})"
-    candidates = broadcast_object(sent if rank == 0 else None)
-    if isinstance(candidates, str):
-        raise CheckpointError(candidates)
+    got = broadcast_object(sent if rank == 0 else None)
+    if isinstance(got, str):
+        raise CheckpointError(got)
+    start, candidates = got
+    if not candidates:
+        return start, []
     for it in candidates:
         path = checkpoint_dir(save, it)
         try:
@@ -676,11 +691,11 @@ def _newer_in_the_way(save: str, start: Optional[int]) -> List[int]:
                     print(f"WARNING: {path}, newer than the checkpoint this run loads, is damaged "
                           f"({_first_line(e).split(';')[0]}); this run may write over it", flush=True)
                 continue
-            return [it]
+            return start, [it]
         except CheckpointError:  # its manifest unreadable, or a rank could not check it: keep it
-            return [it]
-        return [it]
-    return []
+            return start, [it]
+        return start, [it]
+    return start, []
 
 
 def _untracked_message(root: str, flag: str) -> str:

@@ -42,14 +42,16 @@ def test_runs_and_outputs(rep, tmp_path):
 def test_arms_share_every_flag_but_the_input_embedding(rep, tmp_path):
     a = rep.parse_args(["--work-dir", str(tmp_path)])
     runs = [r for r in rep.runs_of(a) if r["seed"] == 1234]
-    cmds = []
+    cmds, caches = [], set()
     for r in runs:
         c = rep.train_command(a, r)
+        caches.add(c[c.index("--data-cache-path") + 1])  # side-by-side runs must not share index files
         i = c.index("--input-embedding")
         assert c[i + 1] == r["arm"]
         c = [x.replace(r["name"], "RUN") for x in c[:i] + c[i + 2:]]
         cmds.append(c)
     assert all(c == cmds[0] for c in cmds)
+    assert len(caches) == len(runs)
     ev = rep.eval_command(a, runs[0])
     for flag in ("--token-counts", "--zeroshot-data", "--tasks", "--limit", "--max-tokens"):
         assert flag in ev

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import zlib
 from pathlib import Path
 
@@ -135,6 +136,19 @@ def _save_then_damage_and_verify(ckpt_dir: str):
     older = []
     verify_checksums(os.path.dirname(ckpt_dir), 1, ckpt_dir, log=older.append)
     own = sorted(n for n in parts[0][0]) if rank == 0 else None
+    # A fresh run's --save appears while the ranks start (another rank's TensorBoard writer makes it): the
+    # ranks that look before it exists and those that look after make the same collective calls.
+    from types import SimpleNamespace
+
+    from megatron_lev.checkpoint import refuse_newer_checkpoints
+
+    save = os.path.join(os.path.dirname(ckpt_dir), "fresh_save")
+    flags = SimpleNamespace(load=save, save=save, overwrite_checkpoints=False, finetune=False, ckpt_step=None)
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 has looked by now, before the folder exists
+        os.makedirs(save)
+    refuse_newer_checkpoints(flags, checksums_on=True)
+    torch.distributed.barrier()
     return {"manifest": sorted(manifest), "written": sorted(written), "victim": victim, "refusal": refusal,
             "warnings": warnings, "older": older, "local": local, "rank0_parts": own, "parts_len": None if parts is None else len(parts)}
 

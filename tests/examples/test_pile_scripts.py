@@ -258,6 +258,25 @@ def _tail(path: Path, n=6000) -> str:
     return path.read_text()[-n:] if path.exists() else ""
 
 
+def _kill_trees(procs) -> None:
+    """SIGKILL each still-running process and everything under it."""
+    import psutil
+
+    for p in procs:
+        if p.poll() is not None:
+            continue
+        try:
+            tree = psutil.Process(p.pid).children(recursive=True) + [psutil.Process(p.pid)]
+        except psutil.NoSuchProcess:
+            continue
+        for q in tree:
+            try:
+                q.kill()
+            except psutil.NoSuchProcess:
+                pass
+        p.wait()
+
+
 @pytest.fixture(scope="module")
 def slurm_run(tree, preprocessed):
     """Submission 1 gets SIGTERM on every process of its step after the checkpoint at iteration 4;
@@ -272,28 +291,34 @@ def slurm_run(tree, preprocessed):
     env.update(SLURM_JOB_ID="4242", SLURM_JOB_NAME="lev-pile", SLURM_NNODES="2", SLURM_JOB_NUM_NODES="2",
                SLURM_JOB_NODELIST="node[0-1]", SLURM_SUBMIT_DIR=str(REPO), SLURM_NTASKS_PER_NODE="1",
                SLURM_RESTART_COUNT="0", FAKE_SLURM_DIR=str(fake))
-    log1 = root / "job1.out"
-    with open(log1, "w") as f:
-        job = _sbatch(tree, env, f)
-        deadline = time.time() + 240
-        while "successfully saved checkpoint from iteration       4" not in _tail(log1, 10**7):
-            assert job.poll() is None, _tail(log1)
-            assert time.time() < deadline, "no checkpoint at iteration 4:\n" + _tail(log1)
-            time.sleep(0.05)
-        # --signal=TERM@120: every process of the job step (not srun, not the batch shell).
-        step = psutil.Process(int((fake / "srun.pid").read_text())).children(recursive=True)
-        for proc in step:
-            try:
-                proc.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        job.wait(timeout=240)
-    first = log1.read_text()
-    env["SLURM_RESTART_COUNT"] = "1"
-    log2 = root / "job2.out"
-    with open(log2, "w") as f:
-        job2 = _sbatch(tree, env, f)
-        job2.wait(timeout=300)
+    jobs = []
+    try:
+        log1 = root / "job1.out"
+        with open(log1, "w") as f:
+            job = _sbatch(tree, env, f)
+            jobs.append(job)
+            deadline = time.time() + 240
+            while "successfully saved checkpoint from iteration       4" not in _tail(log1, 10**7):
+                assert job.poll() is None, _tail(log1)
+                assert time.time() < deadline, "no checkpoint at iteration 4:\n" + _tail(log1)
+                time.sleep(0.05)
+            # --signal=TERM@120: every process of the job step (not srun, not the batch shell).
+            step = psutil.Process(int((fake / "srun.pid").read_text())).children(recursive=True)
+            for proc in step:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+            job.wait(timeout=240)
+        first = log1.read_text()
+        env["SLURM_RESTART_COUNT"] = "1"
+        log2 = root / "job2.out"
+        with open(log2, "w") as f:
+            job2 = _sbatch(tree, env, f)
+            jobs.append(job2)
+            job2.wait(timeout=300)
+    finally:  # a job that failed the test leaves no training processes to the rest of the suite
+        _kill_trees(jobs)
     return {"rc1": job.returncode, "log1": first, "rc2": job2.returncode, "log2": log2.read_text(),
             "signalled": len(step), "metrics": _metrics(metrics), "ckpt": root / "slurm_ck" / "pile_200m_lev",
             "fake": fake}
