@@ -286,7 +286,9 @@ def main(argv=None) -> dict:
     del table
 
     # Baseline 2: a tied GPT model's full training step (one micro-batch, forward+backward).
-    mcfg = LevModelConfig(vocab_size=args.vocab, max_sequence_length=args.seq, input_embedding="tied")
+    mcfg = LevModelConfig(vocab_size=args.vocab, max_sequence_length=args.seq, input_embedding="tied",
+                          position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+                          add_bias_linear=False)  # Llama-style, as bench/throughput.py
     gcfg = build_transformer_config(mcfg, num_layers=args.layers, hidden_size=args.hidden,
                                     num_attention_heads=max(1, args.hidden // 64), params_dtype=dtype,
                                     bf16=dtype == torch.bfloat16)

@@ -1,6 +1,11 @@
 """Model-shape flags under Megatron-LM's names (``--num-layers``, ``--swiglu``, ...); the
-``LevModelConfig`` fields that are flags of their own name (``--rotary-base``, ``--transformer-impl``)
-are generated from that dataclass. ``checkpoint.build.model_config_from_args`` reads them back.
+``LevModelConfig`` fields that are flags of their own name (``--position-embedding-type``,
+``--normalization``, ``--rotary-base``, ``--transformer-impl``) are generated from that dataclass.
+``checkpoint.build.model_config_from_args`` reads them back. Each default is written once: on the
+``LevModelConfig`` field (Megatron-LM's default where the flag is Megatron-LM's: learned positions,
+LayerNorm, GeLU, biases), or on megatron-core's ``TransformerConfig`` field the flag sets
+(``--norm-epsilon``, ``--init-method-std``, the dropouts); ``saved_model_arg`` reads saved arguments
+with those defaults.
 
 The attention, norm and fusion flags that are megatron-core ``TransformerConfig`` fields are generated
 from the installed ``TransformerConfig`` (type, choices, help; a flag whose field the installed release
@@ -9,16 +14,21 @@ one that is set to the ``TransformerConfig`` (``models.config.TRANSFORMER_FLAG_F
 
 from __future__ import annotations
 
+import argparse
+import functools
+from typing import Any, Dict, Mapping
+
 from megatron.core.transformer import TransformerConfig
 
 from megatron_lev.config_flags import POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, add_config_flags, add_switch_flags
 from megatron_lev.lev.config import ConfigError
-from megatron_lev.models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, LevModelConfig, check_lev_basis, \
-    use_transformer_engine
+from megatron_lev.models.config import LevModelConfig, check_lev_basis, model_field_default, use_transformer_engine
 
-# LevModelConfig fields that are model-shape flags of their own name; the other shape fields come from
-# Megatron-LM's flags (--seq-length, --swiglu, --disable-bias-linear, ...) in model_config_from_args.
-_MODEL_SHAPE_FLAG_FIELDS = ("rotary_base", "rotary_percent", "transformer_impl")
+# LevModelConfig fields that are model-shape flags of their own name (their defaults, Megatron-LM's, are
+# the fields'); the other shape fields come from Megatron-LM's flags (--seq-length, --swiglu,
+# --disable-bias-linear, ...) in model_config_from_args.
+_MODEL_SHAPE_FLAG_FIELDS = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+                            "transformer_impl")
 
 # (Megatron-LM flag, TransformerConfig field, the value the flag sets). The fusions default to None:
 # on where CUDA and the kernel are present (models.config.fusion_defaults), the flag turns them off.
@@ -55,6 +65,26 @@ def field_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _transformer_default(name: str):
+    """A TransformerConfig field's default: Megatron-LM generates --norm-epsilon, --init-method-std and the
+    dropouts from these fields, so theirs are these."""
+    return TransformerConfig.__dataclass_fields__[name].default
+
+
+@functools.lru_cache(maxsize=None)
+def _model_flag_defaults() -> Dict[str, Any]:
+    p = argparse.ArgumentParser(add_help=False)
+    add_model_flags(p)
+    return {a.dest: p.get_default(a.dest) for a in p._actions}
+
+
+def saved_model_arg(saved: Mapping[str, Any], dest: str) -> Any:
+    """A model flag's value in saved arguments (a checkpoint's config.yaml); the flag's default where they
+    lack it: what a run that did not give the flag used (every default here is the one the flag has had
+    since config.yaml was first written)."""
+    return saved[dest] if dest in saved else _model_flag_defaults()[dest]
+
+
 def add_model_flags(p) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=POSITIVE_INT, default=None)
@@ -67,18 +97,17 @@ def add_model_flags(p) -> None:
     g.add_argument("--kv-channels", type=POSITIVE_INT, default=None)
     g.add_argument("--seq-length", type=POSITIVE_INT, default=None)
     g.add_argument("--max-position-embeddings", type=POSITIVE_INT, default=None, help="default: --seq-length")
-    # Megatron-LM's command-line defaults (learned positions, LayerNorm), not LevModelConfig's.
-    g.add_argument("--position-embedding-type", default="learned_absolute", choices=POSITION_EMBEDDING_TYPES)
-    g.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
     g.add_argument("--rope-type", default="rope", metavar="rope",
                    help="rotary embedding type (Megatron-LM's; YaRN is refused: multi-latent attention only)")
     add_config_flags(g, LevModelConfig, field_flag, _MODEL_SHAPE_FLAG_FIELDS)
-    g.add_argument("--norm-epsilon", type=POSITIVE_FLOAT, default=1e-5)
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (default: GeLU, as Megatron-LM)")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--init-method-std", type=POSITIVE_FLOAT, default=0.02)
-    g.add_argument("--hidden-dropout", type=PROBABILITY, default=0.1)
-    g.add_argument("--attention-dropout", type=PROBABILITY, default=0.1)
+    g.add_argument("--norm-epsilon", type=POSITIVE_FLOAT, default=_transformer_default("layernorm_epsilon"))
+    g.add_argument("--swiglu", action="store_true", default=model_field_default("activation") == "swiglu",
+                   help="SwiGLU MLP (default: GeLU, as Megatron-LM)")
+    g.add_argument("--disable-bias-linear", action="store_true", default=not model_field_default("add_bias_linear"),
+                   help="no biases in the transformer's linear layers (default: biases, as Megatron-LM)")
+    g.add_argument("--init-method-std", type=POSITIVE_FLOAT, default=_transformer_default("init_method_std"))
+    g.add_argument("--hidden-dropout", type=PROBABILITY, default=_transformer_default("hidden_dropout"))
+    g.add_argument("--attention-dropout", type=PROBABILITY, default=_transformer_default("attention_dropout"))
     g.add_argument("--make-vocab-size-divisible-by", type=POSITIVE_INT, default=128)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Megatron's flag; the same as --input-embedding untied")

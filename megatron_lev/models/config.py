@@ -14,7 +14,7 @@ gradient-accumulation-fusion flag), so this module and megatron agree on what wi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -221,8 +221,9 @@ class LevModelConfig:
     lev: LEVConfig = field(default_factory=LEVConfig)
     """LEV knobs; also used by factored_mlp (seed) and by the parameter matching (flags --lev-*)."""
 
-    position_embedding_type: str = "rope"
-    """"rope" (default), "learned_absolute" or "none" (no positions; flag --position-embedding-type)."""
+    position_embedding_type: str = field(default="learned_absolute", metadata={"choices": POSITION_EMBEDDING_TYPES})
+    """Positions: "learned_absolute" (a learned table; the default, as Megatron-LM's), "rope" or "none"
+    (no positions; flag --position-embedding-type)."""
 
     rotary_percent: float = field(default=1.0, metadata={"above": 0, "max": 1})
     """Fraction of each head's channels that are rotated by RoPE (flag --rotary-percent)."""
@@ -230,9 +231,10 @@ class LevModelConfig:
     rotary_base: int = field(default=10000, metadata={"min": 1})
     """RoPE base period (flag --rotary-base)."""
 
-    init_seed: int = 0
+    init_seed: int = 1234
     """Seed of the LEV initialisation (codebooks, per-head streams, id sample) and of the factored_mlp
-    codebooks (flag --seed). The same seed gives the same initial function at any TP size."""
+    codebooks (flag --seed, whose default, Megatron-LM's, this is). The same seed gives the same initial
+    function at any TP size."""
 
     weights_from_checkpoint: bool = False
     """The weights are about to be loaded from a checkpoint (resume, evaluation): the LEV layer skips its
@@ -250,14 +252,15 @@ class LevModelConfig:
     mlp_hidden: Optional[int] = field(default=None, metadata={"min": 1})
     """m, hidden width of the flat_mlp and factored_mlp MLPs; None = matched (flag --mlp-hidden)."""
 
-    normalization: str = "RMSNorm"
-    """"RMSNorm" (default) or "LayerNorm" (flag --normalization)."""
+    normalization: str = field(default="LayerNorm", metadata={"choices": NORMALIZATIONS})
+    """"LayerNorm" (the default, as Megatron-LM's) or "RMSNorm" (flag --normalization)."""
 
-    activation: str = "swiglu"
-    """"swiglu" (gated SiLU, default) or "gelu" (flag --swiglu / --no-swiglu)."""
+    activation: str = "gelu"
+    """"gelu" (the default, as Megatron-LM's) or "swiglu" (gated SiLU; flag --swiglu / --no-swiglu)."""
 
-    add_bias_linear: bool = False
-    """Biases in the transformer's linear layers (flag --add-bias-linear / --disable-bias-linear)."""
+    add_bias_linear: bool = True
+    """Biases in the transformer's linear layers (default on, as Megatron-LM's; flag --disable-bias-linear
+    turns them off)."""
 
     transformer_impl: str = field(default="auto", metadata={"choices": TRANSFORMER_IMPLS})
     """"auto" (Transformer Engine when TE and CUDA are present, else local), "local", or
@@ -396,6 +399,13 @@ class LevModelConfig:
                 f"the leading digit is always 0 (b^(k-1) = {b ** (k - 1)} >= V); "
                 "use fewer --lev-digits or a smaller --lev-base"
             )
+
+
+def model_field_default(name: str) -> Any:
+    """The default of ``LevModelConfig.<name>``: where each model default is written (the command-line flags
+    of these fields and the readers of saved arguments take theirs from it)."""
+    f = LevModelConfig.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 def _check_choice(flag: str, value: Any, choices) -> None:
@@ -543,8 +553,8 @@ def check_fp8_tokens(fp8: Optional[str], recipe: Optional[str], *, micro_batch_s
 # ---------------------------------------------------------------------- TransformerConfig
 
 
-def fusion_defaults(*, activation: str = "swiglu", add_bias_linear: bool = False,
-                    position_embedding_type: str = "rope", megatron_ddp: bool = False) -> Dict[str, bool]:
+def fusion_defaults(*, activation: str, add_bias_linear: bool, position_embedding_type: str,
+                    megatron_ddp: bool = False) -> Dict[str, bool]:
     """megatron-core's fusion flags as Megatron-LM defaults them, on where CUDA and the kernel are present.
 
     - ``bias_dropout_fusion``, ``bias_activation_fusion``: megatron's torch.compile'd functions (CUDA with
@@ -591,8 +601,8 @@ def build_transformer_config(model_config: Optional[LevModelConfig] = None, *, m
 
     kw: Dict[str, Any] = dict(kwargs)
     mc = model_config
-    normalization = kw.pop("normalization", mc.normalization if mc else "RMSNorm")
-    activation = mc.activation if mc else kw.pop("activation", "swiglu")
+    normalization = kw.pop("normalization", mc.normalization if mc else model_field_default("normalization"))
+    activation = mc.activation if mc else kw.pop("activation", model_field_default("activation"))
     kw.pop("activation", None)
     _check_choice("--normalization", normalization, NORMALIZATIONS)
     _check_choice("--swiglu/--no-swiglu (activation)", activation, ACTIVATIONS)
@@ -603,9 +613,10 @@ def build_transformer_config(model_config: Optional[LevModelConfig] = None, *, m
     else:
         kw.setdefault("gated_linear_unit", False)
         kw.setdefault("activation_func", torch.nn.functional.gelu)
-    kw.setdefault("add_bias_linear", mc.add_bias_linear if mc else False)
+    kw.setdefault("add_bias_linear", mc.add_bias_linear if mc else model_field_default("add_bias_linear"))
     fusions = fusion_defaults(activation=activation, add_bias_linear=kw["add_bias_linear"],
-                              position_embedding_type=mc.position_embedding_type if mc else "rope",
+                              position_embedding_type=mc.position_embedding_type if mc
+                              else model_field_default("position_embedding_type"),
                               megatron_ddp=megatron_ddp)
     for name, on in fusions.items():
         kw.setdefault(name, on)

@@ -36,6 +36,7 @@ def model_config(arm: str, variant: str = "llama"):
         vocab_size=VOCAB, max_sequence_length=SEQ, input_embedding=arm,
         lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4, compute_mode="token"),
         position_embedding_type=position, normalization=normalization, activation=activation,
+        add_bias_linear=False,  # both variants without biases
         # Tiny shapes cannot be parameter-matched within 2% for albert: give its width.
         albert_dim=4,
     )

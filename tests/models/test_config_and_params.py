@@ -19,9 +19,14 @@ from megatron_lev.models.config import check_fp8, te_available
 from megatron_lev.models.params import albert_params, factored_mlp_params, flat_mlp_params
 
 
+# A Llama-style transformer (LevModelConfig's defaults are Megatron-LM's GPT: learned positions, LayerNorm,
+# GeLU, biases).
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu", add_bias_linear=False)
+
+
 def _mc(**kw):
     base = dict(vocab_size=512, max_sequence_length=16, input_embedding="lev",
-                lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4))
+                lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4), **LLAMA)
     base.update(kw)
     return LevModelConfig(**base)
 
@@ -261,7 +266,7 @@ def _gpu_fp8_step(arm: str):
     from megatron_lev.models import build_gpt_model
 
     mc = LevModelConfig(vocab_size=1024, max_sequence_length=32, input_embedding=arm,
-                        lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4))
+                        lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4), **LLAMA)
     cfg = build_transformer_config(mc, num_layers=2, hidden_size=64, num_attention_heads=4, fp8="hybrid",
                                    bf16=True, params_dtype=torch.bfloat16)
     model = build_gpt_model(config=cfg, model_config=mc).cuda()

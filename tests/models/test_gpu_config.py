@@ -18,6 +18,7 @@ from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models import LevModelConfig, build_transformer_config
 from megatron_lev.models import config as mconfig
 
+from .test_config_and_params import LLAMA
 from .test_config_and_params import _one_line_error as _one_line
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ FUSIONS = ("gradient_accumulation_fusion", "apply_rope_fusion", "bias_dropout_fu
 
 def _mc(**kw):
     base = dict(vocab_size=512, max_sequence_length=16, input_embedding="lev",
-                lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4))
+                lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4), **LLAMA)
     base.update(kw)
     return LevModelConfig(**base)
 

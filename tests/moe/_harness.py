@@ -33,6 +33,8 @@ def model_config(arm: str = "lev", compute_mode: str = "token"):
         vocab_size=VOCAB, max_sequence_length=SEQ, input_embedding=arm,
         lev=LEVConfig(seed_dim=8, rank=4, num_knots=5, num_heads=4, compute_mode=compute_mode),
         albert_dim=4,  # tiny shapes cannot be parameter-matched within 2% for albert
+        # A Llama-style transformer (the model defaults are Megatron-LM's GPT); MoE layers have no biases.
+        position_embedding_type="rope", normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
     )
 
 

@@ -33,7 +33,9 @@ def test_breakdown_table_matches_the_model_counts(arm):
         vocab_size=PADDED_O200K, max_sequence_length=c["max_position_embeddings"], input_embedding=arm,
         lev=LEVConfig(num_digits=lev["digits"], seed_dim=lev["seed_dim"], num_knots=lev["knots"], rank=lev["rank"],
                       num_heads=lev["heads"]),
-        albert_dim=9 if arm == "albert" else None)
+        albert_dim=9 if arm == "albert" else None, position_embedding_type=c["position_embedding_type"],
+        normalization=c["normalization"], activation="swiglu" if c["swiglu"] else "gelu",
+        add_bias_linear=not c["disable_bias_linear"])
     config = build_transformer_config(
         mc, num_layers=c["num_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
         ffn_hidden_size=c["ffn_hidden_size"], num_moe_experts=c["num_experts"],

@@ -41,7 +41,8 @@ def _bf16_gpt_trains():
     from megatron_lev.models import LevModelConfig, build_gpt_model, build_transformer_config
 
     mc = LevModelConfig(vocab_size=V, max_sequence_length=16, input_embedding="lev", init_seed=7,
-                        lev=LEVConfig(compute_mode="table", **LEV_KW))
+                        lev=LEVConfig(compute_mode="table", **LEV_KW), position_embedding_type="rope",
+                        normalization="RMSNorm", activation="swiglu", add_bias_linear=False)
     config = build_transformer_config(mc, num_layers=2, hidden_size=D, num_attention_heads=4, hidden_dropout=0.0,
                                       attention_dropout=0.0, bf16=True, tensor_model_parallel_size=2)
     model = build_gpt_model(config=config, model_config=mc)
