@@ -20,7 +20,7 @@ from typing import List, Union
 from megatron.core.transformer import TransformerConfig
 
 from megatron_lev.config_flags import NON_NEGATIVE_FLOAT, POSITIVE_INT, add_config_flags, add_switch_flags
-from megatron_lev.distributed.bootstrap import check_layout
+from megatron_lev.distributed.layout import check_layout
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.models.config import use_transformer_engine
 from megatron_lev.models.moe import MOE_LOAD_BALANCING_TYPES, MOE_TOKEN_DISPATCHERS, check_moe_settings

@@ -19,6 +19,9 @@ Design:
   launcher (no ``MASTER_PORT``), from an in-memory ``HashStore``: no rendezvous, no port to race for.
   Backend: NCCL with CUDA, gloo without, unless one is asked for. With CUDA each process selects the
   GPU of its ``LOCAL_RANK``.
+- megatron's groups are set up from a :class:`~megatron_lev.distributed.layout.ParallelLayout`, given or
+  made from the sizes on the process group's world size; its rules refuse a layout in one line before
+  megatron-core sees it.
 - What exists is reused: a default process group (several runs in one job) and megatron's parallel
   state when it has the requested layout (another layout is an error).
 - ``destroy_distributed`` tears down only what its own ``init_distributed`` created: megatron's groups
@@ -41,16 +44,12 @@ from typing import FrozenSet, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_lev.lev.config import ConfigError
+from .layout import DistributedConfigError, ParallelLayout
 
-__all__ = ["BACKENDS", "DistributedConfigError", "DistributedSetup", "check_layout", "destroy_distributed",
-           "init_distributed", "report_error", "reset_after_job", "set_seed"]
+__all__ = ["BACKENDS", "DistributedSetup", "destroy_distributed", "init_distributed", "report_error",
+           "reset_after_job", "set_seed"]
 
 BACKENDS = ("nccl", "gloo")
-
-
-class DistributedConfigError(ConfigError):
-    """The requested backend or layout cannot be set up here; one-line message (a ConfigError)."""
 
 
 @dataclass
@@ -65,6 +64,8 @@ class DistributedSetup:
     """megatron's model-parallel state was initialised by this call."""
     groups_before: FrozenSet = field(default_factory=frozenset, repr=False)
     """The process groups that existed before this call; they are never destroyed here."""
+    layout: Optional[ParallelLayout] = None
+    """The parallel layout megatron's groups are set up with (None with ``model_parallel=False``)."""
     env_set: Tuple[str, ...] = ()
     """The launcher variables (RANK, WORLD_SIZE, ...) this call set because they were absent; removed at
     teardown, so a later library in the same process (accelerate, transformers) does not take the process
@@ -76,27 +77,6 @@ class DistributedSetup:
 
     def __exit__(self, *exc) -> None:
         destroy_distributed(self)
-
-
-def check_layout(world_size: int, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> None:
-    """One-line error unless ``tp x pp`` model-parallel ranks tile ``world_size`` processes, and the
-    expert layout (``ep`` expert-parallel x ``etp`` expert-tensor-parallel ranks per pipeline stage,
-    ``etp`` defaulting to ``tp`` as in megatron-core) tiles the ranks of one pipeline stage."""
-    if tp < 1 or pp < 1:
-        raise DistributedConfigError(f"tensor parallel size {tp} and pipeline parallel size {pp} must be >= 1")
-    if world_size % (tp * pp):
-        raise DistributedConfigError(
-            f"tensor parallel {tp} x pipeline parallel {pp} = {tp * pp} does not divide the world size "
-            f"{world_size}; start a multiple of {tp * pp} processes or change the parallel sizes")
-    etp = tp if etp is None else etp
-    if ep < 1 or etp < 1:
-        raise DistributedConfigError(
-            f"--expert-model-parallel-size {ep} and --expert-tensor-parallel-size {etp} must be >= 1")
-    if (world_size // pp) % (ep * etp):
-        raise DistributedConfigError(
-            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} does not "
-            f"divide the {world_size // pp} ranks of a pipeline stage (world {world_size} / PP {pp}); "
-            "change the expert parallel sizes or the number of processes")
 
 
 def report_error(line: str, *, show: bool = True) -> None:
@@ -199,47 +179,47 @@ def _unset(names) -> None:
         os.environ.pop(name, None)
 
 
-def _init_parallel_state(tp: int, pp: int, vpp: Optional[int], timeout_minutes: float, ep: int = 1,
-                         etp: Optional[int] = None) -> bool:
-    """megatron's model-parallel groups (expert groups included), unless they exist with this layout;
-    True if created here."""
+def _init_parallel_state(layout: ParallelLayout, timeout_minutes: float) -> bool:
+    """megatron's model-parallel groups (expert groups included) of ``layout``, unless they exist with this
+    layout; True if created here."""
     from megatron.core import parallel_state as ps
 
-    etp = tp if etp is None else etp
+    want = (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.expert_tp)
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
-                ps.get_expert_tensor_parallel_world_size())
-        if have != (tp, pp, vpp, ep, etp):
+                ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+        if have != want:
+            names = ("TP", "PP", "VPP", "CP", "EP", "ETP")
             raise DistributedConfigError(
-                f"model parallelism is already initialised with TP={have[0]} PP={have[1]} VPP={have[2]} "
-                f"EP={have[3]} ETP={have[4]}, not TP={tp} PP={pp} VPP={vpp} EP={ep} ETP={etp}")
+                f"model parallelism is already initialised with {' '.join(f'{n}={v}' for n, v in zip(names, have))}, "
+                f"not {' '.join(f'{n}={v}' for n, v in zip(names, want))}")
         return False
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, distributed_timeout_minutes=timeout_minutes)
+    ps.initialize_model_parallel(**layout.megatron_sizes(), distributed_timeout_minutes=timeout_minutes)
     return True
 
 
 def init_distributed(
     *,
-    tp: int = 1,
-    pp: int = 1,
+    tp: Optional[int] = None,
+    pp: Optional[int] = None,
     vpp: Optional[int] = None,
     backend: Optional[str] = None,
     timeout_minutes: float = 30.0,
     init_method: Optional[str] = None,
     seed: Optional[int] = None,
-    ep: int = 1,
+    ep: Optional[int] = None,
     etp: Optional[int] = None,
+    layout: Optional[ParallelLayout] = None,
     model_parallel: bool = True,
 ) -> DistributedSetup:
     """Start distributed work in this process (see the module docstring); pass the result to
     :func:`destroy_distributed`.
 
-    ``tp``/``pp``/``vpp``: megatron's tensor, pipeline and virtual-pipeline sizes; ``ep``/``etp``: its
-    expert-parallel and expert-tensor-parallel sizes (``etp`` None = ``tp``, megatron's default). ``backend``: nccl or
+    ``layout``: the :class:`ParallelLayout` to set megatron's groups up with (its world size must be this
+    job's); or its sizes: ``tp``/``pp``/``vpp``, megatron's tensor, pipeline and virtual-pipeline sizes,
+    ``ep``/``etp``, its expert-parallel and expert-tensor-parallel sizes (unset: 1, and ``etp`` = ``tp``,
+    megatron's default), made into a layout on the process group's world size. ``backend``: nccl or
     gloo (default: nccl with CUDA, else gloo). ``timeout_minutes``: collective timeout of every group
     created here. ``init_method``: rendezvous URL instead of the environment (rank and world size still
     come from ``RANK``/``WORLD_SIZE``). ``seed``: also seed torch and megatron's model-parallel RNG
@@ -247,6 +227,11 @@ def init_distributed(
     (a long-lived rank that sets megatron's groups up per job, as the test harness's rank pool does).
     Bad input raises :class:`DistributedConfigError`.
     """
+    sizes = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    if layout is not None and any(v is not None for v in sizes.values()):
+        given = ", ".join(k for k, v in sizes.items() if v is not None)
+        raise DistributedConfigError(
+            f"init_distributed takes a layout or its sizes, not both (got a layout and {given})")
     _apply_cpu_backend()
     timeout = timedelta(minutes=timeout_minutes)
     groups_before = _live_groups()
@@ -258,8 +243,14 @@ def init_distributed(
     try:
         if not model_parallel:
             return setup
-        check_layout(setup.world_size, tp, pp, ep, etp)
-        setup.created_parallel_state = _init_parallel_state(tp, pp, vpp, timeout_minutes, ep, etp)
+        if layout is None:
+            layout = ParallelLayout(world_size=setup.world_size, **{k: v for k, v in sizes.items() if v is not None})
+        elif layout.world_size != setup.world_size:
+            raise DistributedConfigError(
+                f"the parallel layout is for {layout.world_size} processes but this job has {setup.world_size} "
+                f"(WORLD_SIZE); start {layout.world_size} processes or make the layout for {setup.world_size}")
+        setup.layout = layout
+        setup.created_parallel_state = _init_parallel_state(layout, timeout_minutes)
         if seed is not None:
             set_seed(seed, per_pipeline_stage=False)
     except BaseException:

@@ -27,7 +27,8 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Type
 
-from .bootstrap import check_layout, destroy_distributed, init_distributed
+from .bootstrap import destroy_distributed, init_distributed
+from .layout import ParallelLayout
 
 __all__ = ["RankFailure", "spawn_ranks"]
 
@@ -129,7 +130,7 @@ def spawn_ranks(
     quiet: bool = False,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
-    check_layout(world_size, tp, pp)  # here, before any rank is started
+    ParallelLayout(world_size=world_size, tp=tp, pp=pp, vpp=vpp)  # refused here, before any rank is started
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     fd, store_file = tempfile.mkstemp(prefix="megatron_lev_ranks_", suffix=".store")
