@@ -25,7 +25,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "kernels": {"lev"},
     "parallel": {"kernels", "lev"},
     "distributed": {"_procutil", "compat", "lev"},
-    "models": {"lev", "kernels", "parallel"},
+    "models": {"distributed", "lev", "kernels", "parallel"},  # distributed: the layout a model is checked against
     "tokenizer": {"config_flags", "jsonl"},
     "data": {"_procutil", "jsonl", "tokenizer"},
     "_procutil": set(),

@@ -20,7 +20,6 @@ from typing import List, Union
 from megatron.core.transformer import TransformerConfig
 
 from megatron_lev.config_flags import NON_NEGATIVE_FLOAT, POSITIVE_INT, add_config_flags, add_switch_flags
-from megatron_lev.distributed.layout import check_layout
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.models.config import use_transformer_engine
 from megatron_lev.models.moe import MOE_LOAD_BALANCING_TYPES, MOE_TOKEN_DISPATCHERS, check_moe_settings
@@ -90,12 +89,11 @@ def add_moe_flags(p) -> None:
 
 
 def check_moe_flags(args) -> None:
-    """The expert layout against the world size (``distributed.check_layout``) and the MoE settings
-    against the model (``models.moe.check_moe_settings``), each a one-line ConfigError naming the flag."""
-    # Left unset (None: the TP size, megatron-core's default) rather than written out as Megatron-LM does, so
-    # that a checkpoint's saved arguments stay right after a conversion to another TP size.
-    check_layout(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                 args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+    """The MoE settings against the model (``models.moe.check_moe_settings``), a one-line ConfigError naming
+    the flag. The expert layout is part of the parallel layout (``validate._check_parallel_sizes``), where
+    --expert-tensor-parallel-size stays unset when not given (None: the TP size, megatron-core's default)
+    rather than written out as Megatron-LM does, so that a checkpoint's saved arguments stay right after a
+    conversion to another TP size."""
     try:
         te = use_transformer_engine(args.transformer_impl)
     except ConfigError:

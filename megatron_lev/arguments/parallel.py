@@ -1,5 +1,6 @@
 """Parallel layout and gradient communication: TP, PP, virtual stages, sequence parallelism, the
-distributed optimizer and the DDP overlap flags, the process-group backend."""
+distributed optimizer and the DDP overlap flags, the process-group backend. The layout's rules are
+``distributed.layout.ParallelLayout``'s (made by ``validate_args``)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import re
 import sys
 from typing import List
 
+from megatron_lev.distributed.layout import ParallelLayout
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models.config import check_mtp_stage, check_parallel_settings
 from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, \
@@ -63,53 +64,38 @@ def _check_required(args) -> None:
 
 
 def _check_parallel_sizes(args) -> None:
-    """TP x PP against the world size, query groups, virtual stages; then the model's own layout check
-    (heads and query groups against TP: megatron-core's rule, in ``models.config.check_parallel_settings``)."""
-    tp, pp, world_size = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size
-    if world_size % (tp * pp) != 0:
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} "
-            f"does not divide the world size {world_size}"
-        )
-    args.data_parallel_size = world_size // (tp * pp)
+    """The parallel layout (``distributed.layout.ParallelLayout``: its sizes against the world size, the
+    virtual stages, the expert layout; the data-parallel size derived from it), then the model against it
+    (heads, query groups, experts and layers: ``models.config.check_parallel_settings``)."""
     if args.num_query_groups is not None and not args.group_query_attention:
         # As Megatron-LM, which passes the groups to the model only with --group-query-attention.
         _warn(f"--num-query-groups {args.num_query_groups} is ignored without --group-query-attention (every "
               "attention head keeps its own keys and values); add --group-query-attention for grouped-query attention")
         args.num_query_groups = None
-    if args.group_query_attention:
-        if args.num_query_groups is None:
-            raise ConfigError("--group-query-attention needs --num-query-groups")
-        if args.num_attention_heads % args.num_query_groups != 0:
-            raise ConfigError(
-                f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                f"--num-query-groups {args.num_query_groups}"
-            )
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ConfigError("--group-query-attention needs --num-query-groups")
     if args.num_layers_per_virtual_pipeline_stage is not None:
         if args.virtual_pipeline_model_parallel_size is not None:
             raise ConfigError("give only one of --num-layers-per-virtual-pipeline-stage and "
                               "--virtual-pipeline-model-parallel-size")
+        pp = args.pipeline_model_parallel_size
         per_stage = args.num_layers // pp
-        if (args.num_layers % pp or args.num_layers_per_virtual_pipeline_stage < 1
-                or per_stage % args.num_layers_per_virtual_pipeline_stage):
+        if args.num_layers % pp or per_stage % args.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(
                 f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} does "
                 f"not divide the {per_stage} layers of each of the --pipeline-model-parallel-size {pp} stages"
             )
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
-    vpp = args.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp < 1:
-        raise ConfigError(f"--virtual-pipeline-model-parallel-size must be >= 1 (got {vpp})")
-    if args.sequence_parallel and tp == 1:
+    layout = ParallelLayout.from_fields(vars(args), world_size=args.world_size)
+    args.virtual_pipeline_model_parallel_size = layout.vpp  # 1 is no interleaving: None
+    args.data_parallel_size = layout.dp
+    if args.sequence_parallel and layout.tp == 1:
         # As Megatron-LM: its scripts pass --sequence-parallel whatever their TP; at TP=1 it means nothing.
         args.sequence_parallel = False
         _warn("--sequence-parallel is switched off: it needs --tensor-model-parallel-size > 1 (this run has 1)")
-    # Heads and layers against TP/PP/virtual stages, sequence parallelism: the model config's check.
-    check_parallel_settings(tp=tp, pp=pp, vpp=vpp, num_layers=args.num_layers,
-                            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+    check_parallel_settings(layout, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+                            num_query_groups=args.num_query_groups, num_moe_experts=args.num_experts,
                             sequence_parallel=args.sequence_parallel)
-    if vpp == 1:
-        args.virtual_pipeline_model_parallel_size = None
 
 
 def _check_model_shape(args) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from megatron_lev.distributed.layout import ParallelLayout
 from megatron_lev.kernels import refuse_unbuildable_triton, triton_build_missing
 from megatron_lev.lev.config import ConfigError, LEVConfig
 
@@ -334,20 +335,7 @@ class LevModelConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{flag} must be a positive integer or unset (got {value!r})")
 
-        check_parallel_settings(
-            tp=config.tensor_model_parallel_size,
-            pp=config.pipeline_model_parallel_size,
-            vpp=config.virtual_pipeline_model_parallel_size,
-            num_layers=config.num_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_query_groups=config.num_query_groups,
-            sequence_parallel=config.sequence_parallel,
-            uneven_pipeline=(
-                getattr(config, "num_layers_in_first_pipeline_stage", None) is not None
-                or getattr(config, "num_layers_in_last_pipeline_stage", None) is not None
-                or getattr(config, "pipeline_model_parallel_layout", None) is not None
-            ),
-        )
+        check_config_parallel(vars(config))
         tp = config.tensor_model_parallel_size
         if self.vocab_size % tp != 0:
             raise ConfigError(
@@ -424,32 +412,62 @@ def check_mtp_stage(input_embedding: str, mtp_num_layers: Optional[int], pp: int
             "--pipeline-model-parallel-size 1 or --input-embedding tied/untied")
 
 
+# TransformerConfig fields that place the layers on the pipeline stages themselves (no even split then).
+_UNEVEN_PIPELINE_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                           "pipeline_model_parallel_layout")
+
+
+def check_config_parallel(fields: Dict[str, Any]) -> None:
+    """:func:`check_parallel_settings` on a megatron-core TransformerConfig's fields (a config's ``vars``, or
+    the keyword arguments it is about to be built from), against the smallest layout of its sizes."""
+    check_parallel_settings(
+        ParallelLayout.from_fields(fields), num_layers=fields["num_layers"],
+        num_attention_heads=fields["num_attention_heads"], num_query_groups=fields.get("num_query_groups"),
+        num_moe_experts=fields.get("num_moe_experts"), sequence_parallel=bool(fields.get("sequence_parallel")),
+        uneven_pipeline=any(fields.get(name) is not None for name in _UNEVEN_PIPELINE_FIELDS))
+
+
 def check_parallel_settings(
-    *, tp: int, pp: int, vpp: Optional[int], num_layers: int, num_attention_heads: int,
-    num_query_groups: Optional[int] = None, sequence_parallel: bool = False, uneven_pipeline: bool = False,
+    layout: ParallelLayout, *, num_layers: int, num_attention_heads: int, num_query_groups: Optional[int] = None,
+    num_moe_experts: Optional[int] = None, sequence_parallel: bool = False, uneven_pipeline: bool = False,
 ) -> None:
-    """One-line ``ConfigError`` for parallel layouts that cannot work."""
-    if tp < 1 or pp < 1:
-        raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    """One-line ``ConfigError`` for a model that ``layout`` cannot hold, by megatron-core's rules: attention
+    heads, query groups and experts against TP and EP, sequence parallelism against TP, layers against the
+    pipeline's model chunks. The layout's own rules are :class:`ParallelLayout`'s; the LEV heads against TP
+    are ``LEVConfig.validate_settings``'s (lev/ checks the layer it defines)."""
+    tp, pp, vpp, ep = layout.tp, layout.pp, layout.vpp, layout.ep
     if num_attention_heads % tp != 0:
         raise ConfigError(
             f"--num-attention-heads {num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}; choose a multiple of {tp}"
         )
     groups = num_query_groups if num_query_groups is not None else num_attention_heads
+    # megatron-core's attention gives each group heads / groups queries (its TransformerConfig does not check
+    # it: an uneven split fails at the first forward, reshaping the fused QKV projection).
+    if num_attention_heads % groups != 0:
+        raise ConfigError(
+            f"--num-attention-heads {num_attention_heads} is not divisible by --num-query-groups {groups}; "
+            f"choose --num-query-groups among the divisors of {num_attention_heads}"
+        )
+    # megatron-core's TransformerConfig: the groups split over the TP ranks, or, fewer, are replicated.
     if groups % tp != 0 and tp % groups != 0:
         raise ConfigError(
-            f"--num-query-groups {groups} and --tensor-model-parallel-size {tp} must divide one another"
+            f"--num-query-groups {groups} and --tensor-model-parallel-size {tp} must divide one another; "
+            f"choose --num-query-groups as a multiple or a divisor of {tp}"
         )
+    if not num_moe_experts:
+        if ep > 1:
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep} needs --num-experts; set --num-experts or drop EP")
+    elif num_moe_experts % ep:
+        raise ConfigError(
+            f"--num-experts {num_moe_experts} is not divisible by --expert-model-parallel-size {ep}; "
+            f"choose a multiple of {ep}")
     if sequence_parallel and tp <= 1:
         raise ConfigError(
             "--sequence-parallel needs --tensor-model-parallel-size > 1; drop --sequence-parallel or raise TP"
         )
-    if vpp is not None and vpp > 1 and pp <= 1:
-        raise ConfigError(
-            "--num-layers-per-virtual-pipeline-stage / virtual stages need --pipeline-model-parallel-size > 1"
-        )
-    stages = pp * (vpp or 1)
+    stages = layout.stages
     if not uneven_pipeline and num_layers % stages != 0:
         what = f"--pipeline-model-parallel-size {pp}" + (f" x {vpp} virtual stages" if vpp else "")
         raise ConfigError(
@@ -636,17 +654,7 @@ def build_transformer_config(model_config: Optional[LevModelConfig] = None, *, m
     for required in ("num_layers", "hidden_size", "num_attention_heads"):
         if required not in kw:
             raise ConfigError(f"--{required.replace('_', '-')} is required")
-    check_parallel_settings(
-        tp=kw.get("tensor_model_parallel_size", 1),
-        pp=pp,
-        vpp=kw.get("virtual_pipeline_model_parallel_size"),
-        num_layers=kw["num_layers"],
-        num_attention_heads=kw["num_attention_heads"],
-        num_query_groups=kw.get("num_query_groups"),
-        sequence_parallel=kw.get("sequence_parallel", False),
-        uneven_pipeline=kw.get("num_layers_in_first_pipeline_stage") is not None
-        or kw.get("num_layers_in_last_pipeline_stage") is not None,
-    )
+    check_config_parallel(kw)
     if kw.get("fp8"):
         check_fp8(kw["fp8"], mc.transformer_impl if mc else "auto", kw.get("fp8_recipe", "delayed"))
     check_te_only_moe_flags(kw, use_transformer_engine=use_transformer_engine(mc.transformer_impl if mc else "auto"))

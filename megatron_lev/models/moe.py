@@ -14,7 +14,8 @@ module adds what it does not check, as one-line errors naming the Megatron-LM fl
 - the router, dispatcher and load-balancing choices that this project runs and tests; the alltoall
   dispatcher only with CUDA (gloo has the ``all_to_all_single`` it needs, but megatron-core 0.16.1's
   dispatcher builds a ``torch.cuda.Stream`` when it is constructed): CPU runs use allgather;
-- the expert layout: experts divisible by the expert-parallel size, top-k within the experts.
+- top-k within the experts (the experts against the expert-parallel size are checked with the rest of the
+  parallel layout, ``config.check_parallel_settings``).
 
 The MoE layer spec is megatron-core's (``get_moe_module_spec_for_backend``): SequentialMLP of
 ColumnParallelLinear / RowParallelLinear experts on the local backend.
@@ -65,18 +66,10 @@ def _choice(flag: str, value: Any, choices) -> None:
 
 def check_moe_settings(config: Any, *, use_transformer_engine: bool) -> None:
     """One-line ``ConfigError`` for MoE settings this model cannot run (``config``: a TransformerConfig).
-    Dense configs pass, except for expert parallelism without experts."""
-    ep = config.expert_model_parallel_size
+    Dense configs pass. The experts against the expert-parallel size: ``config.check_parallel_settings``."""
     if not is_moe(config):
-        if ep > 1:
-            raise ConfigError(
-                f"--expert-model-parallel-size {ep} needs --num-experts; set --num-experts or drop EP")
         return
     experts = config.num_moe_experts
-    if experts % ep:
-        raise ConfigError(
-            f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}; "
-            f"choose a multiple of {ep}")
     if not 1 <= config.moe_router_topk <= experts:
         raise ConfigError(f"--moe-router-topk {config.moe_router_topk} must be between 1 and --num-experts {experts}")
     _choice("--moe-router-load-balancing-type", config.moe_router_load_balancing_type, MOE_LOAD_BALANCING_TYPES)
