@@ -695,6 +695,25 @@ def _run_recorded(args, tokenizer, config, model_config) -> int:
         if run.logging_level is not None:
             logging.getLogger().setLevel(run.logging_level)
         run.logger.close()
+        _release_hooks(run.config, run.model)
+
+
+def _release_hooks(config, model) -> None:
+    """Undo the run's references that pass through autograd's C++ side, which Python's garbage collector
+    cannot follow, so that a process outliving the run (several runs in one job) frees its model, optimizer
+    and gloo process groups:
+
+    * _configure_hooks's functions on the model's TransformerConfig (every module holds the config): its
+      ``grad_scale_func`` holds the optimizer, whose fp32 shards under the distributed optimizer are views of
+      the parameters, and their graph leads to megatron DDP's backward hooks, which hold the DDP module;
+    * the DDP module's gradient-accumulator nodes (``grad_accs``), whose backward hooks hold the module."""
+    for name in ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
+                 "finalize_model_grads_func"):
+        setattr(config, name, None)
+    for chunk in model or ():
+        accs = getattr(chunk, "grad_accs", None)
+        if isinstance(accs, list):
+            accs.clear()
 
 
 def _last_checkpoint(args) -> Tuple[Optional[int], str]:

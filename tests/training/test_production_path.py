@@ -90,6 +90,7 @@ def runs(tmp_path_factory):
     plan.insert(shipped, {"name": "threads-after-shipped", "rank0": count,
                           "args": [str(tmp / "threads-after-shipped.json")]})
     plan.insert(1, {"name": "threads-after-one", "rank0": count, "args": [str(tmp / "threads-after-one.json")]})
+    plan.append({"name": "threads-after-all", "rank0": count, "args": [str(tmp / "threads-after-all.json")]})
     res = launch_plan(4, plan, tmp)
     assert all(r.code == 0 for r in res.values()), {n: r.code for n, r in res.items()}
     return tmp
@@ -98,10 +99,14 @@ def runs(tmp_path_factory):
 def test_a_run_in_a_longer_job_takes_its_process_groups_threads_with_it(runs):
     """Before, each of the shipped configs' runs left its ~17 gloo groups alive (their socket loops polling)
     while the config holding the run's hooks was alive (18 socket threads after the first run, and more after
-    each); now a run leaves at most one or two (a save's)."""
+    each), and so did every fp32 run with the distributed optimizer (the LEV_TINY and fp32 VPP runs: its
+    shards' autograd graph leads back to the model); now a run leaves at most one or two (a save's)."""
     one = json.loads((runs / "threads-after-one.json").read_text())
     after = json.loads((runs / "threads-after-shipped.json").read_text())
     assert one >= 1 and after - one <= 2 * (len(CONFIGS) * 2 - 1), (one, after)
+    every = json.loads((runs / "threads-after-all.json").read_text())
+    n_runs = len(list(runs.glob("*.jsonl")))  # one metrics file a run
+    assert every - one <= 2 * (n_runs - 1), (one, after, every, n_runs)
 
 
 @pytest.mark.parametrize("config", [c.stem for c in CONFIGS])
