@@ -826,18 +826,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
 
     from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
 
-    if iteration is not None:
-        path = checkpoint_dir(root, iteration)
-        if not all(os.path.isfile(os.path.join(path, n)) for n in ("metadata.json", CONFIG_NAME)):
-            raise CheckpointError(f"--ckpt-step {iteration}: {path} is not a complete checkpoint")
-        found = (iteration, path)
-    else:
-        found = find_checkpoint(root, _ckpt_step_hint) if os.path.isdir(root) else None
-    if found is None and complete_iterations(root):
-        raise CheckpointError(_untracked_message(root, "--load"))
+    found = _checkpoint_to_load(root, iteration, exit_on_missing)
     if found is None:
-        if exit_on_missing:
-            raise CheckpointError(f"--load {root}: no checkpoint found ({TRACKER} missing)")
         log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
         return None
     iteration, path = found
@@ -909,6 +899,38 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     return {"iteration": common.get("iteration", iteration),
             "consumed_train_samples": common.get("consumed_train_samples", 0),
             "counters": common.get("counters", {}), "args": saved_args}
+
+
+def _checkpoint_to_load(root: str, iteration: Optional[int], exit_on_missing: bool) -> Optional[Tuple[int, str]]:
+    """Collective. (iteration, directory) of the checkpoint under ``root`` to load (``iteration``'s, else the
+    tracker's), or None to train from scratch; a refusal is :class:`CheckpointError` on every rank. Rank 0
+    looks and sends what it found: a rank's own look at the tracker could differ (a save of another job
+    completing while the ranks start, a node whose filesystem cache still holds the previous tracker), and
+    a rank that trains from scratch or loads another iteration than the others leaves them waiting in the
+    load's collectives."""
+    from megatron_lev.parallel.collectives import broadcast_object
+
+    if torch.distributed.get_rank() == 0:
+        try:
+            if iteration is not None:
+                path = checkpoint_dir(root, iteration)
+                if not all(os.path.isfile(os.path.join(path, n)) for n in ("metadata.json", CONFIG_NAME)):
+                    raise CheckpointError(f"--ckpt-step {iteration}: {path} is not a complete checkpoint")
+                sent = (iteration, path)
+            else:
+                sent = find_checkpoint(root, _ckpt_step_hint) if os.path.isdir(root) else None
+            if sent is None and complete_iterations(root):
+                raise CheckpointError(_untracked_message(root, "--load"))
+            if sent is None and exit_on_missing:
+                raise CheckpointError(f"--load {root}: no checkpoint found ({TRACKER} missing)")
+        except CheckpointError as e:
+            sent = str(e)
+        except OSError as e:
+            sent = f"--load {root}: cannot be read ({_first_line(e)})"
+    got = broadcast_object(sent if torch.distributed.get_rank() == 0 else None)
+    if isinstance(got, str):
+        raise CheckpointError(got)
+    return None if got is None else (int(got[0]), got[1])
 
 
 def _saved_keys(common: Dict[str, Any], path: str) -> set:

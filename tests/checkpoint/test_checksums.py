@@ -150,7 +150,31 @@ def _save_then_damage_and_verify(ckpt_dir: str):
     refuse_newer_checkpoints(flags, checksums_on=True)
     torch.distributed.barrier()
     return {"manifest": sorted(manifest), "written": sorted(written), "victim": victim, "refusal": refusal,
-            "warnings": warnings, "older": older, "local": local, "rank0_parts": own, "parts_len": None if parts is None else len(parts)}
+            "warnings": warnings, "older": older, "local": local, "rank0_parts": own, "parts_len": None if parts is None else len(parts),
+            "late_tracker": _late_tracker_load(os.path.join(os.path.dirname(ckpt_dir), "late_tracker"))}
+
+
+def _late_tracker_load(root: str):
+    """--load's tracker appears while the ranks start (a save of another job completing): rank 0 looks
+    before it exists, rank 1 after. Both go the same way, with rank 0's view: no rank loads (and waits in
+    the load's collectives) while another trains from scratch."""
+    from megatron_lev.checkpoint import CheckpointError, load_checkpoint
+    from megatron_lev.checkpoint.files import TRACKER
+
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        os.makedirs(root)
+    torch.distributed.barrier()
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 has looked by now
+        with open(os.path.join(root, TRACKER), "w") as f:
+            f.write("3\n")
+    try:
+        outcome = load_checkpoint(root, [], None, None, run_args={}, log=lambda _line: None)
+    except CheckpointError as e:  # rank 0 looked late after all: the missing iter_0000003, on both ranks
+        outcome = str(e)
+    torch.distributed.barrier()
+    return outcome
 
 
 def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
@@ -169,3 +193,4 @@ def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
     assert r0["local"] == r1["local"] == "rank 1's own finding"
     # Without a manifest: one warning line, on rank 0 only.
     assert r0["older"] == [checksums.no_manifest_warning(str(ck))] and r1["older"] == []
+    assert r0["late_tracker"] == r1["late_tracker"], (r0["late_tracker"], r1["late_tracker"])
