@@ -502,14 +502,22 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
 
 
 def _will_load_checkpoint(args) -> bool:
-    if not args.load or not os.path.isdir(args.load):
-        return False
-    if args.ckpt_step is not None:
-        return True
-    try:
-        return checkpoint.find_checkpoint(args.load) is not None
-    except checkpoint.CheckpointError:
-        return False  # reported by the load itself
+    """Collective. Whether the run will load its weights from --load (LEV then skips its initialisation,
+    whose vocabulary statistics are collectives over the tensor-parallel ranks). Rank 0's look, sent to
+    every rank: another rank's could differ (--load created at this moment by rank 0's TensorBoard or
+    wandb writer, a tracker a node's filesystem cache does not show yet), and a rank that initialised
+    alone would wait for the others in the statistics' all-reduces."""
+    from megatron_lev.parallel.collectives import broadcast_object
+
+    found = None
+    if torch.distributed.get_rank() == 0:
+        found = False
+        try:
+            if args.load and os.path.isdir(args.load):
+                found = args.ckpt_step is not None or checkpoint.find_checkpoint(args.load) is not None
+        except (checkpoint.CheckpointError, OSError):
+            pass  # reported by the load itself
+    return bool(broadcast_object(found))
 
 
 def _count_params(model) -> int:

@@ -151,7 +151,8 @@ def _save_then_damage_and_verify(ckpt_dir: str):
     torch.distributed.barrier()
     return {"manifest": sorted(manifest), "written": sorted(written), "victim": victim, "refusal": refusal,
             "warnings": warnings, "older": older, "local": local, "rank0_parts": own, "parts_len": None if parts is None else len(parts),
-            "late_tracker": _late_tracker_load(os.path.join(os.path.dirname(ckpt_dir), "late_tracker"))}
+            "late_tracker": _late_tracker_load(os.path.join(os.path.dirname(ckpt_dir), "late_tracker")),
+            "late_load_dir": _late_load_dir(os.path.join(os.path.dirname(ckpt_dir), "late_load_dir"))}
 
 
 def _late_tracker_load(root: str):
@@ -177,6 +178,22 @@ def _late_tracker_load(root: str):
     return outcome
 
 
+def _late_load_dir(load: str):
+    """--ckpt-step with a --load that rank 0's TensorBoard writer creates while the ranks start: whether
+    the weights come from the checkpoint (LEV's initialisation, collective over TP, skipped) is rank 0's
+    answer on every rank."""
+    from types import SimpleNamespace
+
+    from megatron_lev.training.loop import _will_load_checkpoint
+
+    if torch.distributed.get_rank() == 1:
+        time.sleep(0.3)  # rank 0 has looked by now, before the folder exists
+        os.makedirs(load)
+    verdict = _will_load_checkpoint(SimpleNamespace(load=load, ckpt_step=5))
+    torch.distributed.barrier()
+    return verdict
+
+
 def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
     ck = tmp_path / "iter_0000001"
     ck.mkdir()
@@ -194,3 +211,4 @@ def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
     # Without a manifest: one warning line, on rank 0 only.
     assert r0["older"] == [checksums.no_manifest_warning(str(ck))] and r1["older"] == []
     assert r0["late_tracker"] == r1["late_tracker"], (r0["late_tracker"], r1["late_tracker"])
+    assert r0["late_load_dir"] == r1["late_load_dir"], (r0["late_load_dir"], r1["late_load_dir"])
