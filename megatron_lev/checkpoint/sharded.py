@@ -512,12 +512,11 @@ def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=
                 sent = ("bad", str(e))
         # Once per load: the manifest is a few hundred bytes a rank's files.
         kind, manifest = broadcast_object(sent if rank == 0 else None)
-        if kind == "bad":
-            local_error = local_error or damaged_checkpoint_message(root, iteration, path, manifest_file,
-                                                                    manifest, hint)
-            manifest = None
     verdict = local_error
     try:  # nothing here may raise on one rank alone: the others would wait in the all-gather
+        if checksums_on and kind == "bad":
+            verdict = verdict or damaged_checkpoint_message(root, iteration, path, manifest_file, manifest, hint)
+            manifest = None
         if verdict is None and manifest:
             found = checksums.first_damage(path, manifest, rank, world)
             if found is not None:

@@ -152,7 +152,36 @@ def _save_then_damage_and_verify(ckpt_dir: str):
     return {"manifest": sorted(manifest), "written": sorted(written), "victim": victim, "refusal": refusal,
             "warnings": warnings, "older": older, "local": local, "rank0_parts": own, "parts_len": None if parts is None else len(parts),
             "late_tracker": _late_tracker_load(os.path.join(os.path.dirname(ckpt_dir), "late_tracker")),
-            "late_load_dir": _late_load_dir(os.path.join(os.path.dirname(ckpt_dir), "late_load_dir"))}
+            "late_load_dir": _late_load_dir(os.path.join(os.path.dirname(ckpt_dir), "late_load_dir")),
+            "bad_manifest": _bad_manifest_unreadable_around_rank_1(ckpt_dir)}
+
+
+def _failing(*_a, **_kw):
+    raise OSError(5, "Input/output error")
+
+
+def _bad_manifest_unreadable_around_rank_1(ckpt_dir: str):
+    """A bad checksums.json, and rank 1's filesystem failing as its line looks for an older checkpoint:
+    every rank raises rank 0's line (rank 1 does not leave the others waiting in the verdicts' all-gather)."""
+    from megatron_lev.checkpoint import CheckpointError, sharded
+
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        with open(os.path.join(ckpt_dir, checksums.MANIFEST), "w") as f:
+            f.write("{not json")
+    torch.distributed.barrier()
+    saved = sharded.damaged_checkpoint_message
+    if rank == 1:
+        sharded.damaged_checkpoint_message = _failing
+    try:
+        sharded.verify_checksums(os.path.dirname(ckpt_dir), 1, ckpt_dir, log=lambda _line: None)
+        line = None
+    except CheckpointError as e:
+        line = str(e)
+    finally:
+        sharded.damaged_checkpoint_message = saved
+    torch.distributed.barrier()
+    return line
 
 
 def _late_tracker_load(root: str):
@@ -212,3 +241,5 @@ def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
     assert r0["older"] == [checksums.no_manifest_warning(str(ck))] and r1["older"] == []
     assert r0["late_tracker"] == r1["late_tracker"], (r0["late_tracker"], r1["late_tracker"])
     assert r0["late_load_dir"] == r1["late_load_dir"], (r0["late_load_dir"], r1["late_load_dir"])
+    assert r0["bad_manifest"] == r1["bad_manifest"], (r0["bad_manifest"], r1["bad_manifest"])
+    assert r0["bad_manifest"].startswith(f"{ck / checksums.MANIFEST}: "), r0["bad_manifest"]  # rank 0's own line
