@@ -363,7 +363,7 @@ def _save_failed(root: str, iteration: int, path: str, error: Optional[BaseExcep
         reason = _failure_reason(error)
     try:
         last = read_tracker(root)
-    except CheckpointError:
+    except (CheckpointError, OSError):  # on one rank alone it must not replace the line every rank raises
         last = None
     kept = f"the last complete checkpoint is {checkpoint_dir(root, last)}" if last is not None else \
         "there is no complete checkpoint yet"

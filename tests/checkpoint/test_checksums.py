@@ -153,7 +153,8 @@ def _save_then_damage_and_verify(ckpt_dir: str):
             "warnings": warnings, "older": older, "local": local, "rank0_parts": own, "parts_len": None if parts is None else len(parts),
             "late_tracker": _late_tracker_load(os.path.join(os.path.dirname(ckpt_dir), "late_tracker")),
             "late_load_dir": _late_load_dir(os.path.join(os.path.dirname(ckpt_dir), "late_load_dir")),
-            "bad_manifest": _bad_manifest_unreadable_around_rank_1(ckpt_dir)}
+            "bad_manifest": _bad_manifest_unreadable_around_rank_1(ckpt_dir),
+            "failed_save": _failed_save_tracker_unreadable_on_rank_1(os.path.dirname(ckpt_dir))}
 
 
 def _failing(*_a, **_kw):
@@ -180,6 +181,23 @@ def _bad_manifest_unreadable_around_rank_1(ckpt_dir: str):
         line = str(e)
     finally:
         sharded.damaged_checkpoint_message = saved
+    torch.distributed.barrier()
+    return line
+
+
+def _failed_save_tracker_unreadable_on_rank_1(root: str):
+    """A save failed on every rank, and rank 1 cannot read the tracker for its line: rank 1 raises the failed
+    save's line too, and meets the others in the barrier training makes before it exits on a failed save."""
+    from megatron_lev.checkpoint import sharded
+
+    saved = sharded.read_tracker
+    if torch.distributed.get_rank() == 1:
+        sharded.read_tracker = _failing
+    try:
+        line = str(sharded._save_failed(root, 2, os.path.join(root, "iter_0000002"),
+                                        OSError(28, "No space left on device"), True))
+    finally:
+        sharded.read_tracker = saved
     torch.distributed.barrier()
     return line
 
@@ -243,3 +261,6 @@ def test_two_ranks_hash_their_own_shards_and_share_the_verification(tmp_path):
     assert r0["late_load_dir"] == r1["late_load_dir"], (r0["late_load_dir"], r1["late_load_dir"])
     assert r0["bad_manifest"] == r1["bad_manifest"], (r0["bad_manifest"], r1["bad_manifest"])
     assert r0["bad_manifest"].startswith(f"{ck / checksums.MANIFEST}: "), r0["bad_manifest"]  # rank 0's own line
+    for line in (r0["failed_save"], r1["failed_save"]):  # each rank's free space figure aside, the same line
+        assert line.startswith(f"--save {tmp_path}: the checkpoint of iteration 2 could not be written (no space"), line
+        assert "there is no complete checkpoint yet" in line, line
