@@ -344,11 +344,12 @@ def _older(it: int, path: str) -> str:
     return f"evaluate it with --load {path}"
 
 
-def _checkpoint_tokenizer(args):
-    """The tokenizer of ``--load`` (flags over its saved arguments), checked against the checkpoint's
-    and the indexed sets' before any model is built; then the checkpoint's files are checked."""
+def _checkpoint_tokenizer(args, iteration: Optional[int] = None):
+    """The tokenizer of ``--load`` (flags over its saved arguments; its tracker's checkpoint, or
+    ``iteration``'s), checked against the checkpoint's and the indexed sets' before any model is built;
+    then the checkpoint's files are checked."""
     try:
-        saved = open_checkpoint(args.load, read_common=False, older_hint=_older)
+        saved = open_checkpoint(args.load, iteration, read_common=False, older_hint=_older)
         tokenizer = _tokenizer_for_checkpoint(args, saved.args)
         check_tokenizer(args, tokenizer, saved.args, saved.path)
         # Sizes here, in every process before the process group exists; the checksums once it does.
@@ -358,21 +359,40 @@ def _checkpoint_tokenizer(args):
     return tokenizer, saved
 
 
-def _verify_checkpoint(args, saved) -> None:
-    """The checkpoint's files against its checksums, spread over the ranks (every rank reads its share, all
-    stop with the same line on damage); the later opens in this process do not read it again."""
+def _rank0_checkpoint(args, tokenizer, saved):
+    """Collective. (tokenizer, checkpoint, this rank's error or None) for rank 0's checkpoint of ``--load``.
+    Each rank found its own before the process group existed: a rank that looked after a save of the
+    training run that writes ``--load`` completed found the newer iteration, and ranks verifying and
+    loading different iterations refuse the checkpoint as damaged or load a model of two of them."""
+    from megatron_lev.parallel.collectives import broadcast_object
+
+    iteration = broadcast_object(saved.iteration)
+    if iteration == saved.iteration:
+        return tokenizer, saved, None
     try:
-        verify_checksums(saved.root, saved.iteration, saved.path, _older, _warn, checksums_on=not args.no_ckpt_checksums)
+        tokenizer, saved = _checkpoint_tokenizer(args, iteration)
+    except UsageError as e:  # stops every rank with this line (verify_checksums)
+        return tokenizer, saved, str(e)
+    return tokenizer, saved, None
+
+
+def _verify_checkpoint(args, saved, local_error: Optional[str] = None) -> None:
+    """The checkpoint's files against its checksums, spread over the ranks (every rank reads its share, all
+    stop with the same line on damage or on a rank's ``local_error``); the later opens in this process do
+    not read it again."""
+    try:
+        verify_checksums(saved.root, saved.iteration, saved.path, _older, _warn, local_error=local_error,
+                         checksums_on=not args.no_ckpt_checksums)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     mark_verified(saved.path)  # verified, or --no-ckpt-checksums: sizes only
 
 
-def _checkpoint_model(args, meta: Dict[str, Any], tokenizer):
-    """The scorer of ``--load`` at the requested TP/PP (process groups already set up)."""
+def _checkpoint_model(args, meta: Dict[str, Any], tokenizer, iteration: int):
+    """The scorer of ``--load``'s ``iteration`` at the requested TP/PP (process groups already set up)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     scorer, _, info = MegatronScorer.from_checkpoint(
-        args.load, tp=tp, pp=pp, micro_batch_size=args.micro_batch_size,
+        args.load, tp=tp, pp=pp, iteration=iteration, micro_batch_size=args.micro_batch_size,
         num_microbatches=args.num_microbatches, max_length=args.seq_length, log=_log)
     meta.update(model=scorer.description, checkpoint=info["checkpoint"], iteration=info["iteration"],
                 iteration_dir=info["iteration_dir"], config=info["config"], tp=tp, pp=pp,
@@ -408,8 +428,9 @@ def _evaluate(args, command: str) -> int:
             tokenizer, saved = _checkpoint_tokenizer(args)
             dist_setup = init_distributed(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                           backend=args.distributed_backend, seed=1234)
-            _verify_checkpoint(args, saved)
-            scorer, tokenizer = _checkpoint_model(args, meta, tokenizer)
+            tokenizer, saved, local_error = _rank0_checkpoint(args, tokenizer, saved)
+            _verify_checkpoint(args, saved, local_error)
+            scorer, tokenizer = _checkpoint_model(args, meta, tokenizer, saved.iteration)
         t0 = time.time()
         results = run_evaluation(scorer, tokenizer, args, meta, log=_log, examples=examples)
         meta["seconds"] = round(time.time() - t0, 2)

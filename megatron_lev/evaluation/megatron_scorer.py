@@ -43,8 +43,9 @@ def is_main_process() -> bool:
 # checkpoint -> arguments -> model
 
 
-def checkpoint_config(load_dir: str) -> Tuple[Dict[str, Any], int, str]:
-    """(saved arguments, iteration, iteration directory) of the newest checkpoint under ``load_dir``.
+def checkpoint_config(load_dir: str, iteration: Optional[int] = None) -> Tuple[Dict[str, Any], int, str]:
+    """(saved arguments, iteration, iteration directory) of the newest checkpoint under ``load_dir`` (or
+    ``iteration``'s).
 
     ``load_dir`` is the ``--save`` directory of training (with ``latest_checkpointed_iteration.txt``).
     """
@@ -53,7 +54,7 @@ def checkpoint_config(load_dir: str) -> Tuple[Dict[str, Any], int, str]:
     if not os.path.isdir(load_dir):
         raise EvalSetupError(f"{load_dir}: no such checkpoint directory")
     try:
-        saved = open_checkpoint(load_dir)
+        saved = open_checkpoint(load_dir, iteration)
     except CheckpointError as e:
         raise EvalSetupError(str(e)) from None
     return saved.args, saved.iteration, saved.path
@@ -79,8 +80,10 @@ def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1
     return a
 
 
-def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 4, log=None):
-    """Build this rank's model chunk and load the newest checkpoint under ``load_dir`` into it.
+def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 4, log=None,
+               iteration: Optional[int] = None):
+    """Build this rank's model chunk and load the newest checkpoint under ``load_dir`` (or ``iteration``'s)
+    into it; every rank must name the same one (a tracker read on each rank could differ).
 
     Needs megatron's TP/PP groups (:func:`megatron_lev.distributed.init_distributed`) first. Returns
     ``(chunks, transformer_config, args, info)`` with ``args`` the evaluation's arguments (a mapping) and
@@ -89,7 +92,7 @@ def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 
     from megatron_lev.checkpoint import build_configs, build_model_chunks, load_model_state
     from megatron_lev.lev.config import ConfigError
 
-    cfg, iteration, path = checkpoint_config(load_dir)
+    cfg, iteration, path = checkpoint_config(load_dir, iteration)
     args = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
     if cfg.get("mtp_num_layers") and log is not None:
         log(f"  {path}: trained with --mtp-num-layers {cfg['mtp_num_layers']}; the main head is scored "
@@ -190,10 +193,11 @@ class MegatronScorer(Scorer):
 
     @classmethod
     def from_checkpoint(cls, load_dir: str, *, tp: int = 1, pp: int = 1, micro_batch_size: int = 4,
-                        num_microbatches: Optional[int] = None, max_length: Optional[int] = None, log=None):
-        """Load ``load_dir`` (after :func:`megatron_lev.distributed.init_distributed`); return
-        ``(scorer, args, info)``."""
-        chunks, config, args, info = load_model(load_dir, tp, pp, micro_batch_size, log=log)
+                        num_microbatches: Optional[int] = None, max_length: Optional[int] = None, log=None,
+                        iteration: Optional[int] = None):
+        """Load ``load_dir`` (its tracker's checkpoint, or ``iteration``'s; after
+        :func:`megatron_lev.distributed.init_distributed`); return ``(scorer, args, info)``."""
+        chunks, config, args, info = load_model(load_dir, tp, pp, micro_batch_size, log=log, iteration=iteration)
         # Learned absolute positions cap the window at max_position_embeddings; RoPE models may be
         # given a longer window than they were trained on.
         limit = args["seq_length"]

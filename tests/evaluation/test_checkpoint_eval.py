@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -213,6 +215,44 @@ def test_tp2_and_pp2_equal_tp1(tp1_run, tiny_ckpt, task_files, tmp_path):
     tp2 = _load(out_tp)
     assert tp2["meta"]["tp"] == 2 and tp2["meta"]["world_size"] == 2
     _assert_same(ref, tp2)
+
+
+def _rank_late_tracker(ck, flags):
+    """The evaluated --load is a training run's --save whose next save completes while the ranks start:
+    rank 1 finds the newer iteration, rank 0 the older one. Every rank verifies and loads rank 0's."""
+    import time
+
+    import torch
+
+    from megatron_lev.checkpoint.files import TRACKER
+    from megatron_lev.evaluation.cli import main
+
+    rank = torch.distributed.get_rank()
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 has read the tracker by now
+        with open(os.path.join(ck, TRACKER), "w") as f:
+            f.write("7\n")
+    return main(["--load", ck, *flags])
+
+
+def test_ranks_that_find_different_iterations_evaluate_rank_0s(tiny_ckpt, tmp_path):
+    from megatron_lev.checkpoint import checksums
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt["dir"], ck)
+    newer = ck / "iter_0000007"
+    shutil.copytree(ck / "iter_0000006", newer)
+    names = sorted(checksums.read_manifest(str(newer)))
+    # The same weights, a file of rank 1's share (names[1::2]) longer: intact against its own checksums,
+    # damaged against iteration 6's.
+    grown = max((n for n in names[1::2] if n.endswith(".distcp")), key=lambda n: (newer / n).stat().st_size)
+    with open(newer / grown, "ab") as f:
+        f.write(bytes(64))
+    checksums.write_manifest(str(newer), checksums.hash_files(str(newer), names))
+    out = tmp_path / "out"
+    flags = ["--valid-data", tiny_ckpt["prefix"], "--max-tokens", "200", "--output-dir", str(out), "--no-progress"]
+    assert run_distributed(_rank_late_tracker, 2, args=(str(ck), flags)) == [0, 0]
+    assert _load(out)["meta"]["iteration"] in (6, 7)  # rank 0's look, on time (6) or late (7)
 
 
 def test_hf_export_gives_the_same_numbers(tp1_run, tiny_ckpt, task_files, tmp_path):
