@@ -206,9 +206,12 @@ def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
             entry["freq_edges"] = list(edges)
         entry["seconds"] = round(time.time() - t0, 2)
         results["perplexity"][name] = entry
-        if scorer.is_main and args.output_dir:
-            os.makedirs(args.output_dir, exist_ok=True)
-            res.save_per_token(os.path.join(args.output_dir, f"{name}_per_token.npz"))
+        if args.output_dir:
+            def write_per_token(res=res, path=os.path.join(args.output_dir, f"{name}_per_token.npz")):
+                os.makedirs(args.output_dir, exist_ok=True)
+                res.save_per_token(path)
+
+            _write_on_main(scorer, write_per_token)
         log(f"{name}: {res.tokens} tokens, NLL {res.nll:.4f}, PPL {res.ppl:.3f}"
             + (f", bits/byte {res.bits_per_byte:.4f}" if res.bits_per_byte else ""))
     examples = examples or {}
@@ -224,6 +227,24 @@ def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
         log(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items()
                                     if k in ("acc", "acc_norm", "ppl") and v is not None) + f" ({r['examples']} examples)")
     return results
+
+
+def _write_on_main(scorer, write) -> None:
+    """``write()`` on the main rank; with a checkpoint's scorer on several ranks its OSError (a full disk)
+    is raised on every rank, so that no rank goes on into the next evaluation's collectives, and waits
+    there, without the main one."""
+    error = None
+    if scorer.is_main:
+        try:
+            write()
+        except OSError as e:
+            error = e
+    if isinstance(scorer, MegatronScorer) and torch.distributed.get_world_size() > 1:
+        from megatron_lev.parallel.collectives import broadcast_object
+
+        error = broadcast_object(error)  # once per evaluated set
+    if error is not None:
+        raise error
 
 
 def _tokenizer_for_checkpoint(args, saved: Dict[str, Any]):

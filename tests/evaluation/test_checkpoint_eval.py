@@ -217,7 +217,7 @@ def test_tp2_and_pp2_equal_tp1(tp1_run, tiny_ckpt, task_files, tmp_path):
     _assert_same(ref, tp2)
 
 
-def _rank_late_tracker(ck, flags):
+def _rank_late_tracker(ck, flags, full_flags):
     """The evaluated --load is a training run's --save whose next save completes while the ranks start:
     rank 1 finds the newer iteration, rank 0 the older one. Every rank verifies and loads rank 0's."""
     import time
@@ -232,10 +232,33 @@ def _rank_late_tracker(ck, flags):
         time.sleep(0.3)  # rank 0 has read the tracker by now
         with open(os.path.join(ck, TRACKER), "w") as f:
             f.write("7\n")
-    return main(["--load", ck, *flags])
+    late = main(["--load", ck, *flags])
+    return late, _rank_full_disk(ck, full_flags)
 
 
-def test_ranks_that_find_different_iterations_evaluate_rank_0s(tiny_ckpt, tmp_path):
+def _rank_full_disk(ck, flags):
+    """The disk fills while rank 0 writes the first set's per-token file: every rank stops with its line
+    (none goes on into the next set's collectives without rank 0). (exit code, error lines)."""
+    import contextlib
+    import errno
+    import io
+    from unittest import mock
+
+    import torch
+
+    from megatron_lev.evaluation.cli import main
+
+    def full(path, **_arrays):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    err = io.StringIO()
+    on_rank0 = mock.patch.object(np, "savez_compressed", full)
+    with on_rank0 if torch.distributed.get_rank() == 0 else contextlib.nullcontext(), contextlib.redirect_stderr(err):
+        rc = main(["--load", ck, *flags])
+    return rc, [ln for ln in err.getvalue().splitlines() if ln.startswith("error:")]
+
+
+def test_two_ranks_evaluate_rank_0s_iteration_and_stop_together_on_a_full_disk(tiny_ckpt, tmp_path):
     from megatron_lev.checkpoint import checksums
 
     ck = tmp_path / "ck"
@@ -249,10 +272,16 @@ def test_ranks_that_find_different_iterations_evaluate_rank_0s(tiny_ckpt, tmp_pa
     with open(newer / grown, "ab") as f:
         f.write(bytes(64))
     checksums.write_manifest(str(newer), checksums.hash_files(str(newer), names))
-    out = tmp_path / "out"
-    flags = ["--valid-data", tiny_ckpt["prefix"], "--max-tokens", "200", "--output-dir", str(out), "--no-progress"]
-    assert run_distributed(_rank_late_tracker, 2, args=(str(ck), flags)) == [0, 0]
+    out, full = tmp_path / "out", tmp_path / "full"
+    flags = ["--valid-data", tiny_ckpt["prefix"], "--max-tokens", "200", "--no-progress"]
+    (late0, full0), (late1, full1) = run_distributed(_rank_late_tracker, 2, args=(
+        str(ck), flags + ["--output-dir", str(out)],
+        flags + ["--zeroshot-data", tiny_ckpt["zeroshot"], "--max-documents", "2", "--output-dir", str(full)]))
+    assert late0 == late1 == 0
     assert _load(out)["meta"]["iteration"] in (6, 7)  # rank 0's look, on time (6) or late (7)
+    assert full0[0] == full1[0] == 2, (full0, full1)
+    assert len(full0[1]) == 1 and full0[1][0].startswith(f"error: --output-dir {full}: no space left on the device"), full0
+    assert full1[1] == []  # the first rank prints
 
 
 def test_hf_export_gives_the_same_numbers(tp1_run, tiny_ckpt, task_files, tmp_path):
