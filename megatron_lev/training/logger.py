@@ -54,6 +54,15 @@ def memory_scalars() -> Dict[str, float]:
     return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB on Linux
 
 
+class LogWriterError(RuntimeError):
+    """A writer of rank 0 (TensorBoard, wandb, the metrics file) cannot start; one line naming its flag."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 class TrainingLogger:
     def __init__(self, args) -> None:
         self.args = args
@@ -63,25 +72,45 @@ class TrainingLogger:
         self.metrics = None
         if not self.rank0:
             return
+        try:
+            self._open_writers(args)
+        except LogWriterError:
+            self.close()  # the writers that did start
+            raise
+
+    def _open_writers(self, args) -> None:
         if args.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
             except ImportError:
                 print("WARNING: TensorBoard writing is not available (pip install tensorboard)", flush=True)
+            else:
+                try:
+                    self.tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+                except Exception as e:
+                    raise LogWriterError(f"--tensorboard-dir {args.tensorboard_dir}: TensorBoard's writer cannot "
+                                         f"start ({_first_line(e)})") from None
         if args.wandb_project:
             try:
                 import wandb  # optional dependency
-
-                self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
-                                        dir=args.wandb_save_dir or args.save or None, config=None)
             except ImportError:
                 print("WARNING: --wandb-project given but wandb is not installed; not logging to wandb",
                       flush=True)
+            else:
+                try:
+                    self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                                            dir=args.wandb_save_dir or args.save or None, config=None)
+                except Exception as e:  # no login (no API key on the node), no network
+                    raise LogWriterError(f"--wandb-project {args.wandb_project}: wandb cannot start "
+                                         f"({_first_line(e)}); log in with `wandb login`, or set WANDB_MODE=offline") \
+                        from None
         if args.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            self.metrics = open(args.metrics_file, "a", encoding="utf-8")
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+                self.metrics = open(args.metrics_file, "a", encoding="utf-8")
+            except OSError as e:
+                raise LogWriterError(f"--metrics-file {args.metrics_file}: cannot be opened "
+                                     f"({e.strerror or e}); choose a writable path") from None
 
     def set_config(self, cfg: Dict[str, Any]) -> None:
         if self.wandb is not None:

@@ -779,7 +779,12 @@ def _start(args, config, model_config) -> _Run:
         raise _StartupError("--profile without --use-pytorch-profiler records nsys ranges (torch.cuda.profiler), "
                             "which needs CUDA; add --use-pytorch-profiler for a torch.profiler trace")
     logging_level = _set_logging_level(args)
-    logger = TrainingLogger(args)
+    try:
+        logger = _start_logger(args)
+    except _StartupError:
+        if logging_level is not None:
+            logging.getLogger().setLevel(logging_level)
+        raise
     if torch.cuda.is_available():
         from megatron_lev.compat.versions import fallback_notice
 
@@ -806,6 +811,26 @@ def _start(args, config, model_config) -> _Run:
     return _Run(args=args, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
                 optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start,
                 batches=batch_calculator(args, rank=torch.distributed.get_rank()), logging_level=logging_level)
+
+
+def _start_logger(args) -> TrainingLogger:
+    """Collective. The run's logger, whose writers (TensorBoard, wandb, --metrics-file) start on rank 0
+    alone: their failure (wandb without a login on the node, a folder made read-only since the start-up
+    checks) stops every rank with its line, instead of rank 0 alone while the others wait for it in the
+    model's first collectives."""
+    from megatron_lev.parallel.collectives import broadcast_object
+
+    from .logger import LogWriterError
+
+    logger, error = None, None
+    try:
+        logger = TrainingLogger(args)
+    except LogWriterError as e:
+        error = str(e)
+    error = broadcast_object(error)  # only rank 0 opens writers
+    if error is not None:
+        raise _StartupError(error)
+    return logger
 
 
 def _set_logging_level(args) -> Optional[int]:

@@ -343,3 +343,38 @@ def test_params_norm_is_the_l2_norm_of_every_parameter(one_rank):
     model = checkpoint.build_model_chunks(config, model_config)
     expected = torch.sqrt(sum(p.detach().double().square().sum() for p in model[0].parameters()))
     assert params_l2_norm(model) == pytest.approx(float(expected), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ log writers
+
+
+def _wandb_without_login(argv):
+    """wandb starts on rank 0 alone, and fails there (no API key on the node): the run's start-up stops
+    on every rank with its line (the other ranks do not go on to wait for rank 0 in the model's build)."""
+    import sys
+    import types
+
+    from megatron_lev.training.loop import _setup_configs, _start, _StartupError
+
+    def init(**_kw):
+        raise RuntimeError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+
+    sys.modules["wandb"] = types.SimpleNamespace(init=init)
+    try:
+        args, _, config, model_config = _setup_configs(argv)
+        try:
+            _start(args, config, model_config)
+        except _StartupError as e:
+            return str(e)
+        return None
+    finally:
+        del sys.modules["wandb"]
+
+
+def test_a_log_writer_failing_on_rank_0_stops_every_rank_in_one_line():
+    from megatron_lev.testing import run_distributed
+
+    r0, r1 = run_distributed(_wandb_without_login, 2, args=(MODEL + MOCK + ["--wandb-project", "p", "--quiet-config"],))
+    assert r0 == r1 and r0 is not None, (r0, r1)
+    assert r0.startswith("--wandb-project p: wandb cannot start (RuntimeError: api_key not configured (no-tty)"), r0
+    assert r0.endswith("log in with `wandb login`, or set WANDB_MODE=offline"), r0
