@@ -55,6 +55,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from megatron_lev.arguments.model import saved_model_arg
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
 from megatron_lev.tokenizer.fingerprint import MODEL_DIR_SIDECAR, write_sidecar
@@ -148,17 +149,20 @@ def check_hf_compatible(a: Dict[str, Any]) -> None:
             "(the HF Mixtral layout is not written here): evaluate it with tools/evaluate.py, or export a "
             "dense-FFN model")
 
-    if a.get("normalization", "LayerNorm") != "RMSNorm":
-        refuse(f"--normalization {a.get('normalization', 'LayerNorm')}", "Llama uses RMSNorm; train with --normalization RMSNorm")
-    if not a.get("swiglu", False):
+    # A setting the saved arguments lack is the flag's default (saved_model_arg).
+    normalization = saved_model_arg(a, "normalization")
+    if normalization != "RMSNorm":
+        refuse(f"--normalization {normalization}", "Llama uses RMSNorm; train with --normalization RMSNorm")
+    if not saved_model_arg(a, "swiglu"):
         refuse("GeLU MLP (--swiglu not set)", "Llama's MLP is SwiGLU")
-    if not a.get("disable_bias_linear", False):
+    if not saved_model_arg(a, "disable_bias_linear"):
         refuse("linear-layer biases (--disable-bias-linear not set)", "Llama has no biases")
-    if a.get("position_embedding_type", "learned_absolute") != "rope":
-        refuse(f"--position-embedding-type {a.get('position_embedding_type', 'learned_absolute')}",
-               "Llama uses RoPE")
-    if float(a.get("rotary_percent", 1.0)) != 1.0:
-        refuse(f"--rotary-percent {a.get('rotary_percent')}", "Llama rotates every channel of a head")
+    positions = saved_model_arg(a, "position_embedding_type")
+    if positions != "rope":
+        refuse(f"--position-embedding-type {positions}", "Llama uses RoPE")
+    rotary_percent = saved_model_arg(a, "rotary_percent")
+    if float(rotary_percent) != 1.0:
+        refuse(f"--rotary-percent {rotary_percent}", "Llama rotates every channel of a head")
     for key, why in (("qk_layernorm", "Llama has no QK norm"), ("rotary_interleaved", "Llama rotates halves"),
                      ("apply_layernorm_1p", "zero-centred norm weights"), ("add_qkv_bias", "Llama has no biases"),
                      ("rope_scaling", "rope scaling")):
@@ -413,8 +417,9 @@ def llama_config(a: Dict[str, Any], vocab_size: int, dtype: str, tok: Optional[D
         vocab_size=int(vocab_size), hidden_size=int(a["hidden_size"]), intermediate_size=int(a["ffn_hidden_size"]),
         num_hidden_layers=int(a["num_layers"]), num_attention_heads=n, num_key_value_heads=g, head_dim=hd,
         hidden_act="silu", max_position_embeddings=int(a.get("max_position_embeddings") or a.get("seq_length")),
-        initializer_range=float(a.get("init_method_std", 0.02)), rms_norm_eps=float(a.get("norm_epsilon", 1e-5)),
-        rope_theta=float(a.get("rotary_base", 10000)), tie_word_embeddings=a["input_embedding"] == "tied",
+        initializer_range=float(saved_model_arg(a, "init_method_std")),
+        rms_norm_eps=float(saved_model_arg(a, "norm_epsilon")), rope_theta=float(saved_model_arg(a, "rotary_base")),
+        tie_word_embeddings=a["input_embedding"] == "tied",
         attention_bias=False, mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
         architectures=["LlamaForCausalLM"],
     )
