@@ -392,8 +392,12 @@ def _rank0_checkpoint(args, tokenizer, saved):
         return tokenizer, saved, None
     try:
         tokenizer, saved = _checkpoint_tokenizer(args, iteration)
-    except UsageError as e:  # stops every rank with this line (verify_checksums)
-        return tokenizer, saved, str(e)
+    except (ValueError, OSError) as e:  # UsageError included; stops every rank with this line (verify_checksums)
+        text = str(e).strip()
+        if isinstance(e, UsageError):
+            return tokenizer, saved, text
+        return tokenizer, saved, (f"--load {args.load}: iteration {iteration} cannot be opened on this rank "
+                                  f"({type(e).__name__}: {text.splitlines()[0] if text else 'no detail'})")
     return tokenizer, saved, None
 
 

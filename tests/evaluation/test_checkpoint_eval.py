@@ -284,6 +284,28 @@ def test_two_ranks_evaluate_rank_0s_iteration_and_stop_together_on_a_full_disk(t
     assert full1[1] == []  # the first rank prints
 
 
+def test_a_rank_that_cannot_reopen_rank_0s_iteration_sends_its_line_to_the_verification(monkeypatch):
+    """A rank whose own look found another iteration than rank 0's reopens rank 0's; an I/O error there (the
+    iteration removed or unreadable on its node) is its verdict for the checksum verification's all-gather,
+    which stops every rank with it. Raised on that rank alone, it left the others waiting there."""
+    from types import SimpleNamespace
+
+    import megatron_lev.evaluation.cli as cli
+    import megatron_lev.parallel.collectives as collectives
+
+    monkeypatch.setattr(collectives, "broadcast_object", lambda obj, src=0, group=None: 6)  # rank 0 found 6
+
+    def unreadable(args, iteration=None):
+        raise PermissionError(13, "Permission denied", f"{args.load}/iter_{iteration:07d}/config.yaml")
+
+    monkeypatch.setattr(cli, "_checkpoint_tokenizer", unreadable)
+    saved = SimpleNamespace(iteration=7)
+    tokenizer, got, error = cli._rank0_checkpoint(SimpleNamespace(load="/ck"), "tok", saved)
+    assert (tokenizer, got) == ("tok", saved)
+    assert error.startswith("--load /ck: iteration 6 cannot be opened on this rank (PermissionError: ")
+    assert "\n" not in error
+
+
 def test_hf_export_gives_the_same_numbers(tp1_run, tiny_ckpt, task_files, tmp_path):
     import megatron_lev.conversion.hf as hf
     from megatron_lev.evaluation.cli import main
