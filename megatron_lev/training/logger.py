@@ -84,6 +84,9 @@ class TrainingLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 print("WARNING: TensorBoard writing is not available (pip install tensorboard)", flush=True)
+            except Exception as e:  # an install that fails as it imports (its protobuf too new or too old)
+                raise LogWriterError(f"--tensorboard-dir {args.tensorboard_dir}: TensorBoard cannot be imported "
+                                     f"({_first_line(e)}); repair its installation or drop the flag") from None
             else:
                 try:
                     self.tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
@@ -96,6 +99,9 @@ class TrainingLogger:
             except ImportError:
                 print("WARNING: --wandb-project given but wandb is not installed; not logging to wandb",
                       flush=True)
+            except Exception as e:
+                raise LogWriterError(f"--wandb-project {args.wandb_project}: wandb cannot be imported "
+                                     f"({_first_line(e)}); repair its installation or drop the flag") from None
             else:
                 try:
                     self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,

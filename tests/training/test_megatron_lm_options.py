@@ -378,3 +378,29 @@ def test_a_log_writer_failing_on_rank_0_stops_every_rank_in_one_line():
     assert r0 == r1 and r0 is not None, (r0, r1)
     assert r0.startswith("--wandb-project p: wandb cannot start (RuntimeError: api_key not configured (no-tty)"), r0
     assert r0.endswith("log in with `wandb login`, or set WANDB_MODE=offline"), r0
+
+
+@pytest.mark.parametrize("flag, module, name", [("--tensorboard-dir", "torch.utils.tensorboard", "TensorBoard"),
+                                                ("--wandb-project", "wandb", "wandb")])
+def test_a_log_writer_that_fails_as_it_imports_is_a_log_writer_error(flag, module, name, tmp_path, monkeypatch):
+    """An install that raises something else than ImportError as it imports (a tensorboard whose protobuf
+    does not match) is the writer's one line, which the start-up sends from rank 0 to every rank; raised as
+    it was, rank 0 died alone with a traceback."""
+    import sys
+
+    from megatron_lev.training.logger import LogWriterError, TrainingLogger
+
+    class Broken:  # finds the module by failing as a broken install fails
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            if fullname == module:
+                raise TypeError("Descriptors cannot be created directly.\nIf this call came from a _pb2.py file ...")
+            return None
+
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    args = parse_args(MODEL + MOCK + [flag, str(tmp_path / "w"), "--quiet-config"])
+    with pytest.raises(LogWriterError) as e:
+        TrainingLogger(args)
+    assert str(e.value).startswith(f"{flag} {tmp_path / 'w'}: {name} cannot be imported (TypeError: Descriptors "
+                                   "cannot be created directly.); repair its installation or drop the flag")
