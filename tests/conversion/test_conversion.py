@@ -28,6 +28,9 @@ import torch
 from tests.conftest import BPE_VOCAB
 from tests.training._multi_run import launch_plan
 
+# Its tests share multi-process jobs (~106 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_lev.py")
 CONVERT = str(REPO / "tools" / "convert_checkpoint.py")

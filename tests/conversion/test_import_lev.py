@@ -24,6 +24,9 @@ import numpy as np
 import pytest
 import torch
 
+# Its tests share multi-process jobs (~71 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_lev.py")
 CONVERT = str(REPO / "tools" / "convert_checkpoint.py")

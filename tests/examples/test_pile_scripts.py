@@ -38,7 +38,7 @@ NUM_SHARDS = 2
 DOCS_PER_SHARD = 60
 TRAIN_ITERS = 12
 
-pytestmark = pytest.mark.scripts
+pytestmark = [pytest.mark.scripts, pytest.mark.slow]  # several torchrun jobs, ~63 s on 2 cores
 
 # The 200m config shrunk to a toy; everything else (bf16, distributed optimizer, LEV compute mode, the
 # SIGTERM handler) comes from the config file itself.

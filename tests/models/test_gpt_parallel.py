@@ -19,6 +19,9 @@ from megatron_lev.testing import run_distributed
 
 from . import _harness as H
 
+# Its tests share multi-process jobs (~57 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 ARMS = H.ALL_ARMS
 RUN_ARMS = ARMS
 

@@ -20,6 +20,9 @@ from megatron_lev.testing import run_distributed
 
 from . import _harness as H
 
+# Its tests share multi-process jobs (~46 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 
 # fp32 on CPU: the layouts sum the same terms in another order (all-reduce, gathered experts).
 LOSS_RTOL, NORM_RTOL = 1e-6, 1e-5

@@ -19,6 +19,9 @@ import pytest
 from tests.reliability.test_training_faults import tiny_args
 from tests.training.test_pretrain import REPO, _env, run_single
 
+# Its tests share multi-process jobs (~82 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 INJECT = '''
 import builtins, errno, os
 

@@ -14,9 +14,14 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.reliability.test_training_faults import TAG, TRACKER, signal_mid_run, tagged_processes, tiny_args, \
     wait_for_text
 from tests.training.test_pretrain import PRETRAIN, REPO, _env, _free_port, launch, metrics
+
+# Its tests share multi-process jobs (~65 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
 
 
 def _summary_lines(stderr: str):

@@ -17,7 +17,12 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.training.test_pretrain import PRETRAIN, REPO, _env, _free_port, launch, metrics, run_single
+
+# Its tests share multi-process jobs (~89 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
 
 TAG = "MEGATRON_LEV_FAULT_TAG"
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -22,6 +22,9 @@ from megatron_lev.arguments import parse_args
 from megatron_lev.lev.config import ConfigError
 from tests.training._multi_run import launch_plan
 
+# Its tests share multi-process jobs (~42 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = json.loads((Path(__file__).parent / "data" / "megatron_lm_examples.json").read_text())
 GPT3 = "examples/gpt3/train_gpt3_175b_distributed.sh"
 LLAMA = "examples/llama/train_llama3_8b_h100_fp8.sh"

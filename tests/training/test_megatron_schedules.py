@@ -30,6 +30,9 @@ from megatron_lev.compat.versions import batch_size_calculator
 from megatron_lev.lev.config import ConfigError
 from tests.training._multi_run import launch_plan
 
+# Its tests share multi-process jobs (~54 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 LEV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -18,6 +18,9 @@ import pytest
 from tests.training._multi_run import launch_plan
 from tests.training.test_production_path import _metrics  # the metrics file's train rows by iteration
 
+# Its tests share multi-process jobs (~76 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 
 # NVIDIA/Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh at commit
 # 0a40979ee868697bd66157ab800d213ffff030d8, scaled down (the changed values are the sizes).

@@ -22,6 +22,9 @@ import pytest
 
 from tests.training._multi_run import launch_plan
 
+# Its tests share multi-process jobs (~54 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_lev.py")
 

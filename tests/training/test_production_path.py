@@ -21,6 +21,9 @@ import pytest
 
 from tests.training._multi_run import launch_plan
 
+# Its tests share multi-process jobs (~68 s for the module on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "examples" / "pile" / "configs").glob("*.yaml"))
 
