@@ -32,6 +32,7 @@ def test_the_queue_is_installed_in_process_once(monkeypatch):
 def _save_and_reload(ckpt_dir: str):
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
     from megatron_lev.checkpoint.sharded import _install_write_queue, _save_strategy
 
@@ -42,9 +43,13 @@ def _save_and_reload(ckpt_dir: str):
     def state(t):
         return {"w": ShardedTensor.from_rank_offsets("w", t, (0, rank, world), replica_id=0)}
 
+    # A pooled rank may have run another test's plain dist_checkpointing.save (megatron-core's manager
+    # queue, whose process stays): start from no queue and count only what this save leaves.
+    fa._results_queue = None
+    before = {p.pid for p in mp.active_children()}
     _install_write_queue()
     dist_checkpointing.save(state(local), ckpt_dir, sharded_strategy=_save_strategy())
-    lingering = [p.name for p in mp.active_children()]
+    lingering = [p.name for p in mp.active_children() if p.pid not in before]
     loaded = dist_checkpointing.load(state(torch.zeros(2, 3)), ckpt_dir)["w"]
     return lingering, torch.equal(loaded, local)
 

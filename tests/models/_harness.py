@@ -90,6 +90,9 @@ def _sharded(chunks) -> Dict[str, Any]:
 def save_weights(chunks, path: str) -> None:
     from megatron.core import dist_checkpointing
 
+    from megatron_lev.checkpoint.sharded import _install_write_queue
+
+    _install_write_queue()  # no manager interpreter per rank (and none left in a pooled rank)
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(_sharded(chunks), path)
 
@@ -176,6 +179,9 @@ def gather_grads(chunks, path: str) -> Optional[Dict[str, torch.Tensor]]:
     """Full (unsharded) gradients keyed by checkpoint key, on global rank 0; None elsewhere."""
     from megatron.core import dist_checkpointing
 
+    from megatron_lev.checkpoint.sharded import _install_write_queue
+
+    _install_write_queue()
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(_grad_state(chunks), path)
     plain = dist_checkpointing.load_plain_tensors(path)  # collective over all ranks
