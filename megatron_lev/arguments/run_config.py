@@ -1,0 +1,603 @@
+"""The run's configuration as typed groups: :class:`RunConfig`, read from the parsed arguments or from a
+checkpoint's saved ones (``config.yaml``, flat, every version written so far).
+
+Each group holds the settings one part of the trainer reads, under Megatron-LM's argument names (a
+field is the flag ``--field-name``), as Megatron-LM's ``megatron/training/config/`` groups its
+``TrainingConfig``, ``SchedulerConfig`` and ``LoggerConfig``; the parallel sizes are one
+:class:`~megatron_lev.distributed.layout.ParallelLayout`, checked once where it is made. The fields
+have no defaults: the flags' defaults (``build_parser``) are the only ones until the flags are generated
+from these fields. Values the tokenizer decides (``padded_vocab_size``, ``tokenizer_fingerprint``) are
+None until it is built.
+
+``from_saved_args`` reads a saved flat dictionary: a key it lacks (a file written before the flag
+existed) takes the flag's default, a derived value it lacks (world size, data-parallel size, micro-batches,
+parameter dtype) is derived again as validation derives it, and ``"inf"`` (how ``config.yaml`` writes an
+infinite float) is the float. ``to_saved_args`` writes the flat names back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Any, Dict, List, Mapping, Optional
+
+from megatron_lev.distributed.layout import MEGATRON_FIELDS, ParallelLayout
+from megatron_lev.lev.config import ConfigError
+
+from . import build_parser
+
+__all__ = ["CheckpointingConfig", "DataConfig", "DistributedConfig", "LoggingConfig", "ModelRunConfig",
+           "OptimizerRunConfig", "RunConfig", "RunControlConfig", "ScheduleConfig", "LAYOUT_ARGS"]
+
+# The saved arguments the layout holds (its sizes under Megatron-LM's names, and what validation derives).
+LAYOUT_ARGS = tuple(MEGATRON_FIELDS.values()) + ("world_size", "data_parallel_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRunConfig:
+    """The model settings the trainer reads itself (the rest of the model is built from the saved
+    arguments by ``checkpoint.build_configs`` into ``LevModelConfig`` and megatron-core's
+    ``TransformerConfig``)."""
+
+    padded_vocab_size: Optional[int] = None
+    """Embedding rows: the tokenizer's vocabulary padded to --make-vocab-size-divisible-by x TP; None until
+    the tokenizer is built."""
+
+    make_vocab_size_divisible_by: int
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size (--make-vocab-size-divisible-by)."""
+
+    bf16: bool
+    """Train in bfloat16 (--bf16)."""
+
+    fp16: bool
+    """Train in float16 with loss scaling (--fp16)."""
+
+    params_dtype_name: str
+    """The parameters' torch dtype name, derived from --bf16 / --fp16."""
+
+    fp8_format: Optional[str]
+    """FP8 format for Transformer Engine layers (--fp8-format); None = no FP8."""
+
+    fp8_recipe: str
+    """FP8 scaling recipe (--fp8-recipe)."""
+
+    cross_entropy_loss_fusion: bool
+    """Fused cross-entropy loss (--cross-entropy-loss-fusion)."""
+
+    cross_entropy_fusion_impl: str
+    """The fused cross-entropy implementation (--cross-entropy-fusion-impl)."""
+
+    calculate_per_token_loss: bool
+    """Average the loss over all tokens of the global batch rather than per micro-batch
+    (--calculate-per-token-loss)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Datasets, loader and tokenizer (Megatron-LM's data arguments, megatron-core's GPTDatasetConfig)."""
+
+    seq_length: int
+    """Tokens per sample (--seq-length)."""
+
+    data_path: Optional[List[str]]
+    """Weighted dataset prefixes split by --split (--data-path)."""
+
+    train_data_path: Optional[List[str]]
+    """Training dataset prefixes (--train-data-path), instead of --data-path with --split."""
+
+    valid_data_path: Optional[List[str]]
+    """Validation dataset prefixes (--valid-data-path)."""
+
+    test_data_path: Optional[List[str]]
+    """Test dataset prefixes (--test-data-path)."""
+
+    split: str
+    """Train,valid,test proportions of --data-path (--split)."""
+
+    data_cache_path: Optional[str]
+    """Where the dataset index caches are written (--data-cache-path)."""
+
+    mmap_bin_files: bool
+    """Memory-map the .bin files (--no-mmap-bin-files turns it off)."""
+
+    mock_data: bool
+    """Random tokens instead of a dataset (--mock-data)."""
+
+    num_workers: int
+    """Data-loader worker processes (--num-workers)."""
+
+    eod_mask_loss: bool
+    """No loss on end-of-document tokens (--eod-mask-loss)."""
+
+    reset_attention_mask: bool
+    """Attention does not cross document boundaries (--reset-attention-mask)."""
+
+    reset_position_ids: bool
+    """Positions restart at each document (--reset-position-ids)."""
+
+    tokenizer_type: str
+    """The tokenizer (--tokenizer-type)."""
+
+    tokenizer_fingerprint: Optional[Dict[str, Any]] = None
+    """What identifies the tokenizer a checkpoint was trained with; None until the tokenizer is built."""
+
+    allow_tokenizer_mismatch: bool
+    """Load a checkpoint trained with another tokenizer (--allow-tokenizer-mismatch)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """Training length, batch sizes, evaluation cadence, and the learning-rate and weight-decay schedule
+    (Megatron-LM's TrainingConfig, ValidationConfig and SchedulerConfig)."""
+
+    train_iters: Optional[int]
+    """Iterations to train over all runs (--train-iters); or --train-samples."""
+
+    train_samples: Optional[int]
+    """Samples to train over all runs (--train-samples)."""
+
+    micro_batch_size: int
+    """Samples per data-parallel rank per micro-batch (--micro-batch-size)."""
+
+    global_batch_size: int
+    """Samples per iteration over all data-parallel ranks (--global-batch-size)."""
+
+    num_microbatches: int
+    """Micro-batches per iteration, derived: global / (micro x data-parallel size)."""
+
+    rampup_batch_size: Optional[List[int]]
+    """Start size, increment and ramp-up samples of a growing global batch (--rampup-batch-size)."""
+
+    step_batch_size_schedule: Optional[str]
+    """Step-wise global batch sizes, THRESHOLD:SIZE ... (--step-batch-size-schedule)."""
+
+    eval_interval: int
+    """Iterations between validations (--eval-interval)."""
+
+    eval_iters: int
+    """Iterations per validation and test (--eval-iters)."""
+
+    skip_train: bool
+    """Evaluate only (--skip-train)."""
+
+    lr_decay_style: str
+    """Learning-rate decay (--lr-decay-style)."""
+
+    lr_decay_iters: Optional[int]
+    """Iterations to decay over (--lr-decay-iters; validation sets it to --train-iters when unset)."""
+
+    lr_decay_samples: Optional[int]
+    """Samples to decay over (--lr-decay-samples)."""
+
+    lr_warmup_fraction: Optional[float]
+    """Warm-up as a fraction of the decay (--lr-warmup-fraction)."""
+
+    lr_warmup_iters: int
+    """Warm-up iterations (--lr-warmup-iters)."""
+
+    lr_warmup_samples: int
+    """Warm-up samples (--lr-warmup-samples)."""
+
+    lr_warmup_init: float
+    """Learning rate at the start of the warm-up (--lr-warmup-init)."""
+
+    lr_wsd_decay_style: str
+    """Decay of the WSD schedule's annealing phase (--lr-wsd-decay-style)."""
+
+    lr_wsd_decay_iters: Optional[int]
+    """Iterations of the WSD annealing phase (--lr-wsd-decay-iters)."""
+
+    lr_wsd_decay_samples: Optional[int]
+    """Samples of the WSD annealing phase (--lr-wsd-decay-samples)."""
+
+    start_weight_decay: Optional[float]
+    """Weight decay at the start (--start-weight-decay; validation sets it to --weight-decay when unset)."""
+
+    end_weight_decay: Optional[float]
+    """Weight decay at the end (--end-weight-decay)."""
+
+    weight_decay_incr_style: str
+    """How the weight decay goes from start to end (--weight-decay-incr-style)."""
+
+    override_opt_param_scheduler: bool
+    """Take the schedule from the flags, not the checkpoint (--override-opt-param-scheduler)."""
+
+    use_checkpoint_opt_param_scheduler: bool
+    """Take the schedule from the checkpoint (--use-checkpoint-opt-param-scheduler)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerRunConfig:
+    """The optimizer, learning rates, clipping and loss scaling (the fields of megatron-core's
+    OptimizerConfig that the flags set)."""
+
+    optimizer: str
+    """adam (AdamW) or sgd (--optimizer)."""
+
+    lr: float
+    """Peak learning rate (--lr)."""
+
+    min_lr: float
+    """Learning rate at the end of the decay (--min-lr)."""
+
+    decoupled_lr: Optional[float]
+    """Learning rate of the input and output embeddings (--decoupled-lr); None = --lr."""
+
+    decoupled_min_lr: Optional[float]
+    """Minimum learning rate of the embeddings (--decoupled-min-lr)."""
+
+    weight_decay: float
+    """Weight decay (--weight-decay)."""
+
+    adam_beta1: float
+    """Adam's first-moment coefficient (--adam-beta1)."""
+
+    adam_beta2: float
+    """Adam's second-moment coefficient (--adam-beta2)."""
+
+    adam_eps: float
+    """Adam's epsilon (--adam-eps)."""
+
+    sgd_momentum: float
+    """SGD's momentum (--sgd-momentum)."""
+
+    clip_grad: float
+    """Clip the global gradient norm to this (--clip-grad)."""
+
+    use_distributed_optimizer: bool
+    """Shard the optimizer state over data-parallel ranks (--use-distributed-optimizer)."""
+
+    use_precision_aware_optimizer: bool
+    """Transformer Engine's FusedAdam with the dtypes below (--use-precision-aware-optimizer)."""
+
+    main_grads_dtype: str
+    """Main gradients' dtype of the precision-aware optimizer (--main-grads-dtype)."""
+
+    main_params_dtype: str
+    """Main parameters' dtype of the precision-aware optimizer (--main-params-dtype)."""
+
+    exp_avg_dtype: str
+    """Adam's first moment's dtype (--exp-avg-dtype)."""
+
+    exp_avg_sq_dtype: str
+    """Adam's second moment's dtype (--exp-avg-sq-dtype)."""
+
+    loss_scale: Optional[float]
+    """A fixed loss scale (--loss-scale); None = dynamic scaling with --fp16."""
+
+    initial_loss_scale: float
+    """Dynamic loss scaling's first scale (--initial-loss-scale)."""
+
+    min_loss_scale: float
+    """Dynamic loss scaling's smallest scale (--min-loss-scale)."""
+
+    loss_scale_window: float
+    """Iterations without overflow before the scale grows (--loss-scale-window)."""
+
+    hysteresis: int
+    """Overflows tolerated before the scale shrinks (--hysteresis)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Process groups and gradient reduction (megatron-core's DistributedDataParallelConfig and the
+    backend)."""
+
+    distributed_backend: Optional[str]
+    """nccl or gloo (--distributed-backend); None = nccl on GPUs, gloo on CPUs."""
+
+    distributed_timeout_minutes: int
+    """Collective timeout (--distributed-timeout-minutes)."""
+
+    overlap_grad_reduce: bool
+    """Overlap the gradient reduction with the backward pass (--overlap-grad-reduce)."""
+
+    overlap_param_gather: bool
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass (--overlap-param-gather)."""
+
+    ddp_bucket_size: Optional[int]
+    """Gradient bucket size in elements (--ddp-bucket-size); None = megatron-core's."""
+
+    accumulate_allreduce_grads_in_fp32: bool
+    """Accumulate and reduce gradients in float32 (--accumulate-allreduce-grads-in-fp32)."""
+
+    check_for_nan_in_loss_and_grad: bool
+    """Check the loss and gradients for NaN each step (--no-check-for-nan-in-loss-and-grad turns it off)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointingConfig:
+    """Saving, loading and resuming (Megatron-LM's CheckpointConfig)."""
+
+    save: Optional[str]
+    """Directory checkpoints are saved to (--save)."""
+
+    load: Optional[str]
+    """Directory a checkpoint is loaded from (--load)."""
+
+    save_interval: Optional[int]
+    """Iterations between checkpoints (--save-interval)."""
+
+    ckpt_step: Optional[int]
+    """The iteration to load instead of the latest (--ckpt-step)."""
+
+    no_save_optim: bool
+    """Save without the optimizer state (--no-save-optim)."""
+
+    no_save_rng: bool
+    """Save without the random states (--no-save-rng)."""
+
+    no_load_optim: bool
+    """Load without the optimizer state (--no-load-optim)."""
+
+    no_load_rng: bool
+    """Load without the random states (--no-load-rng)."""
+
+    finetune: bool
+    """Load the weights only and start at iteration 0 (--finetune)."""
+
+    exit_on_missing_checkpoint: bool
+    """Stop when --load holds no checkpoint (--exit-on-missing-checkpoint)."""
+
+    dist_ckpt_optim_fully_reshardable: bool
+    """Save the distributed optimizer reshardable to any layout (--dist-ckpt-optim-fully-reshardable)."""
+
+    no_ckpt_checksums: bool
+    """Save and load without the tensor checksums (--no-ckpt-checksums)."""
+
+    debug_kill_during_save: Optional[str]
+    """Fault injection: the save stage at which the process is killed (--debug-kill-during-save)."""
+
+    debug_stall_during_save: Optional[str]
+    """Fault injection: the save stage at which the process stalls (--debug-stall-during-save)."""
+
+    debug_enospc_during_save: Optional[str]
+    """Fault injection: the save stage at which the disk is full (--debug-enospc-during-save)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """The log lines, TensorBoard, wandb and the metrics file (Megatron-LM's LoggerConfig)."""
+
+    log_interval: int
+    """Iterations between log lines (--log-interval)."""
+
+    logging_level: Optional[int]
+    """Python logging level (--logging-level)."""
+
+    quiet_config: bool
+    """Do not print the arguments at start-up (--quiet-config)."""
+
+    log_params_norm: bool
+    """Log the parameters' norm (--log-params-norm)."""
+
+    log_num_zeros_in_grad: bool
+    """Log the number of zero gradients (--log-num-zeros-in-grad)."""
+
+    peak_tflops_per_device: Optional[float]
+    """The device's peak TFLOP/s, for the model-FLOPs utilisation (--peak-tflops-per-device)."""
+
+    metrics_file: Optional[str]
+    """JSON-lines file of every logged value (--metrics-file)."""
+
+    tensorboard_dir: Optional[str]
+    """TensorBoard directory (--tensorboard-dir)."""
+
+    tensorboard_log_interval: int
+    """Iterations between TensorBoard scalars (--tensorboard-log-interval)."""
+
+    tensorboard_queue_size: int
+    """TensorBoard's queue of pending events (--tensorboard-queue-size)."""
+
+    log_timers_to_tensorboard: bool
+    """Timers to TensorBoard (--log-timers-to-tensorboard)."""
+
+    log_loss_scale_to_tensorboard: bool
+    """The loss scale to TensorBoard (--no-log-loss-scale-to-tensorboard turns it off)."""
+
+    log_validation_ppl_to_tensorboard: bool
+    """Validation perplexity to TensorBoard (--log-validation-ppl-to-tensorboard)."""
+
+    log_memory_to_tensorboard: bool
+    """Memory use to TensorBoard (--log-memory-to-tensorboard)."""
+
+    log_world_size_to_tensorboard: bool
+    """The world size to TensorBoard (--log-world-size-to-tensorboard)."""
+
+    wandb_project: Optional[str]
+    """wandb project; None = no wandb (--wandb-project)."""
+
+    wandb_exp_name: Optional[str]
+    """wandb run name (--wandb-exp-name)."""
+
+    wandb_save_dir: Optional[str]
+    """wandb's local directory (--wandb-save-dir); None = --save."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunControlConfig:
+    """Seed, exit conditions, fault handling, garbage collection and profiling."""
+
+    seed: int
+    """Random seed (--seed)."""
+
+    exit_interval: Optional[int]
+    """Stop at an iteration divisible by this (--exit-interval)."""
+
+    exit_duration_in_mins: Optional[float]
+    """Stop after this many minutes (--exit-duration-in-mins)."""
+
+    exit_signal_handler: bool
+    """Save and stop on SIGTERM (--exit-signal-handler)."""
+
+    nan_action: str
+    """What a NaN loss or gradient does (--nan-action)."""
+
+    inject_nan_at_iteration: Optional[int]
+    """Fault injection: a NaN loss at this iteration (--inject-nan-at-iteration)."""
+
+    manual_gc: bool
+    """Collect garbage at fixed points instead of by threshold (--manual-gc)."""
+
+    manual_gc_interval: int
+    """Iterations between manual collections; 0 = only around evaluation (--manual-gc-interval)."""
+
+    manual_gc_eval: bool
+    """Collect around each evaluation with --manual-gc (--no-manual-gc-eval turns it off)."""
+
+    empty_unused_memory_level: int
+    """Empty the CUDA cache each iteration: 0 off, 1 moderate, 2 aggressive (--empty-unused-memory-level)."""
+
+    profile: bool
+    """Profile the steps --profile-step-start to --profile-step-end (--profile)."""
+
+    use_pytorch_profiler: bool
+    """The PyTorch profiler instead of nsys ranges (--use-pytorch-profiler)."""
+
+    profile_ranks: List[int]
+    """Ranks that profile (--profile-ranks)."""
+
+    profile_step_start: int
+    """First profiled iteration (--profile-step-start)."""
+
+    profile_step_end: int
+    """Iteration at which profiling stops (--profile-step-end)."""
+
+    record_memory_history: bool
+    """Record CUDA memory history (--record-memory-history)."""
+
+    memory_snapshot_path: str
+    """Where the memory history is written (--memory-snapshot-path)."""
+
+
+# The flat groups, by their RunConfig field (the layout is made separately).
+_GROUPS = {"model": ModelRunConfig, "data": DataConfig, "schedule": ScheduleConfig, "optimizer": OptimizerRunConfig,
+           "distributed": DistributedConfig, "checkpointing": CheckpointingConfig, "logging": LoggingConfig,
+           "run": RunControlConfig}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a training run reads, in groups; made from the parsed arguments or the saved ones."""
+
+    model: ModelRunConfig
+    """Model settings the trainer reads."""
+
+    layout: ParallelLayout
+    """TP, PP, virtual stages, CP, EP, ETP and the world size; DP derived."""
+
+    data: DataConfig
+    """Datasets, loader, tokenizer."""
+
+    schedule: ScheduleConfig
+    """Length, batch sizes, evaluation, learning-rate and weight-decay schedules."""
+
+    optimizer: OptimizerRunConfig
+    """Optimizer, learning rates, clipping, loss scaling."""
+
+    distributed: DistributedConfig
+    """Backend and gradient reduction."""
+
+    checkpointing: CheckpointingConfig
+    """Save, load, resume."""
+
+    logging: LoggingConfig
+    """Log lines, TensorBoard, wandb, metrics file."""
+
+    run: RunControlConfig
+    """Seed, exits, faults, garbage collection, profiling."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RunConfig":
+        """The run configuration of validated arguments (``parse_args``)."""
+        return cls._from_flat(vars(args), "the arguments")
+
+    @classmethod
+    def from_saved_args(cls, saved: Mapping[str, Any], source: str = "config.yaml") -> "RunConfig":
+        """The run configuration of saved arguments (a ``config.yaml`` of any version so far)."""
+        values = dict(saved)
+        defaults = _flag_defaults()
+        for name in flat_names():
+            if name not in values and name in defaults:
+                values[name] = defaults[name]
+        _derive_missing(values, source)
+        return cls._from_flat(values, source)
+
+    def to_saved_args(self) -> Dict[str, Any]:
+        """The flat saved arguments of this configuration (``config.yaml``'s names and values)."""
+        out: Dict[str, Any] = {}
+        for group in _GROUPS:
+            out.update(dataclasses.asdict(getattr(self, group)))
+        out.update(self.layout.megatron_sizes())
+        out.update(world_size=self.layout.world_size, data_parallel_size=self.layout.dp)
+        return out
+
+    @classmethod
+    def _from_flat(cls, values: Mapping[str, Any], source: str) -> "RunConfig":
+        groups = {name: _group(klass, values, source) for name, klass in _GROUPS.items()}
+        if "world_size" not in values:
+            raise ConfigError(f"{source}: no world_size (the number of processes the arguments were validated for)")
+        layout = ParallelLayout.from_fields(values, world_size=values["world_size"])
+        if "data_parallel_size" in values and values["data_parallel_size"] != layout.dp:
+            raise ConfigError(f"{source}: data_parallel_size {values['data_parallel_size']} is not the world size "
+                              f"{layout.world_size} over TP x PP x CP ({layout.dp})")
+        return cls(layout=layout, **groups)
+
+
+def flat_names() -> List[str]:
+    """Every flat argument name a :class:`RunConfig` reads (the groups' fields and the layout's)."""
+    return [f.name for klass in _GROUPS.values() for f in fields(klass)] + list(LAYOUT_ARGS)
+
+
+@lru_cache(maxsize=None)
+def _flag_defaults() -> Dict[str, Any]:
+    """Each argument's value when its flag is not given (the first flag of a destination sets it, as in argparse)."""
+    parser = build_parser()
+    return {a.dest: parser.get_default(a.dest) for a in parser._actions if a.dest not in (argparse.SUPPRESS, "help")}
+
+
+def _derive_missing(values: Dict[str, Any], source: str) -> None:
+    """What validation derives, for saved arguments that lack it (validation's own rules)."""
+    model = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        model *= values.get(name) or 1
+    if "world_size" not in values and values.get("data_parallel_size"):
+        values["world_size"] = values["data_parallel_size"] * model
+    if "data_parallel_size" not in values and values.get("world_size"):
+        values["data_parallel_size"] = values["world_size"] // model
+    if values.get("params_dtype_name") is None:
+        values["params_dtype_name"] = "bfloat16" if values.get("bf16") else ("float16" if values.get("fp16") else "float32")
+    if values.get("num_microbatches") is None and values.get("global_batch_size") and values.get("micro_batch_size"):
+        values["num_microbatches"] = values["global_batch_size"] // (
+            values["micro_batch_size"] * (values.get("data_parallel_size") or 1))
+
+
+def _group(klass, values: Mapping[str, Any], source: str):
+    hints = typing.get_type_hints(klass)
+    kwargs = {}
+    for f in fields(klass):
+        if f.name in values:
+            kwargs[f.name] = _coerce(hints[f.name], values[f.name], f.name, source)
+        elif f.default is dataclasses.MISSING:
+            raise ConfigError(f"{source}: no {f.name} (flag --{f.name.replace('_', '-')})")
+    return klass(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, name: str, source: str) -> Any:
+    """``value`` as the field's type where the saved form differs: a float written as an int or as
+    ``"inf"``, a list written as a tuple."""
+    if value is None:
+        return None
+    args = typing.get_args(hint)
+    base = next((a for a in args if a is not type(None)), hint) if typing.get_origin(hint) is typing.Union else hint
+    if base is float and not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{source}: {name}: {value!r} is not a number") from None
+    if typing.get_origin(base) is list and isinstance(value, tuple):
+        return list(value)
+    return value

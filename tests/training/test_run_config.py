@@ -1,0 +1,140 @@
+"""``RunConfig`` holds everything ``megatron_lev/training/`` reads from the arguments, and reads the same
+configuration from the parsed arguments and from the saved ones (``config.yaml``, including a file that
+predates some flags and derived values). Parsing only: no model, no process group."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_lev.arguments import config_to_yaml, parse_args, resolved_config
+from megatron_lev.arguments.run_config import RunConfig, flat_names
+from megatron_lev.lev.config import ConfigError
+
+from .test_arguments_read import _ARGS_RECEIVER, _module_name_lists
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINING = ROOT / "megatron_lev" / "training"
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 8 --lr 1e-3 --mock-data --vocab-size 100").split()
+# (extra flags, world size): defaults, a data-parallel world, TP x PP with virtual stages and experts,
+# every group's non-default values.
+CASES = {
+    "defaults": ([], 1),
+    "data_parallel": (["--global-batch-size", "8", "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                       "--overlap-param-gather"], 4),
+    "model_parallel": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                        "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8",
+                        "--num-experts", "2", "--expert-model-parallel-size", "2", "--disable-bias-linear"], 8),
+    "groups": (["--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "1e-5", "--clip-grad", "0.5",
+                "--optimizer", "sgd", "--exit-duration-in-mins", "30", "--save", "/tmp/rc_ckpt", "--save-interval",
+                "4", "--log-interval", "2", "--tensorboard-dir", "/tmp/rc_tb", "--seed", "7", "--profile",
+                "--profile-ranks", "0", "1", "--global-batch-size", "4",
+                "--eod-mask-loss", "--no-mmap-bin-files", "--fp16", "--loss-scale-window", "500"], 2),
+}
+
+
+def _parsed(case):
+    extra, world = CASES[case]
+    args = parse_args(BASE + extra, world_size=world)
+    args.padded_vocab_size = 128  # what training sets once the tokenizer is built
+    args.tokenizer_fingerprint = {"type": "NullTokenizer", "vocab_size": 100}
+    return args
+
+
+def training_reads():
+    """The argument names read under megatron_lev/training/: ``<...>args.NAME``, ``getattr(<...>args, "NAME")``
+    and ``getattr(<...>args, f)`` with ``f`` running over a collection of names imported from
+    ``megatron_lev.arguments`` (``OPTIMIZER_DTYPE_FIELDS``)."""
+    names = set()
+    for path in sorted(TRAINING.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported, loop_vars = {}, {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_lev.arguments"):
+                lists = _module_name_lists(node.module[len("megatron_lev.arguments."):] or "__init__")
+                imported.update({a.asname or a.name: lists[a.name] for a in node.names if a.name in lists})
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.comprehension, ast.For)) and isinstance(node.target, ast.Name) \
+                    and isinstance(node.iter, ast.Name) and node.iter.id in imported:
+                loop_vars.setdefault(node.target.id, set()).update(imported[node.iter.id])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) \
+                    and _ARGS_RECEIVER.search(ast.unparse(node.value)):
+                names.add(node.attr)
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and node.args \
+                    and _ARGS_RECEIVER.search(ast.unparse(node.args[0])):
+                key = node.args[1]
+                if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                    names.add(key.value)
+                elif isinstance(key, ast.Name):
+                    names |= loop_vars.get(key.id, set())
+    return names
+
+
+def test_every_argument_training_reads_has_a_field():
+    reads = training_reads()
+    assert {"train_iters", "tensorboard_queue_size", "tokenizer_fingerprint", "main_grads_dtype"} <= reads  # each way
+    missing = sorted(reads - set(flat_names()))
+    assert not missing, f"arguments read under megatron_lev/training/ without a RunConfig field: {missing}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_saved_arguments_give_the_parsed_configuration(case):
+    args = _parsed(case)
+    rc = RunConfig.from_args(args)
+    assert RunConfig.from_saved_args(vars(args)) == rc
+    saved = yaml.safe_load(config_to_yaml(resolved_config(args)))  # config.yaml as written beside a checkpoint
+    assert RunConfig.from_saved_args(saved) == rc
+    assert RunConfig.from_saved_args(rc.to_saved_args()) == rc
+    for name in flat_names():  # every field holds the argument's value
+        if name in vars(args) and name != "virtual_pipeline_model_parallel_size":
+            assert rc.to_saved_args()[name] == getattr(args, name), name
+
+
+def test_the_groups_hold_the_values_the_flags_set():
+    rc = RunConfig.from_args(_parsed("model_parallel"))
+    assert (rc.layout.tp, rc.layout.pp, rc.layout.vpp, rc.layout.ep, rc.layout.dp) == (2, 2, 2, 2, 2)
+    assert rc.schedule.num_microbatches == 2 and rc.schedule.global_batch_size == 8
+    rc = RunConfig.from_args(_parsed("groups"))
+    assert rc.optimizer.optimizer == "sgd" and rc.schedule.lr_decay_style == "cosine"
+    assert rc.run.profile_ranks == [0, 1] and (rc.schedule.num_microbatches, rc.layout.dp) == (1, 2)
+    assert rc.checkpointing.save == "/tmp/rc_ckpt" and rc.logging.tensorboard_dir == "/tmp/rc_tb"
+    assert isinstance(rc.optimizer.loss_scale_window, float) and rc.model.params_dtype_name == "float16"
+    assert rc.data.mmap_bin_files is False and rc.model.padded_vocab_size == 128
+
+
+def test_an_older_config_yaml_loads_with_the_flag_defaults_and_derived_values():
+    args = _parsed("data_parallel")
+    saved = resolved_config(args)
+    for key in ("world_size", "num_microbatches", "params_dtype_name", "log_world_size_to_tensorboard",
+                "tokenizer_fingerprint", "dist_ckpt_optim_fully_reshardable"):
+        saved.pop(key)
+    saved["log_throughput"] = False  # a key of an older file that no field takes
+    old, new = RunConfig.from_saved_args(saved), RunConfig.from_args(args)
+    assert old.layout == new.layout and old.schedule == new.schedule and old.model == new.model
+    assert old.data == dataclasses.replace(new.data, tokenizer_fingerprint=None)
+
+
+def test_an_infinite_float_reads_back_from_config_yaml():
+    args = _parsed("defaults")
+    args.clip_grad = math.inf
+    saved = yaml.safe_load(config_to_yaml(resolved_config(args)))
+    assert saved["clip_grad"] == "inf" and RunConfig.from_saved_args(saved).optimizer.clip_grad == math.inf
+
+
+def test_a_broken_saved_file_is_one_line_naming_the_key():
+    saved = resolved_config(_parsed("defaults"))
+    saved["lr"] = "fast"
+    with pytest.raises(ConfigError, match=r"^config.yaml: lr: 'fast' is not a number$"):
+        RunConfig.from_saved_args(saved)
+    saved = resolved_config(_parsed("data_parallel"))
+    saved["data_parallel_size"] = 3
+    with pytest.raises(ConfigError, match="data_parallel_size 3") as e:
+        RunConfig.from_saved_args(saved)
+    assert "\n" not in str(e.value)
