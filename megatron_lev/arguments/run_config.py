@@ -29,8 +29,8 @@ from megatron_lev.lev.config import ConfigError
 
 from . import build_parser
 
-__all__ = ["CheckpointingConfig", "DataConfig", "DistributedConfig", "LoggingConfig", "ModelRunConfig",
-           "OptimizerRunConfig", "RunConfig", "RunControlConfig", "ScheduleConfig", "LAYOUT_ARGS"]
+__all__ = ["CheckpointingConfig", "DataConfig", "DistributedConfig", "FoldedFlagsConfig", "LoggingConfig",
+           "ModelRunConfig", "OptimizerRunConfig", "RunConfig", "RunControlConfig", "ScheduleConfig", "LAYOUT_ARGS"]
 
 # The saved arguments the layout holds (its sizes under Megatron-LM's names, and what validation derives).
 LAYOUT_ARGS = tuple(MEGATRON_FIELDS.values()) + ("world_size", "data_parallel_size")
@@ -120,6 +120,24 @@ class DataConfig:
 
     tokenizer_type: str
     """The tokenizer (--tokenizer-type)."""
+
+    vocab_file: Optional[str]
+    """GPT-2 vocab.json of GPT2BPETokenizer (--vocab-file)."""
+
+    merge_file: Optional[str]
+    """GPT-2 merges.txt of GPT2BPETokenizer (--merge-file)."""
+
+    tokenizer_model: Optional[str]
+    """tokenizer.json (or its folder), SentencePiece .model or .tiktoken rank file (--tokenizer-model)."""
+
+    vocab_size: Optional[int]
+    """Ids of the NullTokenizer, or of a TikTokenizer in Megatron-LM's v1/v2 layout (--vocab-size)."""
+
+    tiktoken_pattern: str
+    """Pre-tokenisation pattern of a TikTokenizer (--tiktoken-pattern)."""
+
+    tiktoken_num_special_tokens: int
+    """Special-token ids before the vocabulary in Megatron-LM's v1/v2 layout (--tiktoken-num-special-tokens)."""
 
     tokenizer_fingerprint: Optional[Dict[str, Any]] = None
     """What identifies the tokenizer a checkpoint was trained with; None until the tokenizer is built."""
@@ -307,6 +325,13 @@ class DistributedConfig:
     check_for_nan_in_loss_and_grad: bool
     """Check the loss and gradients for NaN each step (--no-check-for-nan-in-loss-and-grad turns it off)."""
 
+    no_overlap_p2p_communication: bool
+    """Interleaved schedule: batched, non-overlapped p2p (--no-overlap-p2p-communication)."""
+
+    num_distributed_optimizer_instances: int
+    """Copies of the distributed optimizer across the data-parallel group; only 1
+    (--num-distributed-optimizer-instances)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointingConfig:
@@ -347,6 +372,15 @@ class CheckpointingConfig:
 
     no_ckpt_checksums: bool
     """Save and load without the tensor checksums (--no-ckpt-checksums)."""
+
+    ckpt_format: str
+    """Checkpoint format; torch_dist only (--ckpt-format)."""
+
+    dist_ckpt_strictness: str
+    """On --load, what keys of the checkpoint and of the run that do not match do (--dist-ckpt-strictness)."""
+
+    overwrite_checkpoints: bool
+    """Save into a --save directory that holds another run's checkpoints (--overwrite-checkpoints)."""
 
     debug_kill_during_save: Optional[str]
     """Fault injection: the save stage at which the process is killed (--debug-kill-during-save)."""
@@ -473,10 +507,32 @@ class RunControlConfig:
     """Where the memory history is written (--memory-snapshot-path)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class FoldedFlagsConfig:
+    """Megatron-LM's flags that validation folds into another field (``validate.FOLDED_INTO``), as given:
+    nothing reads them after validation, and they are kept so that ``config.yaml`` (fed back through
+    ``--config``) reproduces the command line."""
+
+    num_layers_per_virtual_pipeline_stage: Optional[int]
+    """Layers per virtual stage (--num-layers-per-virtual-pipeline-stage), folded into the layout's vpp."""
+
+    recompute_activations: bool
+    """Selective recompute (--recompute-activations), folded into --recompute-granularity."""
+
+    untie_embeddings_and_output_weights: bool
+    """An untied output layer (--untie-embeddings-and-output-weights), folded into --input-embedding."""
+
+    grad_reduce_in_bf16: bool
+    """Reduce gradients in bf16 (--grad-reduce-in-bf16), folded into --accumulate-allreduce-grads-in-fp32."""
+
+    group_query_attention: bool
+    """Grouped-query attention (--group-query-attention), folded into --num-query-groups."""
+
+
 # The flat groups, by their RunConfig field (the layout is made separately).
 _GROUPS = {"model": ModelRunConfig, "data": DataConfig, "schedule": ScheduleConfig, "optimizer": OptimizerRunConfig,
            "distributed": DistributedConfig, "checkpointing": CheckpointingConfig, "logging": LoggingConfig,
-           "run": RunControlConfig}
+           "run": RunControlConfig, "folded": FoldedFlagsConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -509,6 +565,9 @@ class RunConfig:
 
     run: RunControlConfig
     """Seed, exits, faults, garbage collection, profiling."""
+
+    folded: FoldedFlagsConfig
+    """Flags validation folds into other fields, as given (saved, read by nothing)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RunConfig":
