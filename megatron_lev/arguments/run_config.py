@@ -22,7 +22,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, fields
 from functools import lru_cache
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from megatron_lev.distributed.layout import MEGATRON_FIELDS, ParallelLayout
 from megatron_lev.lev.config import ConfigError
@@ -38,9 +38,36 @@ LAYOUT_ARGS = tuple(MEGATRON_FIELDS.values()) + ("world_size", "data_parallel_si
 
 @dataclass(frozen=True, kw_only=True)
 class ModelRunConfig:
-    """The model settings the trainer reads itself (the rest of the model is built from the saved
-    arguments by ``checkpoint.build_configs`` into ``LevModelConfig`` and megatron-core's
-    ``TransformerConfig``)."""
+    """The model: every model flag under its Megatron-LM name (the shape, the input arm and its LEV
+    settings, positions and norms, precision, recomputation, the TransformerConfig switches, MoE and MTP).
+    ``models.factory.build_configs`` builds megatron-core's ``TransformerConfig`` and ``LevModelConfig``
+    from it; a field None where the flag was not given keeps that config's default."""
+
+    # ---------------------------------------------------------------- shape
+    num_layers: int
+    """Transformer layers (--num-layers)."""
+
+    hidden_size: int
+    """Hidden width D (--hidden-size)."""
+
+    ffn_hidden_size: Optional[int]
+    """MLP width (--ffn-hidden-size; validation derives 4 x hidden, or 8/3 x hidden to a multiple of 64 with
+    --swiglu)."""
+
+    num_attention_heads: int
+    """Attention heads (--num-attention-heads)."""
+
+    num_query_groups: Optional[int]
+    """Key/value groups of grouped-query attention (--num-query-groups); None = one per head."""
+
+    kv_channels: Optional[int]
+    """Channels per attention head (--kv-channels); None = hidden / heads."""
+
+    max_position_embeddings: int
+    """Positions the model embeds (--max-position-embeddings; validation sets it to --seq-length when unset)."""
+
+    vocab_size: Optional[int]
+    """Ids of the NullTokenizer (--vocab-size); the embedding's rows are ``padded_vocab_size``."""
 
     padded_vocab_size: Optional[int] = None
     """Embedding rows: the tokenizer's vocabulary padded to --make-vocab-size-divisible-by x TP; None until
@@ -49,6 +76,101 @@ class ModelRunConfig:
     make_vocab_size_divisible_by: int
     """Pad the vocabulary to a multiple of this times the tensor-parallel size (--make-vocab-size-divisible-by)."""
 
+    # ---------------------------------------------------------------- input arm
+    input_embedding: str
+    """The input representation: tied, untied, albert, flat_mlp, factored_mlp or lev (--input-embedding)."""
+
+    untie_embeddings_and_output_weights: bool
+    """Megatron-LM's untied output head (--untie-embeddings-and-output-weights; validation sets it for every
+    arm but tied)."""
+
+    albert_dim: Optional[int]
+    """e of the albert arm (--albert-dim); None = parameter-matched to LEV."""
+
+    flat_mlp_dim: Optional[int]
+    """e of the flat_mlp arm (--flat-mlp-dim); None = matched."""
+
+    mlp_hidden: Optional[int]
+    """m, hidden width of the flat_mlp and factored_mlp MLPs (--mlp-hidden); None = matched."""
+
+    lev_digits: int
+    """LEV's k, digits of a token id (--lev-digits; ``LEVConfig.num_digits``)."""
+
+    lev_base: Optional[int]
+    """LEV's b, base of the digits (--lev-base); None = the smallest b with b**k >= V."""
+
+    lev_seed_dim: int
+    """LEV's d_s, width of a codebook row (--lev-seed-dim)."""
+
+    lev_knots: int
+    """LEV's kappa, knots of each spline (--lev-knots)."""
+
+    lev_rank: int
+    """LEV's r, modes per head (--lev-rank)."""
+
+    lev_heads: int
+    """LEV's h, parallel heads (--lev-heads)."""
+
+    lev_compute_mode: str
+    """How LEV evaluates a micro-batch: token, unique or table (--lev-compute-mode)."""
+
+    lev_basis: str
+    """LEV's spline-basis evaluation: auto, dense, sparse, fused or triton (--lev-basis)."""
+
+    lev_log_eps: float
+    """LEV's floor on |phi| before the log (--lev-log-eps)."""
+
+    lev_chunk_size: int
+    """Ids per chunk of LEV's initialisation statistics and table mode (--lev-chunk-size)."""
+
+    lev_product_chunk: int
+    """Seed dimensions per chunk of LEV's separable-product kernel (--lev-product-chunk)."""
+
+    lev_init_sample_size: Optional[int]
+    """Ids of LEV's initialisation statistics (--lev-init-sample-size); None = all."""
+
+    # ---------------------------------------------------------------- positions, norms, MLP
+    position_embedding_type: str
+    """Positions: learned_absolute, rope or none (--position-embedding-type)."""
+
+    rope_type: str
+    """The rotary embedding's type (--rope-type)."""
+
+    rotary_percent: float
+    """Fraction of a head's channels RoPE rotates (--rotary-percent)."""
+
+    rotary_base: int
+    """RoPE's base period (--rotary-base)."""
+
+    normalization: str
+    """LayerNorm or RMSNorm (--normalization)."""
+
+    norm_epsilon: float
+    """The norms' epsilon (--norm-epsilon; TransformerConfig.layernorm_epsilon)."""
+
+    swiglu: bool
+    """SwiGLU MLP instead of GeLU (--swiglu)."""
+
+    disable_bias_linear: bool
+    """No biases in the transformer's linear layers (--disable-bias-linear)."""
+
+    init_method_std: float
+    """Standard deviation of the weights' initialisation (--init-method-std)."""
+
+    hidden_dropout: float
+    """Dropout after attention and MLP (--hidden-dropout)."""
+
+    attention_dropout: float
+    """Dropout of the attention probabilities (--attention-dropout)."""
+
+    transformer_impl: str
+    """Layer spec: auto, local or transformer_engine (--transformer-impl)."""
+
+    linear_cross_entropy_chunk_size: Optional[int]
+    """Tokens per chunk of --cross-entropy-fusion-impl linear (--linear-cross-entropy-chunk-size); None = the
+    device's default."""
+
+    # ---------------------------------------------------------------- precision
     bf16: bool
     """Train in bfloat16 (--bf16)."""
 
@@ -64,6 +186,19 @@ class ModelRunConfig:
     fp8_recipe: str
     """FP8 scaling recipe (--fp8-recipe)."""
 
+    fp8_margin: int
+    """Margin of the FP8 scaling factor (--fp8-margin)."""
+
+    fp8_amax_history_len: int
+    """Length of the FP8 amax history (--fp8-amax-history-len)."""
+
+    fp8_amax_compute_algo: str
+    """How the FP8 amax is chosen from its history: most_recent or max (--fp8-amax-compute-algo)."""
+
+    fp8_param_gather: bool
+    """Keep the parameters in FP8 and all-gather them in FP8 (--fp8-param-gather; TransformerConfig.fp8_param)."""
+
+    # ---------------------------------------------------------------- loss
     cross_entropy_loss_fusion: bool
     """Fused cross-entropy loss (--cross-entropy-loss-fusion)."""
 
@@ -73,6 +208,97 @@ class ModelRunConfig:
     calculate_per_token_loss: bool
     """Average the loss over all tokens of the global batch rather than per micro-batch
     (--calculate-per-token-loss)."""
+
+    # ---------------------------------------------------------------- recomputation, sequence parallelism
+    recompute_granularity: Optional[str]
+    """Activation recomputation: full or selective (--recompute-granularity, or --recompute-activations)."""
+
+    recompute_method: Optional[str]
+    """Full recomputation's layer grouping: uniform or block (--recompute-method)."""
+
+    recompute_num_layers: Optional[int]
+    """Layers per recomputed group (--recompute-num-layers)."""
+
+    recompute_modules: Optional[List[str]]
+    """The parts selective recomputation recomputes (--recompute-modules); None = megatron-core's (core_attn)."""
+
+    sequence_parallel: bool
+    """Split the norms' and dropouts' activations over the tensor-parallel ranks (--sequence-parallel)."""
+
+    # ---------------------------------------------------------------- TransformerConfig switches
+    layernorm_zero_centered_gamma: bool
+    """Zero-centred norm weights (--apply-layernorm-1p)."""
+
+    attention_softmax_in_fp32: bool
+    """Attention masking and softmax in float32 (--attention-softmax-in-fp32)."""
+
+    masked_softmax_fusion: Optional[bool]
+    """Fused masked softmax (--no-masked-softmax-fusion turns it off); None = where the kernel is present."""
+
+    bias_dropout_fusion: Optional[bool]
+    """Fused bias + dropout (--no-bias-dropout-fusion turns it off); None = where the kernel is present."""
+
+    apply_rope_fusion: Optional[bool]
+    """Fused RoPE (--no-rope-fusion turns it off); None = where the kernel is present."""
+
+    gradient_accumulation_fusion: Optional[bool]
+    """Weight-gradient accumulation fused into the GEMMs (--no-gradient-accumulation-fusion turns it off);
+    None = where the kernel is present."""
+
+    disable_bf16_reduced_precision_matmul: bool
+    """No reduced-precision reductions in bfloat16 matmuls (--disable-bf16-reduced-precision-matmul)."""
+
+    attention_backend: str
+    """The attention kernel: flash, fused, unfused, local or auto (--attention-backend)."""
+
+    bias_gelu_fusion: Optional[bool]
+    """Fused bias + GeLU (--no-bias-gelu-fusion turns it off); None = where the kernel is present."""
+
+    bias_swiglu_fusion: Optional[bool]
+    """Fused bias + SwiGLU (--no-bias-swiglu-fusion turns it off); None = where the kernel is present."""
+
+    # ---------------------------------------------------------------- mixture of experts, MTP
+    num_experts: Optional[int]
+    """Experts per MoE layer (--num-experts; TransformerConfig.num_moe_experts); None = a dense model."""
+
+    moe_ffn_hidden_size: Optional[int]
+    """An expert's MLP width (--moe-ffn-hidden-size); None = --ffn-hidden-size."""
+
+    moe_layer_freq: Union[int, List[int]]
+    """Every N-th layer is an MoE layer, or a 0/1 pattern per layer (--moe-layer-freq)."""
+
+    moe_router_topk: int
+    """Experts each token is routed to (--moe-router-topk)."""
+
+    moe_router_load_balancing_type: str
+    """The router's load balancing (--moe-router-load-balancing-type)."""
+
+    moe_aux_loss_coeff: float
+    """Scale of the load-balancing loss (--moe-aux-loss-coeff)."""
+
+    moe_z_loss_coeff: Optional[float]
+    """Scale of the router's z-loss (--moe-z-loss-coeff); None = none."""
+
+    moe_token_dispatcher_type: str
+    """How tokens reach the experts' ranks: allgather or alltoall (--moe-token-dispatcher-type)."""
+
+    moe_router_dtype: Optional[str]
+    """The router's dtype: fp32 or fp64 (--moe-router-dtype); None = the model's."""
+
+    moe_grouped_gemm: bool
+    """The experts of a rank in one grouped GEMM (--moe-grouped-gemm)."""
+
+    moe_permute_fusion: bool
+    """Fused token permutation in the dispatcher (--moe-permute-fusion)."""
+
+    moe_per_layer_logging: bool
+    """Log the MoE losses per layer (--moe-per-layer-logging)."""
+
+    mtp_num_layers: Optional[int]
+    """Multi-token-prediction layers (--mtp-num-layers); None = none."""
+
+    mtp_loss_scaling_factor: float
+    """Weight of the multi-token-prediction loss (--mtp-loss-scaling-factor)."""
 
 
 @dataclass(frozen=True, kw_only=True)

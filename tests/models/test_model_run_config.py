@@ -1,0 +1,64 @@
+"""``RunConfig.model`` holds every model flag, and reads a saved ``config.yaml`` that lacks some of them
+with each flag's default (what a run without the flag used). Parsing only: no model, no process group."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_lev.arguments import parse_args, resolved_config
+from megatron_lev.arguments.lev import add_lev_flags
+from megatron_lev.arguments.model import add_model_flags, saved_model_arg
+from megatron_lev.arguments.moe import add_moe_flags
+from megatron_lev.arguments.run_config import ModelRunConfig, RunConfig
+from megatron_lev.arguments.validate import FOLDED_INTO
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 8 --lr 1e-3 --mock-data --vocab-size 100").split()
+# Saved as given, folded into another field by validation.
+_FOLDED_SAVED = {"untie_embeddings_and_output_weights"}
+
+
+def _model_parser():
+    p = argparse.ArgumentParser(add_help=False)
+    add_model_flags(p)
+    add_lev_flags(p)
+    add_moe_flags(p)
+    return p
+
+
+def _flag_names(add_flags):
+    p = argparse.ArgumentParser(add_help=False)
+    add_flags(p)
+    return {a.dest for a in p._actions}
+
+
+def _model_dests():
+    return {a.dest for a in _model_parser()._actions if a.dest != argparse.SUPPRESS}
+
+
+def test_every_model_flag_has_a_field_of_the_model_group():
+    names = {f.name for f in dataclasses.fields(ModelRunConfig)}
+    dests = _model_dests() - (set(FOLDED_INTO) - _FOLDED_SAVED)
+    assert {"num_layers", "lev_heads", "moe_router_topk", "attention_backend", "bias_swiglu_fusion"} <= dests
+    missing = sorted(dests - names - {"seq_length", "expert_model_parallel_size", "expert_tensor_parallel_size"})
+    assert not missing, f"model flags without a ModelRunConfig field: {missing}"
+
+
+def test_a_saved_file_without_the_model_flags_reads_their_defaults():
+    """What ``arguments.model.saved_model_arg`` gives for a key a file lacks, ``from_saved_args`` gives too."""
+    args = parse_args(BASE + ["--input-embedding", "lev", "--swiglu", "--lev-heads", "4"], world_size=1)
+    args.padded_vocab_size = 128
+    saved = resolved_config(args)
+    kept = {"num_layers", "hidden_size", "num_attention_heads", "input_embedding", "padded_vocab_size", "swiglu",
+            "lev_heads", "ffn_hidden_size", "max_position_embeddings", "untie_embeddings_and_output_weights"}
+    for name in _model_dests() - kept:
+        saved.pop(name, None)
+    model, flags = RunConfig.from_saved_args(saved).model, _model_parser()
+    for name in _model_dests() - kept - set(FOLDED_INTO) - {"seq_length", "expert_model_parallel_size",
+                                                            "expert_tensor_parallel_size"}:
+        assert getattr(model, name) == flags.get_default(name), name
+        if name in _flag_names(add_model_flags):
+            assert getattr(model, name) == saved_model_arg({}, name), name
+    assert (model.input_embedding, model.swiglu, model.lev_heads) == ("lev", True, 4)
+    assert model == RunConfig.from_args(args).model  # this command line gave every other flag its default
