@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 from megatron_lev.distributed.layout import MEGATRON_FIELDS, ParallelLayout
 from megatron_lev.lev.config import ConfigError
 
-from . import build_parser
+from .parser import build_parser
 
 __all__ = ["CheckpointingConfig", "DataConfig", "DistributedConfig", "FoldedFlagsConfig", "LoggingConfig",
            "ModelRunConfig", "OptimizerRunConfig", "RunConfig", "RunControlConfig", "ScheduleConfig", "LAYOUT_ARGS"]

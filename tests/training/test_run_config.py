@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_lev.arguments import build_parser, config_to_yaml, parse_args, resolved_config
+from megatron_lev.arguments import build_parser, config_to_yaml, parse_args, parse_run_config, resolved_config
 from megatron_lev.arguments.run_config import RunConfig, flat_names
 from megatron_lev.arguments.validate import FOLDED_INTO
 from megatron_lev.lev.config import ConfigError
@@ -140,6 +140,18 @@ def test_the_folded_flags_are_saved_as_given():
                                           "untie_embeddings_and_output_weights": True, "grad_reduce_in_bf16": True,
                                           "group_query_attention": True}
     assert "_no_position_embedding" not in flat_names()  # a check's flag only, never written to config.yaml
+
+
+def test_parse_run_config_is_the_configuration_of_the_validated_arguments(tmp_path):
+    extra, world = CASES["model_parallel"]
+    rc = parse_run_config(BASE + extra, world_size=world)
+    assert rc == RunConfig.from_args(parse_args(BASE + extra, world_size=world))
+    assert rc.layout.vpp == 2 and rc.model.padded_vocab_size is None  # validated: the folded flag is the layout's
+    config = tmp_path / "run.yaml"
+    config.write_text("micro_batch_size: 1\n")
+    assert parse_run_config(["--config", str(config)] + BASE[:8] + BASE[10:], world_size=1).schedule.micro_batch_size == 1
+    with pytest.raises(ConfigError, match=r"^--train-iters \(or --train-samples\) is required$"):
+        parse_run_config([a for a in BASE if a not in ("--train-iters", "8")], world_size=1)
 
 
 def test_the_groups_hold_the_values_the_flags_set():
