@@ -66,9 +66,6 @@ class ModelRunConfig:
     max_position_embeddings: int
     """Positions the model embeds (--max-position-embeddings; validation sets it to --seq-length when unset)."""
 
-    vocab_size: Optional[int]
-    """Ids of the NullTokenizer (--vocab-size); the embedding's rows are ``padded_vocab_size``."""
-
     padded_vocab_size: Optional[int] = None
     """Embedding rows: the tokenizer's vocabulary padded to --make-vocab-size-divisible-by x TP; None until
     the tokenizer is built."""
@@ -79,10 +76,6 @@ class ModelRunConfig:
     # ---------------------------------------------------------------- input arm
     input_embedding: str
     """The input representation: tied, untied, albert, flat_mlp, factored_mlp or lev (--input-embedding)."""
-
-    untie_embeddings_and_output_weights: bool
-    """Megatron-LM's untied output head (--untie-embeddings-and-output-weights; validation sets it for every
-    arm but tied)."""
 
     albert_dim: Optional[int]
     """e of the albert arm (--albert-dim); None = parameter-matched to LEV."""
