@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_lev.arguments import build_parser, config_to_yaml, parse_args, parse_run_config, resolved_config
+from megatron_lev.arguments import config_to_yaml, parse_args, parse_run_config, resolved_config
 from megatron_lev.arguments.run_config import RunConfig, flat_names
 from megatron_lev.arguments.validate import FOLDED_INTO
 from megatron_lev.lev.config import ConfigError
@@ -98,34 +98,18 @@ def test_saved_arguments_give_the_parsed_configuration(case):
             assert rc.to_saved_args()[name] == getattr(args, name), name
 
 
-# The parser's groups of model flags, and the model settings declared beside other groups' flags: the
-# model group's (ModelRunConfig's) part of config.yaml.
-_MODEL_FLAG_GROUPS = ("model", "input embedding", "attention, norms and fusions", "mixture of experts")
-_MODEL_FLAGS_ELSEWHERE = {"sequence_parallel", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
-                          "fp8_param_gather", "linear_cross_entropy_chunk_size"}
-
-
-def _model_flag_dests():
-    parser = build_parser()
-    dests = set(_MODEL_FLAGS_ELSEWHERE)
-    for group in parser._action_groups:
-        if group.title.startswith(_MODEL_FLAG_GROUPS):
-            dests |= {a.dest for a in group._group_actions}
-    return dests
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_saved_arguments_are_config_yaml_apart_from_the_model_flags(case):
-    """``to_saved_args`` writes every key of today's config.yaml with its value, the model flags' keys
-    left to the model group: the checkpoint writer can save it instead of the namespace."""
+def test_the_saved_arguments_are_config_yaml(case):
+    """``to_saved_args`` is today's config.yaml, key by key: the checkpoint writer can save it instead of
+    the namespace."""
     args = _parsed(case)
     written = yaml.safe_load(config_to_yaml(resolved_config(args)))
-    saved = yaml.safe_load(config_to_yaml(RunConfig.from_args(args).to_saved_args()))
-    assert {k: v for k, v in saved.items() if k in written} == {k: written[k] for k in saved if k in written}
-    assert not set(saved) - set(written), "to_saved_args writes keys config.yaml never had"
-    model = _model_flag_dests()
-    assert {"num_layers", "lev_heads", "num_experts", "attention_backend"} <= model
-    assert not set(written) - set(saved) - model, "config.yaml keys of no RunConfig field"
+    assert yaml.safe_load(config_to_yaml(RunConfig.from_args(args).to_saved_args())) == written
+
+
+def test_each_argument_has_one_field():
+    names = flat_names()
+    assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
 
 
 def test_the_folded_flags_are_saved_as_given():
@@ -134,11 +118,11 @@ def test_the_folded_flags_are_saved_as_given():
                               "--untie-embeddings-and-output-weights", "--group-query-attention",
                               "--num-query-groups", "2", "--bf16", "--grad-reduce-in-bf16", "--global-batch-size", "4"],
                       world_size=2)
-    folded = RunConfig.from_args(args).folded
-    assert set(f.name for f in dataclasses.fields(folded)) == set(FOLDED_INTO)
-    assert dataclasses.asdict(folded) == {"num_layers_per_virtual_pipeline_stage": 1, "recompute_activations": True,
-                                          "untie_embeddings_and_output_weights": True, "grad_reduce_in_bf16": True,
-                                          "group_query_attention": True}
+    rc = RunConfig.from_args(args)
+    assert set(f.name for f in dataclasses.fields(rc.folded)) == set(FOLDED_INTO) - {"untie_embeddings_and_output_weights"}
+    assert dataclasses.asdict(rc.folded) == {"num_layers_per_virtual_pipeline_stage": 1, "recompute_activations": True,
+                                             "grad_reduce_in_bf16": True, "group_query_attention": True}
+    assert rc.model.untie_embeddings_and_output_weights is True
     assert "_no_position_embedding" not in flat_names()  # a check's flag only, never written to config.yaml
 
 
