@@ -349,6 +349,10 @@ class DataConfig:
     tokenizer_model: Optional[str]
     """tokenizer.json (or its folder), SentencePiece .model or .tiktoken rank file (--tokenizer-model)."""
 
+    vocab_size: Optional[int]
+    """Ids of the NullTokenizer, or of a TikTokenizer in Megatron-LM's v1/v2 layout (--vocab-size); the
+    embedding's rows are ``model.padded_vocab_size``."""
+
     tiktoken_pattern: str
     """Pre-tokenisation pattern of a TikTokenizer (--tiktoken-pattern)."""
 
@@ -727,14 +731,17 @@ class RunControlConfig:
 class FoldedFlagsConfig:
     """Megatron-LM's flags that validation folds into another field (``validate.FOLDED_INTO``), as given:
     nothing reads them after validation, and they are kept so that ``config.yaml`` (fed back through
-    ``--config``) reproduces the command line. (``--untie-embeddings-and-output-weights`` is the model
-    group's.)"""
+    ``--config``) reproduces the command line."""
 
     num_layers_per_virtual_pipeline_stage: Optional[int]
     """Layers per virtual stage (--num-layers-per-virtual-pipeline-stage), folded into the layout's vpp."""
 
     recompute_activations: bool
     """Selective recompute (--recompute-activations), folded into --recompute-granularity."""
+
+    untie_embeddings_and_output_weights: bool
+    """An untied output layer (--untie-embeddings-and-output-weights), folded into --input-embedding (which
+    validation makes consistent with it)."""
 
     grad_reduce_in_bf16: bool
     """Reduce gradients in bf16 (--grad-reduce-in-bf16), folded into --accumulate-allreduce-grads-in-fp32."""

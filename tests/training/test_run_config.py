@@ -119,10 +119,10 @@ def test_the_folded_flags_are_saved_as_given():
                               "--num-query-groups", "2", "--bf16", "--grad-reduce-in-bf16", "--global-batch-size", "4"],
                       world_size=2)
     rc = RunConfig.from_args(args)
-    assert set(f.name for f in dataclasses.fields(rc.folded)) == set(FOLDED_INTO) - {"untie_embeddings_and_output_weights"}
+    assert set(f.name for f in dataclasses.fields(rc.folded)) == set(FOLDED_INTO)
     assert dataclasses.asdict(rc.folded) == {"num_layers_per_virtual_pipeline_stage": 1, "recompute_activations": True,
-                                             "grad_reduce_in_bf16": True, "group_query_attention": True}
-    assert rc.model.untie_embeddings_and_output_weights is True
+                                             "untie_embeddings_and_output_weights": True, "grad_reduce_in_bf16": True,
+                                             "group_query_attention": True}
     assert "_no_position_embedding" not in flat_names()  # a check's flag only, never written to config.yaml
 
 
