@@ -20,7 +20,8 @@ from typing import Any, Dict, Mapping
 
 from megatron.core.transformer import TransformerConfig
 
-from megatron_lev.config_flags import POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, add_config_flags, add_switch_flags
+from megatron_lev.config_flags import POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, add_config_flags, add_switch_flags, \
+    field_flag
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.models.config import LevModelConfig, check_lev_basis, model_field_default, use_transformer_engine
 
@@ -58,11 +59,6 @@ TRANSFORMER_RANGES = {"fp8_margin": {"min": 0}, "fp8_amax_history_len": {"min": 
 _SWITCH_DEFAULTS = {"layernorm_zero_centered_gamma": False, "attention_softmax_in_fp32": False,
                     "masked_softmax_fusion": None, "bias_dropout_fusion": None, "apply_rope_fusion": None,
                     "gradient_accumulation_fusion": None}
-
-
-def field_flag(name: str) -> str:
-    """The flag of a config field: ``albert_dim`` -> ``--albert-dim``."""
-    return "--" + name.replace("_", "-")
 
 
 def _transformer_default(name: str):

@@ -1,0 +1,475 @@
+"""The non-model groups of :class:`~megatron_lev.arguments.run_config.RunConfig`: data, schedule,
+optimizer, distributed, checkpointing, logging, run control, and the folded flags. Each field is an
+argument under Megatron-LM's name (the flag ``--field-name``, the key of ``config.yaml``) holding its
+resolved value; its docstring is the flag's help. Kept apart from ``run_config`` so that the flag modules
+(``checkpointing``, ``run``, ...) generate their flags from these fields without importing the parser."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+# megatron-core's StrictHandling values that load a checkpoint (its return_* ones hand the keys to a caller).
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "ignore_all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Datasets, loader and tokenizer (Megatron-LM's data arguments, megatron-core's GPTDatasetConfig)."""
+
+    seq_length: int
+    """Tokens per sample (--seq-length)."""
+
+    data_path: Optional[List[str]]
+    """Weighted dataset prefixes split by --split (--data-path)."""
+
+    train_data_path: Optional[List[str]]
+    """Training dataset prefixes (--train-data-path), instead of --data-path with --split."""
+
+    valid_data_path: Optional[List[str]]
+    """Validation dataset prefixes (--valid-data-path)."""
+
+    test_data_path: Optional[List[str]]
+    """Test dataset prefixes (--test-data-path)."""
+
+    split: str
+    """Train,valid,test proportions of --data-path (--split)."""
+
+    data_cache_path: Optional[str]
+    """Where the dataset index caches are written (--data-cache-path)."""
+
+    mmap_bin_files: bool
+    """Memory-map the .bin files (--no-mmap-bin-files turns it off)."""
+
+    mock_data: bool
+    """Random tokens instead of a dataset (--mock-data)."""
+
+    num_workers: int
+    """Data-loader worker processes (--num-workers)."""
+
+    eod_mask_loss: bool
+    """No loss on end-of-document tokens (--eod-mask-loss)."""
+
+    reset_attention_mask: bool
+    """Attention does not cross document boundaries (--reset-attention-mask)."""
+
+    reset_position_ids: bool
+    """Positions restart at each document (--reset-position-ids)."""
+
+    tokenizer_type: str
+    """The tokenizer (--tokenizer-type)."""
+
+    vocab_file: Optional[str]
+    """GPT-2 vocab.json of GPT2BPETokenizer (--vocab-file)."""
+
+    merge_file: Optional[str]
+    """GPT-2 merges.txt of GPT2BPETokenizer (--merge-file)."""
+
+    tokenizer_model: Optional[str]
+    """tokenizer.json (or its folder), SentencePiece .model or .tiktoken rank file (--tokenizer-model)."""
+
+    vocab_size: Optional[int]
+    """Ids of the NullTokenizer, or of a TikTokenizer in Megatron-LM's v1/v2 layout (--vocab-size); the
+    embedding's rows are ``model.padded_vocab_size``."""
+
+    tiktoken_pattern: str
+    """Pre-tokenisation pattern of a TikTokenizer (--tiktoken-pattern)."""
+
+    tiktoken_num_special_tokens: int
+    """Special-token ids before the vocabulary in Megatron-LM's v1/v2 layout (--tiktoken-num-special-tokens)."""
+
+    tokenizer_fingerprint: Optional[Dict[str, Any]] = None
+    """What identifies the tokenizer a checkpoint was trained with; None until the tokenizer is built."""
+
+    allow_tokenizer_mismatch: bool
+    """Load a checkpoint trained with another tokenizer (--allow-tokenizer-mismatch)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """Training length, batch sizes, evaluation cadence, and the learning-rate and weight-decay schedule
+    (Megatron-LM's TrainingConfig, ValidationConfig and SchedulerConfig)."""
+
+    train_iters: Optional[int]
+    """Iterations to train over all runs (--train-iters); or --train-samples."""
+
+    train_samples: Optional[int]
+    """Samples to train over all runs (--train-samples)."""
+
+    micro_batch_size: int
+    """Samples per data-parallel rank per micro-batch (--micro-batch-size)."""
+
+    global_batch_size: int
+    """Samples per iteration over all data-parallel ranks (--global-batch-size)."""
+
+    num_microbatches: int
+    """Micro-batches per iteration, derived: global / (micro x data-parallel size)."""
+
+    rampup_batch_size: Optional[List[int]]
+    """Start size, increment and ramp-up samples of a growing global batch (--rampup-batch-size)."""
+
+    step_batch_size_schedule: Optional[str]
+    """Step-wise global batch sizes, THRESHOLD:SIZE ... (--step-batch-size-schedule)."""
+
+    eval_interval: int
+    """Iterations between validations (--eval-interval)."""
+
+    eval_iters: int
+    """Iterations per validation and test (--eval-iters)."""
+
+    skip_train: bool
+    """Evaluate only (--skip-train)."""
+
+    lr_decay_style: str
+    """Learning-rate decay (--lr-decay-style)."""
+
+    lr_decay_iters: Optional[int]
+    """Iterations to decay over (--lr-decay-iters; validation sets it to --train-iters when unset)."""
+
+    lr_decay_samples: Optional[int]
+    """Samples to decay over (--lr-decay-samples)."""
+
+    lr_warmup_fraction: Optional[float]
+    """Warm-up as a fraction of the decay (--lr-warmup-fraction)."""
+
+    lr_warmup_iters: int
+    """Warm-up iterations (--lr-warmup-iters)."""
+
+    lr_warmup_samples: int
+    """Warm-up samples (--lr-warmup-samples)."""
+
+    lr_warmup_init: float
+    """Learning rate at the start of the warm-up (--lr-warmup-init)."""
+
+    lr_wsd_decay_style: str
+    """Decay of the WSD schedule's annealing phase (--lr-wsd-decay-style)."""
+
+    lr_wsd_decay_iters: Optional[int]
+    """Iterations of the WSD annealing phase (--lr-wsd-decay-iters)."""
+
+    lr_wsd_decay_samples: Optional[int]
+    """Samples of the WSD annealing phase (--lr-wsd-decay-samples)."""
+
+    start_weight_decay: Optional[float]
+    """Weight decay at the start (--start-weight-decay; validation sets it to --weight-decay when unset)."""
+
+    end_weight_decay: Optional[float]
+    """Weight decay at the end (--end-weight-decay)."""
+
+    weight_decay_incr_style: str
+    """How the weight decay goes from start to end (--weight-decay-incr-style)."""
+
+    override_opt_param_scheduler: bool
+    """Take the schedule from the flags, not the checkpoint (--override-opt-param-scheduler)."""
+
+    use_checkpoint_opt_param_scheduler: bool
+    """Take the schedule from the checkpoint (--use-checkpoint-opt-param-scheduler)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerRunConfig:
+    """The optimizer, learning rates, clipping and loss scaling (the fields of megatron-core's
+    OptimizerConfig that the flags set)."""
+
+    optimizer: str
+    """adam (AdamW) or sgd (--optimizer)."""
+
+    lr: float
+    """Peak learning rate (--lr)."""
+
+    min_lr: float
+    """Learning rate at the end of the decay (--min-lr)."""
+
+    decoupled_lr: Optional[float]
+    """Learning rate of the input and output embeddings (--decoupled-lr); None = --lr."""
+
+    decoupled_min_lr: Optional[float]
+    """Minimum learning rate of the embeddings (--decoupled-min-lr)."""
+
+    weight_decay: float
+    """Weight decay (--weight-decay)."""
+
+    adam_beta1: float
+    """Adam's first-moment coefficient (--adam-beta1)."""
+
+    adam_beta2: float
+    """Adam's second-moment coefficient (--adam-beta2)."""
+
+    adam_eps: float
+    """Adam's epsilon (--adam-eps)."""
+
+    sgd_momentum: float
+    """SGD's momentum (--sgd-momentum)."""
+
+    clip_grad: float
+    """Clip the global gradient norm to this (--clip-grad)."""
+
+    use_distributed_optimizer: bool
+    """Shard the optimizer state over data-parallel ranks (--use-distributed-optimizer)."""
+
+    use_precision_aware_optimizer: bool
+    """Transformer Engine's FusedAdam with the dtypes below (--use-precision-aware-optimizer)."""
+
+    main_grads_dtype: str
+    """Main gradients' dtype of the precision-aware optimizer (--main-grads-dtype)."""
+
+    main_params_dtype: str
+    """Main parameters' dtype of the precision-aware optimizer (--main-params-dtype)."""
+
+    exp_avg_dtype: str
+    """Adam's first moment's dtype (--exp-avg-dtype)."""
+
+    exp_avg_sq_dtype: str
+    """Adam's second moment's dtype (--exp-avg-sq-dtype)."""
+
+    loss_scale: Optional[float]
+    """A fixed loss scale (--loss-scale); None = dynamic scaling with --fp16."""
+
+    initial_loss_scale: float
+    """Dynamic loss scaling's first scale (--initial-loss-scale)."""
+
+    min_loss_scale: float
+    """Dynamic loss scaling's smallest scale (--min-loss-scale)."""
+
+    loss_scale_window: float
+    """Iterations without overflow before the scale grows (--loss-scale-window)."""
+
+    hysteresis: int
+    """Overflows tolerated before the scale shrinks (--hysteresis)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Process groups and gradient reduction (megatron-core's DistributedDataParallelConfig and the
+    backend)."""
+
+    distributed_backend: Optional[str]
+    """nccl or gloo (--distributed-backend); None = nccl on GPUs, gloo on CPUs."""
+
+    distributed_timeout_minutes: int
+    """Collective timeout (--distributed-timeout-minutes)."""
+
+    overlap_grad_reduce: bool
+    """Overlap the gradient reduction with the backward pass (--overlap-grad-reduce)."""
+
+    overlap_param_gather: bool
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass (--overlap-param-gather)."""
+
+    ddp_bucket_size: Optional[int]
+    """Gradient bucket size in elements (--ddp-bucket-size); None = megatron-core's."""
+
+    accumulate_allreduce_grads_in_fp32: bool
+    """Accumulate and reduce gradients in float32 (--accumulate-allreduce-grads-in-fp32)."""
+
+    check_for_nan_in_loss_and_grad: bool
+    """Check the loss and gradients for NaN each step (--no-check-for-nan-in-loss-and-grad turns it off)."""
+
+    no_overlap_p2p_communication: bool
+    """Interleaved schedule: batched, non-overlapped p2p (--no-overlap-p2p-communication)."""
+
+    num_distributed_optimizer_instances: int
+    """Copies of the distributed optimizer across the data-parallel group; only 1
+    (--num-distributed-optimizer-instances)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointingConfig:
+    """Saving, loading and resuming (Megatron-LM's CheckpointConfig)."""
+
+    save: Optional[str] = None
+    """Directory checkpoints are saved to."""
+
+    load: Optional[str] = None
+    """Directory a checkpoint is loaded from."""
+
+    save_interval: Optional[int] = field(default=None, metadata={"min": 1})
+    """Iterations between checkpoints (needs --save)."""
+
+    no_save_optim: bool = False
+    """Save without the optimizer state."""
+
+    no_save_rng: bool = False
+    """Save without the random states."""
+
+    no_load_optim: bool = False
+    """Load without the optimizer state."""
+
+    no_load_rng: bool = False
+    """Load without the random states."""
+
+    finetune: bool = False
+    """load model weights only; start at iteration 0 with fresh optimizer/scheduler"""
+
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """save the distributed optimizer so that it reloads with any TP/PP (gathers on DP rank 0)"""
+
+    ckpt_format: str = field(default="torch_dist", metadata={"metavar": "torch_dist"})
+    """the only format here (megatron-core dist_checkpointing); others are refused"""
+
+    dist_ckpt_strictness: str = field(default="assume_ok_unexpected", metadata={"choices": DIST_CKPT_STRICTNESS})
+    """on --load, keys of the checkpoint and of this run that do not match (megatron-core dist_checkpointing's
+    strict handling): assume_ok_unexpected (the default), log_* to list them, raise_* to refuse the load,
+    ignore_all"""
+
+    exit_on_missing_checkpoint: bool = False
+    """Stop when --load holds no checkpoint."""
+
+    ckpt_step: Optional[int] = field(default=None, metadata={"min": 0})
+    """load iter_N of --load instead of the one latest_checkpointed_iteration.txt names"""
+
+    no_ckpt_checksums: bool = False
+    """saves record no checksums.json and --load checks files by size only (by default every save records
+    each file's CRC32 and every load verifies them, reading the checkpoint once more, spread over the
+    ranks)"""
+
+    overwrite_checkpoints: bool = False
+    """allow saving into a --save directory that holds another run's checkpoints (without it, such a run is
+    refused unless --load names the same directory)"""
+
+    debug_kill_during_save: Optional[str] = field(default=None, metadata={"hidden": True})
+    """Fault injection, RANK:ITERATION: that rank is killed during that iteration's save."""
+
+    debug_stall_during_save: Optional[str] = field(default=None, metadata={"hidden": True})
+    """Fault injection, RANK:ITERATION: that rank stalls during that iteration's save."""
+
+    debug_enospc_during_save: Optional[str] = field(default=None, metadata={"hidden": True})
+    """Fault injection, RANK:ITERATION: that rank's disk is full during that iteration's save."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """The log lines, TensorBoard, wandb and the metrics file (Megatron-LM's LoggerConfig)."""
+
+    log_interval: int
+    """Iterations between log lines (--log-interval)."""
+
+    logging_level: Optional[int]
+    """Python logging level (--logging-level)."""
+
+    quiet_config: bool
+    """Do not print the arguments at start-up (--quiet-config)."""
+
+    log_params_norm: bool
+    """Log the parameters' norm (--log-params-norm)."""
+
+    log_num_zeros_in_grad: bool
+    """Log the number of zero gradients (--log-num-zeros-in-grad)."""
+
+    peak_tflops_per_device: Optional[float]
+    """The device's peak TFLOP/s, for the model-FLOPs utilisation (--peak-tflops-per-device)."""
+
+    metrics_file: Optional[str]
+    """JSON-lines file of every logged value (--metrics-file)."""
+
+    tensorboard_dir: Optional[str]
+    """TensorBoard directory (--tensorboard-dir)."""
+
+    tensorboard_log_interval: int
+    """Iterations between TensorBoard scalars (--tensorboard-log-interval)."""
+
+    tensorboard_queue_size: int
+    """TensorBoard's queue of pending events (--tensorboard-queue-size)."""
+
+    log_timers_to_tensorboard: bool
+    """Timers to TensorBoard (--log-timers-to-tensorboard)."""
+
+    log_loss_scale_to_tensorboard: bool
+    """The loss scale to TensorBoard (--no-log-loss-scale-to-tensorboard turns it off)."""
+
+    log_validation_ppl_to_tensorboard: bool
+    """Validation perplexity to TensorBoard (--log-validation-ppl-to-tensorboard)."""
+
+    log_memory_to_tensorboard: bool
+    """Memory use to TensorBoard (--log-memory-to-tensorboard)."""
+
+    log_world_size_to_tensorboard: bool
+    """The world size to TensorBoard (--log-world-size-to-tensorboard)."""
+
+    wandb_project: Optional[str]
+    """wandb project; None = no wandb (--wandb-project)."""
+
+    wandb_exp_name: Optional[str]
+    """wandb run name (--wandb-exp-name)."""
+
+    wandb_save_dir: Optional[str]
+    """wandb's local directory (--wandb-save-dir); None = --save."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunControlConfig:
+    """Seed, exit conditions, fault handling, garbage collection and profiling."""
+
+    seed: int
+    """Random seed (--seed)."""
+
+    exit_interval: Optional[int]
+    """Stop at an iteration divisible by this (--exit-interval)."""
+
+    exit_duration_in_mins: Optional[float]
+    """Stop after this many minutes (--exit-duration-in-mins)."""
+
+    exit_signal_handler: bool
+    """Save and stop on SIGTERM (--exit-signal-handler)."""
+
+    nan_action: str
+    """What a NaN loss or gradient does (--nan-action)."""
+
+    inject_nan_at_iteration: Optional[int]
+    """Fault injection: a NaN loss at this iteration (--inject-nan-at-iteration)."""
+
+    manual_gc: bool
+    """Collect garbage at fixed points instead of by threshold (--manual-gc)."""
+
+    manual_gc_interval: int
+    """Iterations between manual collections; 0 = only around evaluation (--manual-gc-interval)."""
+
+    manual_gc_eval: bool
+    """Collect around each evaluation with --manual-gc (--no-manual-gc-eval turns it off)."""
+
+    empty_unused_memory_level: int
+    """Empty the CUDA cache each iteration: 0 off, 1 moderate, 2 aggressive (--empty-unused-memory-level)."""
+
+    profile: bool
+    """Profile the steps --profile-step-start to --profile-step-end (--profile)."""
+
+    use_pytorch_profiler: bool
+    """The PyTorch profiler instead of nsys ranges (--use-pytorch-profiler)."""
+
+    profile_ranks: List[int]
+    """Ranks that profile (--profile-ranks)."""
+
+    profile_step_start: int
+    """First profiled iteration (--profile-step-start)."""
+
+    profile_step_end: int
+    """Iteration at which profiling stops (--profile-step-end)."""
+
+    record_memory_history: bool
+    """Record CUDA memory history (--record-memory-history)."""
+
+    memory_snapshot_path: str
+    """Where the memory history is written (--memory-snapshot-path)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FoldedFlagsConfig:
+    """Megatron-LM's flags that validation folds into another field (``validate.FOLDED_INTO``), as given:
+    nothing reads them after validation, and they are kept so that ``config.yaml`` (fed back through
+    ``--config``) reproduces the command line."""
+
+    num_layers_per_virtual_pipeline_stage: Optional[int]
+    """Layers per virtual stage (--num-layers-per-virtual-pipeline-stage), folded into the layout's vpp."""
+
+    recompute_activations: bool
+    """Selective recompute (--recompute-activations), folded into --recompute-granularity."""
+
+    untie_embeddings_and_output_weights: bool
+    """An untied output layer (--untie-embeddings-and-output-weights), folded into --input-embedding (which
+    validation makes consistent with it)."""
+
+    grad_reduce_in_bf16: bool
+    """Reduce gradients in bf16 (--grad-reduce-in-bf16), folded into --accumulate-allreduce-grads-in-fp32."""
+
+    group_query_attention: bool
+    """Grouped-query attention (--group-query-attention), folded into --num-query-groups."""
