@@ -12,44 +12,43 @@ evaluation (and every run) measures the same tokens.
 from __future__ import annotations
 
 import sys
-from typing import Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Dict, Iterator, Optional
 
 import numpy as np
 import torch
 
-from megatron_lev.tokenizer import TokenizerSpec, padded_vocab_size
+from megatron_lev.tokenizer import TokenizerSpec
+
+if TYPE_CHECKING:
+    from megatron_lev.arguments.run_config import RunConfig
 
 
 def build_tokenizer_from_args(args):
+    """The tokenizer the flags (or a ``DataConfig``, or saved arguments) name."""
     return TokenizerSpec.from_args(args).build()
 
 
-def padded_vocab(args, tokenizer) -> int:
-    return padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                             args.tensor_model_parallel_size)
-
-
-def build_datasets(args, tokenizer):
+def build_datasets(config: "RunConfig", tokenizer):
     """(train, valid, test) megatron-core datasets sized for this run (valid/test may be None)."""
     from megatron_lev.data.datasets import build_train_valid_test_datasets
 
-    gbs = args.global_batch_size
+    data, schedule = config.data, config.schedule
+    gbs = schedule.global_batch_size
     # As Megatron-LM: --train-samples when given (a ramped-up run takes fewer than train_iters x gbs).
-    train = args.train_samples if args.train_samples is not None else args.train_iters * gbs
-    num_samples = [train, args.eval_iters * gbs, args.eval_iters * gbs]  # 0: not built
+    train = schedule.train_samples if schedule.train_samples is not None else schedule.train_iters * gbs
+    num_samples = [train, schedule.eval_iters * gbs, schedule.eval_iters * gbs]  # 0: not built
     join = lambda v: " ".join(v) if v else None  # noqa: E731
     return build_train_valid_test_datasets(
-        tokenizer, args.seq_length, num_samples,
-        data_path=join(args.data_path), split=args.split,
-        train_data_path=join(args.train_data_path), valid_data_path=join(args.valid_data_path),
-        test_data_path=join(args.test_data_path), mock=args.mock_data, seed=args.seed,
-        data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        tokenizer, data.seq_length, num_samples,
+        data_path=join(data.data_path), split=data.split,
+        train_data_path=join(data.train_data_path), valid_data_path=join(data.valid_data_path),
+        test_data_path=join(data.test_data_path), mock=data.mock_data, seed=config.run.seed,
+        data_cache_path=data.data_cache_path, reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         # The dense mask only where documents must not see each other (else the kernel's causal mask).
-        create_attention_mask=args.reset_attention_mask, mmap_bin_files=args.mmap_bin_files,
-        vocab_size=args.padded_vocab_size,
-        tokenizer_fp=getattr(args, "tokenizer_fingerprint", None),
-        allow_tokenizer_mismatch=args.allow_tokenizer_mismatch, warn=_warn_first_rank,
+        create_attention_mask=data.reset_attention_mask, mmap_bin_files=data.mmap_bin_files,
+        vocab_size=config.model.padded_vocab_size, tokenizer_fp=data.tokenizer_fingerprint,
+        allow_tokenizer_mismatch=data.allow_tokenizer_mismatch, warn=_warn_first_rank,
     )
 
 
@@ -104,20 +103,21 @@ def _collate(samples, pin: bool = False) -> Dict[str, torch.Tensor]:
     return out
 
 
-def make_iterator(dataset, consumed_samples: int, args, cyclic: bool = False) -> Optional[Iterator]:
+def make_iterator(dataset, consumed_samples: int, config: "RunConfig", cyclic: bool = False) -> Optional[Iterator]:
     """Micro-batch iterator of this data-parallel rank (None when there is no dataset)."""
     if dataset is None:
         return None
     from megatron.core import parallel_state as ps
 
-    sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
+    sampler = PretrainingSampler(len(dataset), consumed_samples, config.schedule.micro_batch_size,
                                  ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), cyclic=cyclic)
     # Pinned host memory makes get_batch's copies to the GPU asynchronous (as Megatron-LM's loader).
     pin = batch_device().type == "cuda"
-    if args.num_workers > 0:
+    workers = config.data.num_workers
+    if workers > 0:
         from megatron_lev._procutil import ignore_stop_signals
 
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                              collate_fn=_collate, persistent_workers=False,
                                              worker_init_fn=ignore_stop_signals, pin_memory=pin)
         return iter(loader)
@@ -136,21 +136,21 @@ def close_iterators(iterators) -> None:
             shutdown()
 
 
-def train_iterators(dataset, consumed_samples: int, args):
+def train_iterators(dataset, consumed_samples: int, config: "RunConfig"):
     """One iterator per model chunk (the interleaved schedule pulls from each chunk's own)."""
-    vpp = args.virtual_pipeline_model_parallel_size
+    vpp = config.layout.vpp
     if vpp is None:
-        return make_iterator(dataset, consumed_samples, args)
-    return [make_iterator(dataset, consumed_samples, args) for _ in range(vpp)]
+        return make_iterator(dataset, consumed_samples, config)
+    return [make_iterator(dataset, consumed_samples, config) for _ in range(vpp)]
 
 
-def valid_iterators(dataset, args):
-    vpp = args.virtual_pipeline_model_parallel_size
+def valid_iterators(dataset, config: "RunConfig"):
+    vpp = config.layout.vpp
     if dataset is None:
         return None
     if vpp is None:
-        return make_iterator(dataset, 0, args, cyclic=True)
-    return [make_iterator(dataset, 0, args, cyclic=True) for _ in range(vpp)]
+        return make_iterator(dataset, 0, config, cyclic=True)
+    return [make_iterator(dataset, 0, config, cyclic=True) for _ in range(vpp)]
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,9 +12,12 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_lev.arguments.groups import LoggingConfig
 
 
 def is_rank0() -> bool:
@@ -64,8 +67,10 @@ def _first_line(e: BaseException) -> str:
 
 
 class TrainingLogger:
-    def __init__(self, args) -> None:
-        self.args = args
+    """Rank 0's writers, opened from the run's logging settings; ``save`` is --save, wandb's directory when
+    --wandb-save-dir is unset."""
+
+    def __init__(self, config: "LoggingConfig", *, save: Optional[str] = None) -> None:
         self.rank0 = is_rank0()
         self.tb = None
         self.wandb = None
@@ -73,49 +78,49 @@ class TrainingLogger:
         if not self.rank0:
             return
         try:
-            self._open_writers(args)
+            self._open_writers(config, save)
         except LogWriterError:
             self.close()  # the writers that did start
             raise
 
-    def _open_writers(self, args) -> None:
-        if args.tensorboard_dir:
+    def _open_writers(self, cfg: "LoggingConfig", save: Optional[str]) -> None:
+        if cfg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 print("WARNING: TensorBoard writing is not available (pip install tensorboard)", flush=True)
             except Exception as e:  # an install that fails as it imports (its protobuf too new or too old)
-                raise LogWriterError(f"--tensorboard-dir {args.tensorboard_dir}: TensorBoard cannot be imported "
+                raise LogWriterError(f"--tensorboard-dir {cfg.tensorboard_dir}: TensorBoard cannot be imported "
                                      f"({_first_line(e)}); repair its installation or drop the flag") from None
             else:
                 try:
-                    self.tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+                    self.tb = SummaryWriter(log_dir=cfg.tensorboard_dir, max_queue=cfg.tensorboard_queue_size)
                 except Exception as e:
-                    raise LogWriterError(f"--tensorboard-dir {args.tensorboard_dir}: TensorBoard's writer cannot "
+                    raise LogWriterError(f"--tensorboard-dir {cfg.tensorboard_dir}: TensorBoard's writer cannot "
                                          f"start ({_first_line(e)})") from None
-        if args.wandb_project:
+        if cfg.wandb_project:
             try:
                 import wandb  # optional dependency
             except ImportError:
                 print("WARNING: --wandb-project given but wandb is not installed; not logging to wandb",
                       flush=True)
             except Exception as e:
-                raise LogWriterError(f"--wandb-project {args.wandb_project}: wandb cannot be imported "
+                raise LogWriterError(f"--wandb-project {cfg.wandb_project}: wandb cannot be imported "
                                      f"({_first_line(e)}); repair its installation or drop the flag") from None
             else:
                 try:
-                    self.wandb = wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
-                                            dir=args.wandb_save_dir or args.save or None, config=None)
+                    self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name,
+                                            dir=cfg.wandb_save_dir or save or None, config=None)
                 except Exception as e:  # no login (no API key on the node), no network
-                    raise LogWriterError(f"--wandb-project {args.wandb_project}: wandb cannot start "
+                    raise LogWriterError(f"--wandb-project {cfg.wandb_project}: wandb cannot start "
                                          f"({_first_line(e)}); log in with `wandb login`, or set WANDB_MODE=offline") \
                         from None
-        if args.metrics_file:
+        if cfg.metrics_file:
             try:
-                os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-                self.metrics = open(args.metrics_file, "a", encoding="utf-8")
+                os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_file)), exist_ok=True)
+                self.metrics = open(cfg.metrics_file, "a", encoding="utf-8")
             except OSError as e:
-                raise LogWriterError(f"--metrics-file {args.metrics_file}: cannot be opened "
+                raise LogWriterError(f"--metrics-file {cfg.metrics_file}: cannot be opened "
                                      f"({e.strerror or e}); choose a writable path") from None
 
     def set_config(self, cfg: Dict[str, Any]) -> None:

@@ -42,7 +42,7 @@ import torch
 
 from megatron_lev import checkpoint
 from megatron_lev._procutil import EXIT_INTERRUPTED
-from megatron_lev.arguments import format_config, parse_args, resolved_config
+from megatron_lev.arguments import RunConfig, format_config, parse_args, resolved_config
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, grads_checked_in_step
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
@@ -469,7 +469,7 @@ def _nan_step(args, state: _State, what: str, loss):
 
 
 @torch.no_grad()
-def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
+def evaluate(args, run_config, model, valid_dataset, table_modules) -> Optional[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from .data import close_iterators, valid_iterators
@@ -478,7 +478,7 @@ def evaluate(args, model, valid_dataset, table_modules) -> Optional[float]:
         return None
     for chunk in model:
         chunk.eval()
-    it = valid_iterators(valid_dataset, args)
+    it = valid_iterators(valid_dataset, run_config)
     dummy = _State(iteration=-10)
     collected: List[Dict[str, torch.Tensor]] = []
     # LEV table mode outside training evaluates G per distinct id (no table, no gradient).
@@ -581,7 +581,9 @@ def _startup_errors():
 
 def _setup_configs(argv):
     """Arguments, tokenizer and the typed configs (TransformerConfig, LevModelConfig) of the run."""
-    from .data import build_tokenizer_from_args, padded_vocab
+    from megatron_lev.tokenizer import padded_vocab_size
+
+    from .data import build_tokenizer_from_args
 
     try:
         args = parse_args(argv)
@@ -592,7 +594,8 @@ def _setup_configs(argv):
             tokenizer = build_tokenizer_from_args(args)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: {str(e).splitlines()[0]}") from None
-        args.padded_vocab_size = padded_vocab(args, tokenizer)
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                                   args.tensor_model_parallel_size)
         args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
         # The loss flags are TransformerConfig fields that only training reads.
         config, model_config = checkpoint.build_configs(
@@ -609,6 +612,8 @@ class _Run:
     """What the loop works with, built once at start-up (``_start``)."""
 
     args: Any
+    rc: RunConfig
+    """The run's typed configuration (what the loop's parts read instead of ``args``, as they move)."""
     config: Any
     """megatron-core's TransformerConfig."""
     model_config: Any
@@ -775,12 +780,13 @@ def _start(args, config, model_config) -> _Run:
     from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 
     t_start = time.time()
+    rc = RunConfig.from_args(args)
     if args.profile and not args.use_pytorch_profiler and not torch.cuda.is_available():
         raise _StartupError("--profile without --use-pytorch-profiler records nsys ranges (torch.cuda.profiler), "
                             "which needs CUDA; add --use-pytorch-profiler for a torch.profiler trace")
     logging_level = _set_logging_level(args)
     try:
-        logger = _start_logger(args)
+        logger = _start_logger(rc)
     except _StartupError:
         if logging_level is not None:
             logging.getLogger().setLevel(logging_level)
@@ -808,12 +814,12 @@ def _start(args, config, model_config) -> _Run:
     table_modules = checkpoint.lev_table_modules(chunks)
     optimizer, scheduler = _build_optimizer(args, config, model)
     _configure_hooks(args, config, model, optimizer, table_modules)
-    return _Run(args=args, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
+    return _Run(args=args, rc=rc, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
                 optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start,
                 batches=batch_calculator(args, rank=torch.distributed.get_rank()), logging_level=logging_level)
 
 
-def _start_logger(args) -> TrainingLogger:
+def _start_logger(rc: RunConfig) -> TrainingLogger:
     """Collective. The run's logger, whose writers (TensorBoard, wandb, --metrics-file) start on rank 0
     alone: their failure (wandb without a login on the node, a folder made read-only since the start-up
     checks) stops every rank with its line, instead of rank 0 alone while the others wait for it in the
@@ -824,7 +830,7 @@ def _start_logger(args) -> TrainingLogger:
 
     logger, error = None, None
     try:
-        logger = TrainingLogger(args)
+        logger = TrainingLogger(rc.logging, save=rc.checkpointing.save)
     except LogWriterError as e:
         error = str(e)
     error = broadcast_object(error)  # only rank 0 opens writers
@@ -875,10 +881,10 @@ def _start_data(run: _Run, state: _State, tokenizer) -> None:
 
     args = run.args
     try:
-        train_ds, run.valid_ds, _test_ds = data_mod.build_datasets(args, tokenizer)
+        train_ds, run.valid_ds, _test_ds = data_mod.build_datasets(run.rc, tokenizer)
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0]) from None
-    run.train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, args)
+    run.train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, run.rc)
     _check_batches_ahead(args, state)
     run.batches.update(state.consumed_train_samples, consistency_check=False)
     run.flops = _Memo(lambda gbs: flops_per_iteration(
@@ -995,7 +1001,7 @@ def _run_eval(run: _Run, state: _State, prefix: str) -> None:
     manual_gc = run.args.manual_gc and run.args.manual_gc_eval
     if manual_gc:
         gc.collect()
-    loss = evaluate(run.args, run.model, run.valid_ds, run.table_modules)
+    loss = evaluate(run.args, run.rc, run.model, run.valid_ds, run.table_modules)
     if manual_gc:
         gc.collect(generation=0)  # what the evaluation created and dropped (Megatron-LM)
     if loss is None:

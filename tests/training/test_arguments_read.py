@@ -9,14 +9,16 @@ Found by walking the sources (no run): an argument is read where the code loads 
 receiver named ``args``, ``run.args``, ``saved_args``...), looks a constant ``"NAME"`` up
 (``a["NAME"]``, ``a.get("NAME")``, ``getattr(x, "NAME")``), lists it in a collection of names (a tuple,
 list, set or dict keys of strings, such as ``MOE_ARGS``), imports such a collection from
-``megatron_lev.arguments``, or hands the arguments to a dataclass's ``from_args`` that takes every field
-(``LEVConfig``, ``TokenizerSpec``) whose field is then used.
+``megatron_lev.arguments``, hands the arguments to a dataclass's ``from_args`` that takes every field
+(``LEVConfig``, ``TokenizerSpec``) whose field is then used, or reads a field of a ``RunConfig`` group
+(``typed_reads``: ``<...>.data.seq_length``, or a name bound to a group, ``cfg: LoggingConfig``).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +28,8 @@ import pytest
 
 from megatron_lev.arguments import build_parser, parse_args
 from megatron_lev.arguments.megatron_lm import FIXED, NO_OPS
+from megatron_lev.arguments.run_config import RunConfig
+from megatron_lev.distributed.layout import MEGATRON_FIELDS
 from megatron_lev.arguments.validate import FOLDED_INTO
 from megatron_lev.lev.config import ConfigError
 
@@ -36,6 +40,50 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 # The parser's own: the YAML file it reads its defaults from.
 PARSER_OWN = {"config"}
 _ARGS_RECEIVER = re.compile(r"(^|\.)\w*args$")
+
+
+def _group_fields():
+    """{group name and class name: the group's field names} (the layout's as its Megatron-LM names too)."""
+    import typing
+
+    hints = typing.get_type_hints(RunConfig)
+    out = {}
+    for name, klass in hints.items():
+        names = {f.name for f in dataclasses.fields(klass)}
+        out[name] = out[klass.__name__] = names
+    return out
+
+
+def typed_reads(tree: ast.AST) -> Set[str]:
+    """The RunConfig fields a module reads: ``<...>.GROUP.FIELD``, or ``NAME.FIELD`` where NAME is bound to
+    ``<...>.GROUP`` (an assignment, tuple assignments included) or is a parameter annotated with a group's
+    class."""
+    groups = _group_fields()
+    bound: Dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            pairs = []
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs += zip(target.elts, node.value.elts)
+                else:
+                    pairs.append((target, node.value))
+            for target, value in pairs:
+                if isinstance(target, ast.Name) and isinstance(value, ast.Attribute) and value.attr in groups:
+                    bound[target.id] = value.attr
+        elif isinstance(node, ast.arg) and node.annotation is not None:
+            annotation = node.annotation.value if isinstance(node.annotation, ast.Constant) else \
+                getattr(node.annotation, "id", None)
+            if annotation in groups:
+                bound[node.arg] = annotation
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            receiver = node.value
+            group = receiver.attr if isinstance(receiver, ast.Attribute) else bound.get(getattr(receiver, "id", None))
+            if group in groups and node.attr in groups[group]:  # the layout's sizes under their flags' names
+                out.add(MEGATRON_FIELDS.get(node.attr, node.attr) if group in ("layout", "ParallelLayout") else node.attr)
+    return out
 
 
 def _sources():
@@ -83,7 +131,9 @@ def code_reads():
     from_args: Set[str] = set()
     loaded: Set[str] = set()
     for path in _sources():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        read |= typed_reads(tree)
+        for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
                 loaded.add(node.attr)
                 if _ARGS_RECEIVER.search(ast.unparse(node.value)):
@@ -147,6 +197,10 @@ def test_the_walk_sees_each_way_of_reading():
     assert {"padded_vocab_size", "fp8_format"} <= read  # a["X"], a.get("X")
     assert {"moe_router_topk", "main_grads_dtype"} <= read  # MOE_ARGS' keys, OPTIMIZER_DTYPE_FIELDS imported
     assert {"LEVConfig", "TokenizerSpec"} <= from_args and "basis" in loaded
+    typed = ast.parse("def f(rc, cfg: 'LoggingConfig'):\n    d, s = rc.data, rc.schedule\n"
+                      "    return rc.run.seed, d.split, s.eval_iters, cfg.metrics_file, rc.layout.vpp, rc.data.other")
+    assert typed_reads(typed) == {"seed", "split", "eval_iters", "metrics_file", "virtual_pipeline_model_parallel_size"}
+    assert {"data_path", "metrics_file"} <= read  # RunConfig's fields, read by training/data.py and logger.py
 
 
 # Each folded flag with what it needs, the argument it sets and the world size.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lev.arguments import parse_args
+from megatron_lev.arguments import RunConfig, parse_args
 from megatron_lev.lev.config import ConfigError
 
 MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
@@ -47,7 +47,7 @@ def test_no_mmap_bin_files_reaches_the_indexed_dataset(dataset, flags, mmap):
     argv = MODEL + ["--eval-iters", "0", "--split", "1,0,0", "--data-path", dataset,
                     "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"] + flags
     args, tok, _, _ = _setup_configs(argv)
-    train, _, _ = build_datasets(args, tok)
+    train, _, _ = build_datasets(RunConfig.from_args(args), tok)
     assert train.config.mmap_bin_files is mmap
     indexed = train.dataset
     assert indexed.mmap is mmap
@@ -401,6 +401,6 @@ def test_a_log_writer_that_fails_as_it_imports_is_a_log_writer_error(flag, modul
     monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
     args = parse_args(MODEL + MOCK + [flag, str(tmp_path / "w"), "--quiet-config"])
     with pytest.raises(LogWriterError) as e:
-        TrainingLogger(args)
+        TrainingLogger(RunConfig.from_args(args).logging)
     assert str(e.value).startswith(f"{flag} {tmp_path / 'w'}: {name} cannot be imported (TypeError: Descriptors "
                                    "cannot be created directly.); repair its installation or drop the flag")
