@@ -27,6 +27,8 @@ import json
 import os
 import random
 import re
+import types
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, TypeVar
@@ -352,6 +354,62 @@ def _cpu_backend_stays_in_its_module():
     yield
     if compat.is_applied() and not applied_before:
         compat.remove()
+
+
+from megatron_lev.compat import cpu as _cpu_backend  # noqa: E402 (torch only)
+
+# What the CPU backend patches (tests/testing/test_isolation.py checks the list is whole).
+_TORCH_ATTRS = ([(torch, n) for n in _cpu_backend._FACTORIES]
+                + [(torch.Tensor, n) for n in ("cuda", "to", "type")]
+                + [(torch.cuda, n) for n in ("current_device", "synchronize", "set_device", "current_stream",
+                                             "manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state")]
+                + [(torch.cuda.random, n) for n in ("get_rng_state", "set_rng_state")])
+# Every function and class attribute of the torch namespaces that tests (and the CPU backend) patch, as
+# this process started: a value that differs after a test is a patch left behind.
+import torch._dynamo  # noqa: E402,F401  (its import wraps torch.manual_seed once: before the snapshot)
+
+_WATCHED = (torch, torch.Tensor, torch.nn.Module, torch.nn.init, torch.nn.functional, torch.cuda, torch.cuda.random,
+            torch.distributed)
+with warnings.catch_warnings():  # reading torch.distributed.reduce_op warns of its deprecation
+    warnings.simplefilter("ignore")
+    _TORCH_AS_STARTED = [(owner, name, value) for owner in _WATCHED for name, value in list(vars(owner).items())
+                         if not isinstance(value, types.ModuleType) and not name.startswith("__")]
+# The backend's Tensor methods live on TensorBase, so they are read through the class (getattr).
+_PATCHED_AS_STARTED = [(owner, name, getattr(owner, name)) for owner, name in _TORCH_ATTRS]
+
+
+def _torch_modes():
+    return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+            torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
+
+
+_MODES_AS_STARTED = _torch_modes()
+
+
+@pytest.fixture(autouse=True)
+def _torch_as_it_was(request):
+    """A test that leaves torch changed (a patched function put back after ``compat.remove``, a monkeypatch
+    saved over a patch, a default dtype, grad mode or function mode left set) fails here, by name, and
+    torch is restored, instead of a later test loading a Hugging Face model into the stale state
+    (uninitialised rotary buffers, seen as NaN perplexities far from the cause). The CPU backend itself,
+    while a module has it installed, is that module's (_cpu_backend_stays_in_its_module removes it)."""
+    yield
+    from megatron_lev import compat
+
+    if compat.is_applied():
+        return
+    stale = ([(o, n, v) for o, n, v in _TORCH_AS_STARTED if vars(o).get(n, v) is not v]
+             + [(o, n, v) for o, n, v in _PATCHED_AS_STARTED if getattr(o, n) is not v])
+    for owner, name, value in stale:
+        setattr(owner, name, value)
+    left = [f"{getattr(o, '__name__', o)}.{n}" for o, n, _ in stale]
+    modes = _torch_modes()
+    if modes != _MODES_AS_STARTED:
+        left.append(f"dtype/grad/deterministic/mode stacks {modes} (started {_MODES_AS_STARTED})")
+        torch.set_default_dtype(_MODES_AS_STARTED[0])
+        torch.set_grad_enabled(_MODES_AS_STARTED[1])
+    if left:
+        pytest.fail(f"{request.node.nodeid} left torch changed: {', '.join(left)}", pytrace=False)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -52,6 +52,13 @@ def test_the_cpu_backend_comes_off_whole():
     to, cuda_current = torch.Tensor.to, torch.cuda.current_device
     compat.apply(force=True)
     try:
+        from megatron_lev.compat import cpu
+
+        from ..conftest import _TORCH_ATTRS
+
+        # The suite's per-test check (conftest._torch_as_it_was) watches every torch attribute the backend patches.
+        patched = {(o, n) for o, n, _ in cpu._SAVED if not o.__name__.startswith("megatron")}
+        assert patched <= set(_TORCH_ATTRS), patched - set(_TORCH_ATTRS)
         assert torch.tensor is not originals["tensor"] and torch.Tensor.to is not to
         assert torch.empty(2, device="cuda").device.type == "cpu"  # redirected while applied
     finally:
