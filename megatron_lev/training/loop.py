@@ -43,6 +43,7 @@ import torch
 from megatron_lev import checkpoint
 from megatron_lev._procutil import EXIT_INTERRUPTED
 from megatron_lev.arguments import RunConfig, format_config, parse_args, resolved_config
+from megatron_lev.arguments.groups import ScheduleConfig
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, grads_checked_in_step
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
@@ -182,7 +183,7 @@ class _StopOnSigterm:
 # start-up
 
 
-def _wrap_model(args, config, chunks):
+def _wrap_model(rc: RunConfig, config, chunks):
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -191,19 +192,20 @@ def _wrap_model(args, config, chunks):
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     if torch.cuda.is_available():
         chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
-    if args.fp16 or args.bf16:
+    if rc.model.fp16 or rc.model.bf16:
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(config, c) for c in chunks]
+    dist = rc.distributed
     kw = dict(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        grad_reduce_in_fp32=dist.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=dist.overlap_grad_reduce,
+        overlap_param_gather=dist.overlap_param_gather,
+        use_distributed_optimizer=rc.optimizer.use_distributed_optimizer,
         check_for_nan_in_grad=False,  # checked by the loop (clean message, optional skip)
     )
-    if args.ddp_bucket_size is not None:
-        kw["bucket_size"] = args.ddp_bucket_size
+    if dist.ddp_bucket_size is not None:
+        kw["bucket_size"] = dist.ddp_bucket_size
     ddp_config = DistributedDataParallelConfig(**kw)
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
@@ -211,70 +213,73 @@ def _wrap_model(args, config, chunks):
     ]
 
 
-def optimizer_config(args, params_dtype: torch.dtype):
+def optimizer_config(rc: RunConfig, params_dtype: torch.dtype):
     """megatron-core's OptimizerConfig of the run, as Megatron-LM fills it from its arguments (the
     precision-aware optimizer's state dtypes by their Megatron-LM names, fp8 as uint8)."""
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
 
-    dtypes = {f: getattr(torch, OPTIMIZER_DTYPES[getattr(args, f)]) for f in OPTIMIZER_DTYPE_FIELDS}
+    opt, model = rc.optimizer, rc.model
+    dtypes = {f: getattr(torch, OPTIMIZER_DTYPES[getattr(opt, f)]) for f in OPTIMIZER_DTYPE_FIELDS}
     return OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=params_dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
-        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-        use_precision_aware_optimizer=args.use_precision_aware_optimizer, **dtypes,
+        optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+        sgd_momentum=opt.sgd_momentum, clip_grad=opt.clip_grad, bf16=model.bf16, fp16=model.fp16,
+        params_dtype=params_dtype, loss_scale=opt.loss_scale, initial_loss_scale=opt.initial_loss_scale,
+        min_loss_scale=opt.min_loss_scale, loss_scale_window=opt.loss_scale_window, hysteresis=opt.hysteresis,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        overlap_param_gather=rc.distributed.overlap_param_gather,
+        decoupled_lr=opt.decoupled_lr, decoupled_min_lr=opt.decoupled_min_lr,
+        use_precision_aware_optimizer=opt.use_precision_aware_optimizer, **dtypes,
         # The distributed optimizer and the precision-aware one treat FP8 parameters by recipe.
-        fp8_recipe=args.fp8_recipe if args.fp8_format is not None else None,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        fp8_recipe=model.fp8_recipe if model.fp8_format is not None else None,
+        log_num_zeros_in_grad=rc.logging.log_num_zeros_in_grad,
     )
 
 
-def _build_optimizer(args, config, model):
+def _build_optimizer(rc: RunConfig, config, model):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
-    opt_config = optimizer_config(args, config.params_dtype)
+    opt_config = optimizer_config(rc, config.params_dtype)
 
     # Megatron's rule (no decay on 1-D params and biases) plus LEV's: decay Delta, A, W and the
     # codebooks; never its LayerNorm parameters, biases or the offset. With --decoupled-lr, megatron's
     # own override gives the parameters marked is_embedding_or_output_parameter their max/min lr.
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=weight_decay_overrides(opt_config))
-    if args.check_for_nan_in_loss_and_grad and not args.fp16:
+    if rc.distributed.check_for_nan_in_loss_and_grad and not rc.model.fp16:
         # The gradients' NaN/Inf check rides on the grad norm that step() computes (one read of the grads).
         check_grads_in_step(optimizer, config)
+    sched = rc.schedule
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        lr_wsd_decay_style=args.lr_wsd_decay_style, **_scheduler_steps(args),
+        optimizer, init_lr=sched.lr_warmup_init, max_lr=rc.optimizer.lr, min_lr=rc.optimizer.min_lr,
+        lr_decay_style=sched.lr_decay_style, start_wd=sched.start_weight_decay, end_wd=sched.end_weight_decay,
+        wd_incr_style=sched.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=sched.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=sched.override_opt_param_scheduler,
+        lr_wsd_decay_style=sched.lr_wsd_decay_style, **_scheduler_steps(sched),
     )
     return optimizer, scheduler
 
 
-def _scheduler_steps(args) -> Dict[str, Any]:
+def _scheduler_steps(sched: "ScheduleConfig") -> Dict[str, Any]:
     """The scheduler's step counts, in samples, as Megatron-LM's ``get_optimizer_param_scheduler``:
     the iteration counts times the global batch, or the sample counts (--train-samples)."""
-    if args.train_samples is None:
-        gbs = args.global_batch_size
-        decay = args.lr_decay_iters * gbs
-        warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
-                  else args.lr_warmup_iters * gbs)
-        return dict(lr_decay_steps=decay, lr_warmup_steps=warmup, wd_incr_steps=max(1, args.train_iters) * gbs,
-                    wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if args.lr_wsd_decay_iters else None)
-    decay = args.lr_decay_samples
-    warmup = (int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None
-              else args.lr_warmup_samples)
-    return dict(lr_decay_steps=decay, lr_warmup_steps=warmup, wd_incr_steps=args.train_samples,
-                wsd_decay_steps=args.lr_wsd_decay_samples)
+    if sched.train_samples is None:
+        gbs = sched.global_batch_size
+        decay = sched.lr_decay_iters * gbs
+        warmup = (int(sched.lr_warmup_fraction * decay) if sched.lr_warmup_fraction is not None
+                  else sched.lr_warmup_iters * gbs)
+        return dict(lr_decay_steps=decay, lr_warmup_steps=warmup, wd_incr_steps=max(1, sched.train_iters) * gbs,
+                    wsd_decay_steps=(sched.lr_wsd_decay_iters * gbs) if sched.lr_wsd_decay_iters else None)
+    decay = sched.lr_decay_samples
+    warmup = (int(sched.lr_warmup_fraction * decay) if sched.lr_warmup_fraction is not None
+              else sched.lr_warmup_samples)
+    return dict(lr_decay_steps=decay, lr_warmup_steps=warmup, wd_incr_steps=sched.train_samples,
+                wsd_decay_steps=sched.lr_wsd_decay_samples)
 
 
 def _grad_sync_with_tables(chunk, tables):
@@ -810,9 +815,9 @@ def _start(args, config, model_config) -> _Run:
     logger.log(f" > number of parameters on (tensor, pipeline) model parallel rank "
                f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): "
                f"{_count_params(chunks)}")
-    model = _wrap_model(args, config, chunks)
+    model = _wrap_model(rc, config, chunks)
     table_modules = checkpoint.lev_table_modules(chunks)
-    optimizer, scheduler = _build_optimizer(args, config, model)
+    optimizer, scheduler = _build_optimizer(rc, config, model)
     _configure_hooks(args, config, model, optimizer, table_modules)
     return _Run(args=args, rc=rc, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
                 optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start,

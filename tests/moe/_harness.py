@@ -73,6 +73,24 @@ def loop_args(*, distributed_optimizer: bool, overlap: bool, num_microbatches: i
     return SimpleNamespace(**{**vars(defaults), **vars(ours), "data_parallel_size": ps.get_data_parallel_world_size()})
 
 
+def loop_run_config(args):
+    """The RunConfig of the harness's arguments, its layout the process groups' (the loop's model and
+    optimizer builders read the typed configuration)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_lev.arguments import RunConfig
+
+    sizes = dict(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                 pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                 virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+                 context_parallel_size=ps.get_context_parallel_world_size(),
+                 expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                 expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+                 world_size=torch.distributed.get_world_size())
+    return RunConfig.from_saved_args({**vars(args), **sizes}, source="the harness's arguments")
+
+
 def _harness_args(distributed_optimizer: bool, overlap: bool, num_microbatches: int):
     return SimpleNamespace(
         fp16=False, bf16=False, accumulate_allreduce_grads_in_fp32=True,
@@ -143,8 +161,9 @@ def _setup(root: str, *, arm: str = "lev", weights: Optional[str] = None, save: 
         load_weights(chunks, path)
     num_micro = GLOBAL_MICRO // ps.get_data_parallel_world_size()
     args = loop_args(distributed_optimizer=distributed_optimizer, overlap=overlap, num_microbatches=num_micro)
-    model = loop._wrap_model(args, config, chunks)
-    optimizer, scheduler = loop._build_optimizer(args, config, model)
+    rc = loop_run_config(args)
+    model = loop._wrap_model(rc, config, chunks)
+    optimizer, scheduler = loop._build_optimizer(rc, config, model)
     tables = lev_table_modules(chunks)  # LEV in table mode: the loop's per-step hooks
     loop._configure_hooks(args, config, model, optimizer, tables)
     return SimpleNamespace(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -49,7 +49,7 @@ def _setup(setting: str):
     from megatron_lev.checkpoint.build import build_model_chunks
     from megatron_lev.models import build_transformer_config
     from megatron_lev.training import loop
-    from tests.moe._harness import GLOBAL_MICRO, HEADS, HIDDEN, loop_args, model_config
+    from tests.moe._harness import GLOBAL_MICRO, HEADS, HIDDEN, loop_args, loop_run_config, model_config
 
     over = SETTINGS[setting]
     mc = model_config("tied")
@@ -62,8 +62,9 @@ def _setup(setting: str):
                      num_microbatches=num_micro)
     for k, v in over.items():
         setattr(args, k, v)
-    model = loop._wrap_model(args, config, build_model_chunks(config, mc))
-    optimizer, scheduler = loop._build_optimizer(args, config, model)
+    rc = loop_run_config(args)
+    model = loop._wrap_model(rc, config, build_model_chunks(config, mc))
+    optimizer, scheduler = loop._build_optimizer(rc, config, model)
     loop._configure_hooks(args, config, model, optimizer, [])
     run = SimpleNamespace(args=args, config=config, model=model, optimizer=optimizer, scheduler=scheduler,
                           state=loop._State(), poison=False)

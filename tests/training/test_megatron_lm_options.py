@@ -96,12 +96,12 @@ def test_default_optimizer_config_keeps_every_state_in_fp32():
     from megatron_lev.training.loop import optimizer_config
 
     args = _parse(["--bf16", "--use-distributed-optimizer"])
-    cfg = optimizer_config(args, torch.bfloat16)
+    cfg = optimizer_config(RunConfig.from_args(args), torch.bfloat16)
     assert not cfg.use_precision_aware_optimizer and cfg.use_distributed_optimizer and cfg.bf16
     assert {cfg.main_grads_dtype, cfg.main_params_dtype, cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype} == {torch.float32}
     assert cfg.fp8_recipe is None  # no FP8
     fp8 = _parse(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
-    assert optimizer_config(fp8, torch.bfloat16).fp8_recipe == "tensorwise"
+    assert optimizer_config(RunConfig.from_args(fp8), torch.bfloat16).fp8_recipe == "tensorwise"
     assert args.accumulate_allreduce_grads_in_fp32  # bf16: fp32 gradient buffers, as Megatron-LM
 
 
@@ -145,7 +145,7 @@ def test_precision_aware_optimizer_config_carries_the_state_dtypes(te_fused_adam
     from megatron_lev.training.loop import optimizer_config
 
     args = _parse(PRECISION_AWARE + DTYPES)
-    cfg = optimizer_config(args, torch.bfloat16)
+    cfg = optimizer_config(RunConfig.from_args(args), torch.bfloat16)
     assert cfg.use_precision_aware_optimizer and cfg.use_distributed_optimizer
     assert (cfg.main_grads_dtype, cfg.main_params_dtype, cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype) == \
         (torch.bfloat16, torch.float16, torch.uint8, torch.bfloat16)
@@ -155,7 +155,7 @@ def test_precision_aware_optimizer_config_carries_the_state_dtypes(te_fused_adam
     assert not args.accumulate_allreduce_grads_in_fp32
     # The defaults: fp32 states, fp32 gradient buffers.
     args = _parse(PRECISION_AWARE)
-    cfg = optimizer_config(args, torch.bfloat16)
+    cfg = optimizer_config(RunConfig.from_args(args), torch.bfloat16)
     assert cfg.use_precision_aware_optimizer and cfg.main_grads_dtype == cfg.exp_avg_dtype == torch.float32
     assert args.accumulate_allreduce_grads_in_fp32
 
@@ -180,8 +180,9 @@ def precision_aware_state(argv):
 
     args, _tok, config, model_config = loop._setup_configs(argv)
     chunks = checkpoint.build_model_chunks(config, model_config)
-    model = loop._wrap_model(args, config, chunks)
-    optimizer, _ = loop._build_optimizer(args, config, model)
+    rc = RunConfig.from_args(args)
+    model = loop._wrap_model(rc, config, chunks)
+    optimizer, _ = loop._build_optimizer(rc, config, model)
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])][0]
     return {"adam": f"{type(inner).__module__}.{type(inner).__name__}",
             "exp_avg_dtype": str(getattr(inner, "exp_avg_dtype", None)),
