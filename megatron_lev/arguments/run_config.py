@@ -361,6 +361,21 @@ class RunConfig:
         out.update(world_size=self.layout.world_size, data_parallel_size=self.layout.dp)
         return out
 
+    def flat(self) -> argparse.Namespace:
+        """The flat arguments (``to_saved_args``) as a namespace, for the functions of ``arguments`` and
+        ``checkpoint`` that check the flat form (batch schedules, --save and --load)."""
+        return argparse.Namespace(**self.to_saved_args())
+
+    def with_tokenizer(self, tokenizer) -> "RunConfig":
+        """This configuration with what ``tokenizer`` decides: the embedding's rows (its vocabulary padded to
+        --make-vocab-size-divisible-by x TP) and the fingerprint checkpoints and datasets are checked against."""
+        from megatron_lev.tokenizer import padded_vocab_size, tokenizer_fingerprint
+
+        rows = padded_vocab_size(tokenizer.vocab_size, self.model.make_vocab_size_divisible_by, self.layout.tp)
+        return dataclasses.replace(
+            self, model=dataclasses.replace(self.model, padded_vocab_size=rows),
+            data=dataclasses.replace(self.data, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)))
+
     @classmethod
     def _from_flat(cls, values: Mapping[str, Any], source: str) -> "RunConfig":
         groups = {name: _group(klass, values, source) for name, klass in _GROUPS.items()}

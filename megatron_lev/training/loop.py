@@ -42,7 +42,7 @@ import torch
 
 from megatron_lev import checkpoint
 from megatron_lev._procutil import EXIT_INTERRUPTED
-from megatron_lev.arguments import RunConfig, format_config, parse_args, resolved_config
+from megatron_lev.arguments import RunConfig, format_config, parse_run_config, resolved_config
 from megatron_lev.arguments.groups import ScheduleConfig
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, grads_checked_in_step
@@ -50,7 +50,6 @@ from megatron_lev.distributed import DistributedConfigError, destroy_distributed
     set_seed
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.parallel.collectives import all_reduce_, group_device
-from megatron_lev.tokenizer import tokenizer_fingerprint
 
 from .logger import TrainingLogger, memory_scalars
 from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
@@ -301,16 +300,16 @@ def _grad_sync_with_tables(chunk, tables):
     return sync
 
 
-def _configure_hooks(args, config, model, optimizer, table_modules) -> None:
+def _configure_hooks(rc: RunConfig, config, model, optimizer, table_modules) -> None:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     config.grad_scale_func = optimizer.scale_loss
-    if args.overlap_grad_reduce:
+    if rc.distributed.overlap_grad_reduce:
         no_sync = [m.no_sync for m in model]
         grad_sync = [_grad_sync_with_tables(m, [t for t in table_modules if _holds(m, t)]) for m in model]
         config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
         config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
-    if args.overlap_param_gather:
+    if rc.distributed.overlap_param_gather:
         param_sync = [m.start_param_sync for m in model]
         config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
 
@@ -332,13 +331,13 @@ def _holds(chunk, module) -> bool:
 # one step
 
 
-def _forward_step(state: _State, args, data_iterator, model):
+def _forward_step(state: _State, rc: RunConfig, data_iterator, model):
     from .data import get_batch
 
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, mask_dtype=getattr(torch, args.params_dtype_name))
+        data_iterator, mask_dtype=getattr(torch, rc.model.params_dtype_name))
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    inject = args.inject_nan_at_iteration is not None and state.iteration + 1 == args.inject_nan_at_iteration
+    inject = rc.run.inject_nan_at_iteration is not None and state.iteration + 1 == rc.run.inject_nan_at_iteration
     return output, partial(_loss_func, loss_mask, inject and model.training)
 
 
@@ -424,77 +423,77 @@ def _any_rank(flag: bool) -> bool:
     return bool(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
 
 
-def _empty_cuda_cache(args, level: int) -> None:
+def _empty_cuda_cache(rc: RunConfig, level: int) -> None:
     """--empty-unused-memory-level: hand the CUDA caching allocator's unused blocks back (as Megatron-LM,
     level 1 after the backward and each evaluation step, level 2 also after the optimizer step)."""
-    if args.empty_unused_memory_level >= level:
+    if rc.run.empty_unused_memory_level >= level:
         torch.cuda.empty_cache()
 
 
-def _train_step(args, state, model, optimizer, scheduler, train_iter, table_modules, num_microbatches=None):
+def _train_step(rc: RunConfig, state, model, optimizer, scheduler, train_iter, table_modules, num_microbatches=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    num_microbatches = args.num_microbatches if num_microbatches is None else num_microbatches
+    num_microbatches = rc.schedule.num_microbatches if num_microbatches is None else num_microbatches
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     # LEV table mode: the table is built by the step's first forward and consumed in finalize.
     losses_reduced = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, state, args), data_iterator=train_iter, model=model,
-        num_microbatches=num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False,
+        forward_step_func=partial(_forward_step, state, rc), data_iterator=train_iter, model=model,
+        num_microbatches=num_microbatches, seq_length=rc.data.seq_length,
+        micro_batch_size=rc.schedule.micro_batch_size, decoder_seq_length=rc.data.seq_length, forward_only=False,
     )
-    _empty_cuda_cache(args, 1)
+    _empty_cuda_cache(rc, 1)
     loss = _reduce_losses(losses_reduced)
     loss_finite = loss is not None and math.isfinite(loss)
-    check = args.check_for_nan_in_loss_and_grad
+    check = rc.distributed.check_for_nan_in_loss_and_grad
     if check and not loss_finite:
-        return _nan_step(args, state, "loss", loss)
-    if check and not args.fp16 and not grads_checked_in_step(optimizer) and _any_rank(not _grads_finite(model)):
-        return _nan_step(args, state, "gradients", loss)
+        return _nan_step(rc, state, "loss", loss)
+    if check and not rc.model.fp16 and not grads_checked_in_step(optimizer) and _any_rank(not _grads_finite(model)):
+        return _nan_step(rc, state, "gradients", loss)
     try:
         update_successful, grad_norm, state.num_zeros_in_grad = optimizer.step()
     except NonFiniteGrads:  # raised by the step's own grad norm, before its update (check_grads_in_step)
-        return _nan_step(args, state, "gradients", loss)
+        return _nan_step(rc, state, "gradients", loss)
     if update_successful:
         # The scheduler counts samples (Megatron-LM): this step's global batch.
-        scheduler.step(increment=num_microbatches * args.micro_batch_size * args.data_parallel_size)
-    _empty_cuda_cache(args, 2)
+        scheduler.step(increment=num_microbatches * rc.schedule.micro_batch_size * rc.layout.dp)
+    _empty_cuda_cache(rc, 2)
     grad_norm = float(grad_norm) if grad_norm is not None else None
     return loss, grad_norm, update_successful, not loss_finite
 
 
-def _nan_step(args, state: _State, what: str, loss):
+def _nan_step(rc: RunConfig, state: _State, what: str, loss):
     """A step whose loss or gradients hold NaN/Inf, not applied: NanDetected, or with --nan-action skip the
     step's (loss, grad norm, applied, NaN) as _train_step returns them."""
-    if args.nan_action != "skip":
+    if rc.run.nan_action != "skip":
         raise NanDetected(f"NaN/Inf in the {what} at iteration {state.iteration + 1} "
                           "(--check-for-nan-in-loss-and-grad)")
     return loss, None, False, True
 
 
 @torch.no_grad()
-def evaluate(args, run_config, model, valid_dataset, table_modules) -> Optional[float]:
+def evaluate(rc: RunConfig, model, valid_dataset, table_modules) -> Optional[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from .data import close_iterators, valid_iterators
 
-    if valid_dataset is None or args.eval_iters == 0:
+    if valid_dataset is None or rc.schedule.eval_iters == 0:
         return None
     for chunk in model:
         chunk.eval()
-    it = valid_iterators(valid_dataset, run_config)
+    it = valid_iterators(valid_dataset, rc)
     dummy = _State(iteration=-10)
     collected: List[Dict[str, torch.Tensor]] = []
     # LEV table mode outside training evaluates G per distinct id (no table, no gradient).
     try:
-        for _ in range(args.eval_iters):
+        for _ in range(rc.schedule.eval_iters):
             collected += get_forward_backward_func()(
-                forward_step_func=partial(_forward_step, dummy, args), data_iterator=it, model=model,
-                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True,
+                forward_step_func=partial(_forward_step, dummy, rc), data_iterator=it, model=model,
+                num_microbatches=rc.schedule.num_microbatches, seq_length=rc.data.seq_length,
+                micro_batch_size=rc.schedule.micro_batch_size, decoder_seq_length=rc.data.seq_length, forward_only=True,
             )
-            _empty_cuda_cache(args, 1)
+            _empty_cuda_cache(rc, 1)
     finally:
         close_iterators(it)
     for chunk in model:
@@ -506,7 +505,7 @@ def evaluate(args, run_config, model, valid_dataset, table_modules) -> Optional[
 # the run
 
 
-def _will_load_checkpoint(args) -> bool:
+def _will_load_checkpoint(rc: RunConfig) -> bool:
     """Collective. Whether the run will load its weights from --load (LEV then skips its initialisation,
     whose vocabulary statistics are collectives over the tensor-parallel ranks). Rank 0's look, sent to
     every rank: another rank's could differ (--load created at this moment by rank 0's TensorBoard or
@@ -518,8 +517,8 @@ def _will_load_checkpoint(args) -> bool:
     if torch.distributed.get_rank() == 0:
         found = False
         try:
-            if args.load and os.path.isdir(args.load):
-                found = args.ckpt_step is not None or checkpoint.find_checkpoint(args.load) is not None
+            if rc.checkpointing.load and os.path.isdir(rc.checkpointing.load):
+                found = rc.checkpointing.ckpt_step is not None or checkpoint.find_checkpoint(rc.checkpointing.load) is not None
         except (checkpoint.CheckpointError, OSError):
             pass  # reported by the load itself
     return bool(broadcast_object(found))
@@ -541,12 +540,12 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
     per run either way."""
     rank_env = int(os.environ.get("RANK", "0"))
     try:
-        args, tokenizer, config, model_config = _setup_configs(argv)
+        rc, tokenizer, config, model_config = _setup_configs(argv)
         setup = init_distributed(
-            tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-            vpp=args.virtual_pipeline_model_parallel_size, backend=args.distributed_backend,
-            timeout_minutes=args.distributed_timeout_minutes, ep=args.expert_model_parallel_size,
-            etp=args.expert_tensor_parallel_size)
+            tp=rc.layout.tp, pp=rc.layout.pp,
+            vpp=rc.layout.vpp, backend=rc.distributed.distributed_backend,
+            timeout_minutes=rc.distributed.distributed_timeout_minutes, ep=rc.layout.ep,
+            etp=rc.layout.etp)
     except (_StartupError, DistributedConfigError) as e:
         report_error(str(e), show=rank_env == 0)
         return EXIT_CONFIG_ERROR
@@ -555,12 +554,12 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
                      show=rank_env == 0)
         return EXIT_INTERRUPTED
     try:
-        return _run(args, tokenizer, config, model_config)
+        return _run(rc, tokenizer, config, model_config)
     except _StartupError as e:
         report_error(str(e), show=rank_is0())
         return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:  # in _run's start-up (model, checkpoint load, data): the loop reports its own
-        report_error(f"interrupted (Ctrl-C) during start-up, before training started; {_last_checkpoint(args)[1]}",
+        report_error(f"interrupted (Ctrl-C) during start-up, before training started; {_last_checkpoint(rc)[1]}",
                      show=rank_is0())
         return EXIT_INTERRUPTED
     except checkpoint.CheckpointSaveError as e:
@@ -585,40 +584,36 @@ def _startup_errors():
 
 
 def _setup_configs(argv):
-    """Arguments, tokenizer and the typed configs (TransformerConfig, LevModelConfig) of the run."""
-    from megatron_lev.tokenizer import padded_vocab_size
-
+    """The run's configuration (the flags parsed and validated, the tokenizer's vocabulary and fingerprint
+    in it), the tokenizer and the typed model configs (TransformerConfig, LevModelConfig)."""
     from .data import build_tokenizer_from_args
 
     try:
-        args = parse_args(argv)
+        rc = parse_run_config(argv)
         # Newer checkpoints in --save are judged once the ranks can share reading them (_run), unless only
         # their sizes are checked.
-        checkpoint.check_save_and_load(args, newer=args.no_ckpt_checksums)
+        checkpoint.check_save_and_load(rc.flat(), newer=rc.checkpointing.no_ckpt_checksums)
         try:
-            tokenizer = build_tokenizer_from_args(args)
+            tokenizer = build_tokenizer_from_args(rc.data)
         except (ValueError, FileNotFoundError, OSError) as e:
-            raise ConfigError(f"--tokenizer-type {args.tokenizer_type}: {str(e).splitlines()[0]}") from None
-        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                                   args.tensor_model_parallel_size)
-        args.tokenizer_fingerprint = tokenizer_fingerprint(tokenizer)
+            raise ConfigError(f"--tokenizer-type {rc.data.tokenizer_type}: {str(e).splitlines()[0]}") from None
+        rc = rc.with_tokenizer(tokenizer)
         # The loss flags are TransformerConfig fields that only training reads.
         config, model_config = checkpoint.build_configs(
-            vars(args), calculate_per_token_loss=args.calculate_per_token_loss,
-            cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
-            cross_entropy_fusion_impl=args.cross_entropy_fusion_impl)
+            rc.to_saved_args(), calculate_per_token_loss=rc.model.calculate_per_token_loss,
+            cross_entropy_loss_fusion=rc.model.cross_entropy_loss_fusion,
+            cross_entropy_fusion_impl=rc.model.cross_entropy_fusion_impl)
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from None
-    return args, tokenizer, config, model_config
+    return rc, tokenizer, config, model_config
 
 
 @dataclass
 class _Run:
     """What the loop works with, built once at start-up (``_start``)."""
 
-    args: Any
     rc: RunConfig
-    """The run's typed configuration (what the loop's parts read instead of ``args``, as they move)."""
+    """The run's typed configuration."""
     config: Any
     """megatron-core's TransformerConfig."""
     model_config: Any
@@ -654,10 +649,10 @@ def dump_memory_snapshot(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _memory_history(args):
+def _memory_history(rc: RunConfig):
     """--record-memory-history on the --profile-ranks for the whole run: started before the model is built
     (so that the snapshots hold every allocation, as Megatron-LM), stopped however the run ends."""
-    on = args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks
+    on = rc.run.record_memory_history and torch.distributed.get_rank() in rc.run.profile_ranks
     if on:
         torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000, trace_alloc_record_context=True)
     try:
@@ -667,28 +662,28 @@ def _memory_history(args):
             torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def _run(args, tokenizer, config, model_config) -> int:
-    with _memory_history(args):
-        return _run_recorded(args, tokenizer, config, model_config)
+def _run(rc: RunConfig, tokenizer, config, model_config) -> int:
+    with _memory_history(rc):
+        return _run_recorded(rc, tokenizer, config, model_config)
 
 
-def _run_recorded(args, tokenizer, config, model_config) -> int:
-    if not args.no_ckpt_checksums:
+def _run_recorded(rc: RunConfig, tokenizer, config, model_config) -> int:
+    if not rc.checkpointing.no_ckpt_checksums:
         try:
-            checkpoint.refuse_newer_checkpoints(args, checksums_on=True)
+            checkpoint.refuse_newer_checkpoints(rc.flat(), checksums_on=True)
         except checkpoint.CheckpointError as e:
             raise _StartupError(str(e)) from None
-    run = _start(args, config, model_config)
+    run = _start(rc, config, model_config)
     state = _State()
     _load(run, state)
     _start_data(run, state, tokenizer)
     try:
         return _train(run, state)
     except KeyboardInterrupt:
-        report_error(_interrupted(args, state), show=rank_is0())
+        report_error(_interrupted(rc, state), show=rank_is0())
         return EXIT_INTERRUPTED
     except Terminated:
-        report_error(_terminated(args, state), show=rank_is0())
+        report_error(_terminated(rc, state), show=rank_is0())
         return EXIT_TERMINATED
     except Exception as e:
         lost = _lost_rank(e)
@@ -698,10 +693,10 @@ def _run_recorded(args, tokenizer, config, model_config) -> int:
         if sigterm is not None:
             sigterm.stopping = True  # torchrun's SIGTERM to the survivors follows
             if sigterm.received:  # held during a save that the other ranks, stopping too, left unfinished
-                report_error(_terminated(args, state), show=rank_is0())
+                report_error(_terminated(rc, state), show=rank_is0())
                 return EXIT_TERMINATED
-        report_error(f"lost another rank ({lost}) at iteration {state.iteration}{_cut_save(args, state)}; "
-                     f"{_last_checkpoint(args)[1]}", show=rank_is0())
+        report_error(f"lost another rank ({lost}) at iteration {state.iteration}{_cut_save(rc, state)}; "
+                     f"{_last_checkpoint(rc)[1]}", show=rank_is0())
         return EXIT_RANK_LOST
     finally:
         from .data import close_iterators
@@ -734,9 +729,9 @@ def _release_hooks(config, model) -> None:
             accs.clear()
 
 
-def _last_checkpoint(args) -> Tuple[Optional[int], str]:
+def _last_checkpoint(rc: RunConfig) -> Tuple[Optional[int], str]:
     """(iteration, words) of the checkpoint a rerun resumes from, read from the tracker now."""
-    root = args.save or args.load
+    root = rc.checkpointing.save or rc.checkpointing.load
     try:
         last = checkpoint.read_tracker(root) if root and os.path.isdir(root) else None
     except checkpoint.CheckpointError:
@@ -747,24 +742,24 @@ def _last_checkpoint(args) -> Tuple[Optional[int], str]:
                   f"--load {root})")
 
 
-def _interrupted(args, state: _State) -> str:
+def _interrupted(rc: RunConfig, state: _State) -> str:
     """The line for Ctrl-C: where training stood and the checkpoint a rerun resumes from."""
-    return f"interrupted at iteration {state.iteration}; {_last_checkpoint(args)[1]}"
+    return f"interrupted at iteration {state.iteration}; {_last_checkpoint(rc)[1]}"
 
 
-def _cut_save(args, state: _State) -> str:
+def _cut_save(rc: RunConfig, state: _State) -> str:
     """Words for the save a stop cut short (never loaded: the tracker, written last, does not name it)."""
-    if state.saving is None or state.saving == _last_checkpoint(args)[0]:
+    if state.saving is None or state.saving == _last_checkpoint(rc)[0]:
         return ""
     return (f", during the save of iteration {state.saving} (incomplete, not loaded: "
-            f"{checkpoint.checkpoint_dir(args.save, state.saving)})")
+            f"{checkpoint.checkpoint_dir(rc.checkpointing.save, state.saving)})")
 
 
-def _terminated(args, state: _State) -> str:
+def _terminated(rc: RunConfig, state: _State) -> str:
     """The line for SIGTERM without --exit-signal-handler: where training stood, the save it cut short
     and the checkpoint a rerun resumes from."""
-    return (f"terminated by SIGTERM at iteration {state.iteration}{_cut_save(args, state)}; "
-            f"{_last_checkpoint(args)[1]}; pass --exit-signal-handler to save a checkpoint before stopping")
+    return (f"terminated by SIGTERM at iteration {state.iteration}{_cut_save(rc, state)}; "
+            f"{_last_checkpoint(rc)[1]}; pass --exit-signal-handler to save a checkpoint before stopping")
 
 
 # How gloo and NCCL report a peer process that went away (killed, crashed) in a collective.
@@ -778,18 +773,17 @@ def _lost_rank(error: BaseException) -> Optional[str]:
     return next((w for w in _LOST_PEER if w in text), None)
 
 
-def _start(args, config, model_config) -> _Run:
+def _start(rc: RunConfig, config, model_config) -> _Run:
     """Logger, seeds, model chunks (with the parameter report), DDP, optimizer and schedule hooks."""
     from megatron.core import parallel_state as ps
 
     from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 
     t_start = time.time()
-    rc = RunConfig.from_args(args)
-    if args.profile and not args.use_pytorch_profiler and not torch.cuda.is_available():
+    if rc.run.profile and not rc.run.use_pytorch_profiler and not torch.cuda.is_available():
         raise _StartupError("--profile without --use-pytorch-profiler records nsys ranges (torch.cuda.profiler), "
                             "which needs CUDA; add --use-pytorch-profiler for a torch.profiler trace")
-    logging_level = _set_logging_level(args)
+    logging_level = _set_logging_level(rc)
     try:
         logger = _start_logger(rc)
     except _StartupError:
@@ -802,14 +796,14 @@ def _start(args, config, model_config) -> _Run:
         notice = fallback_notice()
         if notice is not None:
             logger.log(notice)
-    cfg = resolved_config(args)
-    if not args.quiet_config:
+    cfg = resolved_config(rc.flat())
+    if not rc.logging.quiet_config:
         logger.log(format_config(cfg))
     logger.set_config(cfg)
 
-    set_seed(args.seed)
+    set_seed(rc.run.seed)
     # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
-    model_config.weights_from_checkpoint = _will_load_checkpoint(args)
+    model_config.weights_from_checkpoint = _will_load_checkpoint(rc)
     chunks = checkpoint.build_model_chunks(config, model_config)
     logger.log(format_parameter_breakdown(parameter_breakdown(model_config, config)))
     logger.log(f" > number of parameters on (tensor, pipeline) model parallel rank "
@@ -818,10 +812,10 @@ def _start(args, config, model_config) -> _Run:
     model = _wrap_model(rc, config, chunks)
     table_modules = checkpoint.lev_table_modules(chunks)
     optimizer, scheduler = _build_optimizer(rc, config, model)
-    _configure_hooks(args, config, model, optimizer, table_modules)
-    return _Run(args=args, rc=rc, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
+    _configure_hooks(rc, config, model, optimizer, table_modules)
+    return _Run(rc=rc, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
                 optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start,
-                batches=batch_calculator(args, rank=torch.distributed.get_rank()), logging_level=logging_level)
+                batches=batch_calculator(rc.flat(), rank=torch.distributed.get_rank()), logging_level=logging_level)
 
 
 def _start_logger(rc: RunConfig) -> TrainingLogger:
@@ -844,10 +838,10 @@ def _start_logger(rc: RunConfig) -> TrainingLogger:
     return logger
 
 
-def _set_logging_level(args) -> Optional[int]:
+def _set_logging_level(rc: RunConfig) -> Optional[int]:
     """Megatron-LM's --logging-level (else $MEGATRON_LOGGING_LEVEL) on the root logger; the previous
     level (None when unchanged)."""
-    level = args.logging_level
+    level = rc.logging.logging_level
     if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL"):
         try:
             level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
@@ -864,15 +858,15 @@ def _set_logging_level(args) -> Optional[int]:
 
 def _load(run: _Run, state: _State) -> None:
     """Resume from ``--load`` (model, optimizer, scheduler, RNG, counters) when it holds a checkpoint."""
-    args = run.args
-    if not args.load:
+    rc = run.rc
+    if not rc.checkpointing.load:
         return
     try:
         loaded = checkpoint.load_checkpoint(
-            args.load, run.model, run.optimizer, run.scheduler, run_args=vars(args),
-            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-            exit_on_missing=args.exit_on_missing_checkpoint, iteration=args.ckpt_step,
-            verify=not args.no_ckpt_checksums, log=run.logger.log)
+            rc.checkpointing.load, run.model, run.optimizer, run.scheduler, run_args=run.cfg,
+            load_optim=not rc.checkpointing.no_load_optim, load_rng=not rc.checkpointing.no_load_rng, finetune=rc.checkpointing.finetune,
+            exit_on_missing=rc.checkpointing.exit_on_missing_checkpoint, iteration=rc.checkpointing.ckpt_step,
+            verify=not rc.checkpointing.no_ckpt_checksums, log=run.logger.log)
     except checkpoint.CheckpointError as e:
         raise _StartupError(str(e)) from None
     if loaded is not None:
@@ -884,26 +878,26 @@ def _start_data(run: _Run, state: _State, tokenizer) -> None:
     from . import data as data_mod
     from .flops import flops_per_iteration, peak_tflops_per_device
 
-    args = run.args
+    rc = run.rc
     try:
         train_ds, run.valid_ds, _test_ds = data_mod.build_datasets(run.rc, tokenizer)
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0]) from None
     run.train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, run.rc)
-    _check_batches_ahead(args, state)
+    _check_batches_ahead(rc, state)
     run.batches.update(state.consumed_train_samples, consistency_check=False)
     run.flops = _Memo(lambda gbs: flops_per_iteration(
-        run.config, run.model_config, global_batch_size=gbs, seq_length=args.seq_length,
-        data_parallel_size=args.data_parallel_size))
-    run.peak = peak_tflops_per_device(args.peak_tflops_per_device)
-    run.handler = SignalHandler() if args.exit_signal_handler else None
-    if not args.exit_signal_handler and threading.current_thread() is threading.main_thread():
+        run.config, run.model_config, global_batch_size=gbs, seq_length=rc.data.seq_length,
+        data_parallel_size=rc.layout.dp))
+    run.peak = peak_tflops_per_device(rc.logging.peak_tflops_per_device)
+    run.handler = SignalHandler() if rc.run.exit_signal_handler else None
+    if not rc.run.exit_signal_handler and threading.current_thread() is threading.main_thread():
         run.stop_on_sigterm = _StopOnSigterm(state)
     run.logger.log(
         f"[after start-up] {time.time() - run.t_start:.1f} s; training from iteration {state.iteration} "
-        f"to {args.train_iters} ({run.batches.get()} micro-batches of {args.micro_batch_size} per "
-        f"data-parallel rank, DP={args.data_parallel_size}, TP={args.tensor_model_parallel_size}, "
-        f"PP={args.pipeline_model_parallel_size})")
+        f"to {rc.schedule.train_iters} ({run.batches.get()} micro-batches of {rc.schedule.micro_batch_size} per "
+        f"data-parallel rank, DP={rc.layout.dp}, TP={rc.layout.tp}, "
+        f"PP={rc.layout.pp})")
 
 
 class _Memo(dict):
@@ -918,29 +912,29 @@ class _Memo(dict):
         return value
 
 
-def _check_batches_ahead(args, state: _State) -> None:
+def _check_batches_ahead(rc: RunConfig, state: _State) -> None:
     """Every global batch this run will take (from the consumed samples on) splits into whole
     micro-batches on this layout (megatron's calculator asserts it step by step; refused at start-up
     instead, naming the batch)."""
-    if args.rampup_batch_size is None and args.step_batch_size_schedule is None:
+    if rc.schedule.rampup_batch_size is None and rc.schedule.step_batch_size_schedule is None:
         return
-    ahead = batch_sizes(args, state.consumed_train_samples, iterations=max(0, args.train_iters - state.iteration))
-    per_step = args.micro_batch_size * args.data_parallel_size
+    ahead = batch_sizes(rc.flat(), state.consumed_train_samples, iterations=max(0, rc.schedule.train_iters - state.iteration))
+    per_step = rc.schedule.micro_batch_size * rc.layout.dp
     for consumed, gbs in ahead:
         if gbs % per_step:
-            flag = "--rampup-batch-size" if args.rampup_batch_size is not None else "--step-batch-size-schedule"
+            flag = "--rampup-batch-size" if rc.schedule.rampup_batch_size is not None else "--step-batch-size-schedule"
             raise _StartupError(f"{flag}: the global batch {gbs} (from sample {consumed}) is not divisible by "
-                                f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
-                                f"{args.data_parallel_size}")
+                                f"--micro-batch-size {rc.schedule.micro_batch_size} x data-parallel size "
+                                f"{rc.layout.dp}")
     try:
-        check_interleaved_microbatches(args, sorted({gbs for _, gbs in ahead}))
+        check_interleaved_microbatches(rc.flat(), sorted({gbs for _, gbs in ahead}))
     except ConfigError as e:
         raise _StartupError(str(e)) from None
 
 
 def _save(run: _Run, state: _State, iteration: int) -> bool:
     """Write a checkpoint; refuse (False, one error line) when the parameters are not finite."""
-    args = run.args
+    rc = run.rc
     if not _params_finite(run.model):
         msg = (f"NaN/Inf in the parameters at iteration {iteration}; no checkpoint written (the latest "
                f"stays {state.last_saved if state.last_saved is not None else 'none'}); lower --lr or keep the "
@@ -951,12 +945,12 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
     state.saving = iteration
     with _ctrl_c_held(), _params_gathered(run):
         checkpoint.save_checkpoint(
-            args.save, iteration, run.model, run.optimizer, run.scheduler,
+            rc.checkpointing.save, iteration, run.model, run.optimizer, run.scheduler,
             consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
-            save_optim=not args.no_save_optim, save_rng=not args.no_save_rng,
-            optim_fully_reshardable=args.dist_ckpt_optim_fully_reshardable, kill_at=args.debug_kill_during_save,
-            stall_at=args.debug_stall_during_save, enospc_at=args.debug_enospc_during_save,
-            record_checksums=not args.no_ckpt_checksums, log=run.logger.log)
+            save_optim=not rc.checkpointing.no_save_optim, save_rng=not rc.checkpointing.no_save_rng,
+            optim_fully_reshardable=rc.checkpointing.dist_ckpt_optim_fully_reshardable, kill_at=rc.checkpointing.debug_kill_during_save,
+            stall_at=rc.checkpointing.debug_stall_during_save, enospc_at=rc.checkpointing.debug_enospc_during_save,
+            record_checksums=not rc.checkpointing.no_ckpt_checksums, log=run.logger.log)
         state.last_saved = iteration
     state.saving = None
     return True
@@ -970,7 +964,7 @@ def _params_gathered(run: _Run):
     shards waits for the next forward's pre-hooks: a checkpoint written before it holds the other ranks'
     shards of the previous iteration, and a run resumed from it diverges. As Megatron-LM does around its
     saves, the hooks are taken off with a synchronous gather and put back after."""
-    hooked = run.args.use_distributed_optimizer and run.args.overlap_param_gather
+    hooked = run.rc.optimizer.use_distributed_optimizer and run.rc.distributed.overlap_param_gather
     if hooked:
         for chunk in run.model:
             chunk.disable_forward_pre_hook(param_sync=True)
@@ -1003,10 +997,10 @@ def _ctrl_c_held():
 
 
 def _run_eval(run: _Run, state: _State, prefix: str) -> None:
-    manual_gc = run.args.manual_gc and run.args.manual_gc_eval
+    manual_gc = run.rc.run.manual_gc and run.rc.run.manual_gc_eval
     if manual_gc:
         gc.collect()
-    loss = evaluate(run.args, run.rc, run.model, run.valid_ds, run.table_modules)
+    loss = evaluate(run.rc, run.model, run.valid_ds, run.table_modules)
     if manual_gc:
         gc.collect(generation=0)  # what the evaluation created and dropped (Megatron-LM)
     if loss is None:
@@ -1016,21 +1010,21 @@ def _run_eval(run: _Run, state: _State, prefix: str) -> None:
     ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
     logger.scalars(state.iteration, {"validation/lm loss": loss,
                                      # As Megatron-LM: the perplexity only with --log-validation-ppl-to-tensorboard
-                                     "validation/lm loss ppl": ppl if run.args.log_validation_ppl_to_tensorboard
+                                     "validation/lm loss ppl": ppl if run.rc.logging.log_validation_ppl_to_tensorboard
                                      else None},
                    consumed_samples=state.consumed_train_samples)
     logger.record("valid", state.iteration, {"lm loss": loss, "lm loss hex": float(loss).hex(), "ppl": ppl})
 
 
-def params_norm_due(args, iteration: int) -> bool:
+def params_norm_due(rc: RunConfig, iteration: int) -> bool:
     """Whether --log-params-norm computes the norm at ``iteration``: on the log line's steps, and on the
     scalars' steps when there is a TensorBoard or wandb to write them to. Decided on the arguments alone so
     that every rank joins the norm's collectives on the same steps (the writers live on one rank only)."""
-    if not args.log_params_norm:
+    if not rc.logging.log_params_norm:
         return False
-    line_due = iteration % args.log_interval == 0
-    scalars_wanted = bool(args.tensorboard_dir or args.wandb_project)
-    return line_due or (scalars_wanted and iteration % args.tensorboard_log_interval == 0)
+    line_due = iteration % rc.logging.log_interval == 0
+    scalars_wanted = bool(rc.logging.tensorboard_dir or rc.logging.wandb_project)
+    return line_due or (scalars_wanted and iteration % rc.logging.tensorboard_log_interval == 0)
 
 
 def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_norm, ok: bool, got_nan: bool,
@@ -1038,17 +1032,17 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
     """The per-iteration record, and every --log-interval iterations the log line and scalars."""
     from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
-    args, logger = run.args, run.logger
+    rc, logger = run.rc, run.logger
     # The lr of the groups on the default schedule (not --decoupled-lr's), as Megatron-LM logs it.
     lr = get_canonical_lr_for_logging(run.optimizer.param_groups)
-    scalars_due = state.iteration % args.tensorboard_log_interval == 0 and (logger.tb is not None
+    scalars_due = state.iteration % rc.logging.tensorboard_log_interval == 0 and (logger.tb is not None
                                                                           or logger.wandb is not None)
-    line_due = state.iteration % args.log_interval == 0
+    line_due = state.iteration % rc.logging.log_interval == 0
     # The loss scale is a device tensor: read (a host sync) only on the steps that log it.
     loss_scale = float(run.optimizer.get_loss_scale().item()) if scalars_due or line_due else None
-    num_zeros = state.num_zeros_in_grad if ok and args.log_num_zeros_in_grad else None
+    num_zeros = state.num_zeros_in_grad if ok and rc.logging.log_num_zeros_in_grad else None
     params_norm = None
-    if params_norm_due(args, state.iteration):
+    if params_norm_due(rc, state.iteration):
         # A collective over the model's ranks (so on a condition every rank shares), on the logged steps only.
         with _params_gathered(run):
             params_norm = params_l2_norm(run.model)
@@ -1064,33 +1058,33 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
         # and wandb); the interval's throughput with the log line below.
         logger.scalars(state.iteration, {
             "lm loss": loss, **{name: values[-1] for name, values in interval.aux_losses.items()},
-            "learning-rate": lr, "loss-scale": loss_scale if args.log_loss_scale_to_tensorboard else None,
+            "learning-rate": lr, "loss-scale": loss_scale if rc.logging.log_loss_scale_to_tensorboard else None,
             "grad-norm": grad_norm, "batch-size": global_batch_size,
             "skipped-iterations": state.skipped_iterations, "nan-iterations": state.nan_iterations,
             "num-zeros": num_zeros, "params-norm": params_norm,
-            "world-size": args.world_size if args.log_world_size_to_tensorboard else None,
-            **(memory_scalars() if args.log_memory_to_tensorboard else {}),
+            "world-size": rc.layout.world_size if rc.logging.log_world_size_to_tensorboard else None,
+            **(memory_scalars() if rc.logging.log_memory_to_tensorboard else {}),
         }, consumed_samples=state.consumed_train_samples)
     if not line_due:
         return
     elapsed = max(time.time() - interval.start, 1e-9)
     per_iter = elapsed / max(1, interval.iters)
-    tokens_s = interval.samples * args.seq_length / elapsed
+    tokens_s = interval.samples * rc.data.seq_length / elapsed
     tflops = interval.flops / elapsed / torch.distributed.get_world_size() / 1e12
     mfu = tflops / run.peak if run.peak else None
     avg = sum(interval.losses) / len(interval.losses) if interval.losses else float("nan")
     losses = {"lm loss": avg, **{name: sum(v) / len(v) for name, v in interval.aux_losses.items()}}
     logger.log(logger.training_line(
-        iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_train_samples,
-        consumed_tokens=state.consumed_train_samples * args.seq_length, ms_per_iter=per_iter * 1000,
+        iteration=state.iteration, train_iters=rc.schedule.train_iters, consumed_samples=state.consumed_train_samples,
+        consumed_tokens=state.consumed_train_samples * rc.data.seq_length, ms_per_iter=per_iter * 1000,
         lr=lr, global_batch_size=global_batch_size, losses=losses,
         loss_scale=loss_scale, grad_norm=grad_norm, skipped=state.skipped_iterations,
         nan=state.nan_iterations, tokens_per_s=tokens_s, tflops_per_device=tflops, mfu=mfu,
         num_zeros=num_zeros, params_norm=params_norm))
     logger.scalars(state.iteration, {"tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
-                                     "iteration-time": per_iter if args.log_timers_to_tensorboard else None})
-    if args.record_memory_history and torch.distributed.get_rank() in args.profile_ranks:
-        base, ext = os.path.splitext(args.memory_snapshot_path)
+                                     "iteration-time": per_iter if rc.logging.log_timers_to_tensorboard else None})
+    if rc.run.record_memory_history and torch.distributed.get_rank() in rc.run.profile_ranks:
+        base, ext = os.path.splitext(rc.run.memory_snapshot_path)
         dump_memory_snapshot(f"{base}_{torch.distributed.get_rank()}{ext}")
     interval.start, interval.iters, interval.samples, interval.flops, interval.losses = time.time(), 0, 0, 0.0, []
     interval.aux_losses = {}
@@ -1101,17 +1095,17 @@ class _Profiler:
     schedule waits until --profile-step-start, records to --profile-step-end, and writes a trace
     under --tensorboard-dir), else nsys ranges (cudaProfilerStart/Stop around NVTX ranges)."""
 
-    def __init__(self, args) -> None:
-        self.args = args
+    def __init__(self, rc: RunConfig) -> None:
+        self.rc = rc
         self.prof = None
         self.nvtx = None
-        self.on = args.profile and torch.distributed.get_rank() in args.profile_ranks
-        if self.on and args.use_pytorch_profiler:
-            start, end = args.profile_step_start, args.profile_step_end
+        self.on = rc.run.profile and torch.distributed.get_rank() in rc.run.profile_ranks
+        if self.on and rc.run.use_pytorch_profiler:
+            start, end = rc.run.profile_step_start, rc.run.profile_step_end
             self.prof = torch.profiler.profile(
                 schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
                                                  active=end - start, repeat=1),
-                on_trace_ready=torch.profiler.tensorboard_trace_handler(args.tensorboard_dir),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(rc.logging.tensorboard_dir),
                 # No Python stacks: on the CPU path they make a two-step trace a gigabyte.
                 record_shapes=True, with_stack=False)
             self.prof.start()
@@ -1121,13 +1115,13 @@ class _Profiler:
             return
         if self.prof is not None:
             self.prof.step()
-        elif iteration == self.args.profile_step_start:
+        elif iteration == self.rc.run.profile_step_start:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
             self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
             self.nvtx.__enter__()
 
     def after_step(self, iteration: int) -> None:
-        if self.on and iteration == self.args.profile_step_end:
+        if self.on and iteration == self.rc.run.profile_step_end:
             self.stop()
 
     def stop(self) -> None:
@@ -1144,16 +1138,16 @@ class _Profiler:
 
 def _should_stop(run: _Run, state: _State) -> bool:
     """SIGTERM on any rank, --exit-duration-in-mins passed on any rank, or an --exit-interval iteration."""
-    args, log = run.args, run.logger.log
+    rc, log = run.rc, run.logger.log
     stop = False
     if run.handler is not None and run.handler.any_rank_received():
         log(f"exiting on SIGTERM at iteration {state.iteration}")
         stop = True
-    if args.exit_duration_in_mins is not None:
-        if _any_rank((time.time() - run.t_start) / 60.0 > args.exit_duration_in_mins):
-            log(f"exiting after {args.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+    if rc.run.exit_duration_in_mins is not None:
+        if _any_rank((time.time() - run.t_start) / 60.0 > rc.run.exit_duration_in_mins):
+            log(f"exiting after {rc.run.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
             stop = True
-    if args.exit_interval and state.iteration % args.exit_interval == 0:
+    if rc.run.exit_interval and state.iteration % rc.run.exit_interval == 0:
         log(f"exiting at iteration {state.iteration} (--exit-interval)")
         stop = True
     return stop
@@ -1161,17 +1155,17 @@ def _should_stop(run: _Run, state: _State) -> bool:
 
 def _train(run: _Run, state: _State) -> int:
     """The iterations up to --train-iters (or only the evaluation with --skip-train); the exit code."""
-    args = run.args
-    if args.manual_gc:
+    rc = run.rc
+    if rc.run.manual_gc:
         # Collections at the same points on every rank instead of at allocation thresholds (Megatron-LM).
         gc.disable()
         gc.collect()
-    profiler = _Profiler(args)
+    profiler = _Profiler(rc)
     try:
         return _train_loop(run, state, profiler)
     finally:
         profiler.stop()
-        if args.manual_gc:
+        if rc.run.manual_gc:
             gc.enable()
 
 
@@ -1180,7 +1174,7 @@ def _next_batch(run: _Run, state: _State, interval: _Interval) -> Optional[int]:
     (with --save) when the count changes, as Megatron-LM does. None: that save failed."""
     previous = run.batches.get()
     run.batches.update(state.consumed_train_samples, consistency_check=False, verbose=True)
-    if run.batches.get() != previous and state.iteration != 0 and run.args.save \
+    if run.batches.get() != previous and state.iteration != 0 and run.rc.checkpointing.save \
             and state.last_saved != state.iteration:
         t_save = time.time()  # kept out of the per-iteration time, as the other saves
         if not _save(run, state, state.iteration):
@@ -1191,24 +1185,24 @@ def _next_batch(run: _Run, state: _State, interval: _Interval) -> Optional[int]:
 
 
 def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
-    args = run.args
+    rc = run.rc
     reset_aux_loss_trackers()
     interval = _Interval(start=time.time())
     for chunk in run.model:
         chunk.train()
-    while not args.skip_train and state.iteration < args.train_iters:
+    while not rc.schedule.skip_train and state.iteration < rc.schedule.train_iters:
         profiler.before_step(state.iteration)
         num_microbatches = _next_batch(run, state, interval)
         if num_microbatches is None:
             return EXIT_NAN
-        global_batch = num_microbatches * args.micro_batch_size * args.data_parallel_size
+        global_batch = num_microbatches * rc.schedule.micro_batch_size * rc.layout.dp
         try:
-            loss, grad_norm, ok, got_nan = _train_step(args, state, run.model, run.optimizer, run.scheduler,
+            loss, grad_norm, ok, got_nan = _train_step(rc, state, run.model, run.optimizer, run.scheduler,
                                                        run.train_iter, run.table_modules, num_microbatches)
         except NanDetected as e:
             run.logger.log(f"ERROR: {e}; stopping")
             report_error(str(e), show=rank_is0())
-            if args.nan_action == "save-and-stop" and args.save and state.last_saved != state.iteration:
+            if rc.run.nan_action == "save-and-stop" and rc.checkpointing.save and state.last_saved != state.iteration:
                 # The failed step was not applied: this is the state after the last good iteration.
                 _save(run, state, state.iteration)
             return EXIT_NAN
@@ -1228,13 +1222,13 @@ def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
             interval.losses.append(loss)
         _log_iteration(run, state, interval, loss, grad_norm, ok, got_nan, global_batch)
         profiler.after_step(state.iteration)
-        if args.manual_gc and args.manual_gc_interval and state.iteration % args.manual_gc_interval == 0:
+        if rc.run.manual_gc and rc.run.manual_gc_interval and state.iteration % rc.run.manual_gc_interval == 0:
             gc.collect()
         t_side = time.time()  # evaluation and checkpointing are kept out of the per-iteration time
-        if args.eval_interval and state.iteration % args.eval_interval == 0 and state.iteration < args.train_iters:
+        if rc.schedule.eval_interval and state.iteration % rc.schedule.eval_interval == 0 and state.iteration < rc.schedule.train_iters:
             _run_eval(run, state, f"iteration {state.iteration}")
         stop = _should_stop(run, state)
-        if args.save and (stop or (args.save_interval and state.iteration % args.save_interval == 0)):
+        if rc.checkpointing.save and (stop or (rc.checkpointing.save_interval and state.iteration % rc.checkpointing.save_interval == 0)):
             if not _save(run, state, state.iteration):
                 return EXIT_NAN
         interval.start += time.time() - t_side
@@ -1242,9 +1236,9 @@ def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
             run.stop_on_sigterm.check()
         if stop:
             break
-    if args.skip_train or state.iteration >= args.train_iters:
+    if rc.schedule.skip_train or state.iteration >= rc.schedule.train_iters:
         _run_eval(run, state, f"iteration {state.iteration} on validation set")
-        if not args.skip_train and args.save and state.last_saved != state.iteration:
+        if not rc.schedule.skip_train and rc.checkpointing.save and state.last_saved != state.iteration:
             if not _save(run, state, state.iteration):
                 return EXIT_NAN
     return 0

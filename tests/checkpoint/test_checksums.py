@@ -236,7 +236,7 @@ def _late_load_dir(load: str):
     if torch.distributed.get_rank() == 1:
         time.sleep(0.3)  # rank 0 has looked by now, before the folder exists
         os.makedirs(load)
-    verdict = _will_load_checkpoint(SimpleNamespace(load=load, ckpt_step=5))
+    verdict = _will_load_checkpoint(SimpleNamespace(checkpointing=SimpleNamespace(load=load, ckpt_step=5)))
     torch.distributed.barrier()
     return verdict
 

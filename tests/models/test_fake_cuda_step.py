@@ -55,13 +55,14 @@ def test_training_forward_on_cuda_meets_no_cpu_tensor(parallel_state, arm, mode)
 
     model = _model(arm, mode)
     batches = _samples()
-    args = types.SimpleNamespace(inject_nan_at_iteration=None, params_dtype_name="bfloat16")
+    rc = types.SimpleNamespace(run=types.SimpleNamespace(inject_nan_at_iteration=None),
+                               model=types.SimpleNamespace(params_dtype_name="bfloat16"))
     with fake_cuda() as fm:
         model = to_fake_cuda(fm, model, torch.bfloat16)
         with cuda_visible():
             assert data_mod.batch_device() == torch.device("cuda", 0)
             for _ in range(2):  # table mode: the first micro-batch builds the table, the second reads it
-                output, loss_fn = loop._forward_step(loop._State(), args, batches, model)
+                output, loss_fn = loop._forward_step(loop._State(), rc, batches, model)
                 loss, num_tokens, _ = loss_fn(output)
     assert output.device == loss.device == num_tokens.device == torch.device("cuda", 0)
     assert output.shape == (H.MBS, H.SEQ)
@@ -79,5 +80,6 @@ def test_cpu_batches_are_caught(parallel_state, monkeypatch):
     with fake_cuda() as fm:
         model = to_fake_cuda(fm, model, torch.bfloat16)
         with pytest.raises(FakeTensorDeviceMismatchError):
-            loop._forward_step(loop._State(), types.SimpleNamespace(inject_nan_at_iteration=None, params_dtype_name="bfloat16"), _samples(),
-                               model)
+            rc = types.SimpleNamespace(run=types.SimpleNamespace(inject_nan_at_iteration=None),
+                                       model=types.SimpleNamespace(params_dtype_name="bfloat16"))
+            loop._forward_step(loop._State(), rc, _samples(), model)

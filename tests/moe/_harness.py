@@ -165,9 +165,9 @@ def _setup(root: str, *, arm: str = "lev", weights: Optional[str] = None, save: 
     model = loop._wrap_model(rc, config, chunks)
     optimizer, scheduler = loop._build_optimizer(rc, config, model)
     tables = lev_table_modules(chunks)  # LEV in table mode: the loop's per-step hooks
-    loop._configure_hooks(args, config, model, optimizer, tables)
+    loop._configure_hooks(rc, config, model, optimizer, tables)
     return SimpleNamespace(config=config, chunks=chunks, model=model, optimizer=optimizer, scheduler=scheduler,
-                           args=args, num_micro=num_micro, state=loop._State(), tables=tables)
+                           rc=rc, num_micro=num_micro, state=loop._State(), tables=tables)
 
 
 def _step(run: SimpleNamespace, tag: str):
@@ -176,7 +176,7 @@ def _step(run: SimpleNamespace, tag: str):
     from megatron_lev.training.moe_metrics import step_aux_losses
 
     it = iter(my_batches(run.state.iteration))
-    loss, grad_norm, ok, _ = loop._train_step(run.args, run.state, run.model, run.optimizer, run.scheduler, it,
+    loss, grad_norm, ok, _ = loop._train_step(run.rc, run.state, run.model, run.optimizer, run.scheduler, it,
                                               run.tables)
     assert ok, f"{tag}: step {run.state.iteration} was not applied"
     run.state.iteration += 1

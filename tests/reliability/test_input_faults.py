@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import zstandard
 
-from megatron_lev.arguments import RunConfig
 from tools.preprocess_data import main as preprocess_main
 
 DOCS = 60
@@ -480,11 +479,11 @@ def test_training_on_a_dataset_of_another_tokenizer_is_refused(dataset):
             "--data-path", dataset, "--tokenizer-type", "NullTokenizer"]
     from megatron_lev.data.datasets import DatasetValidationError
 
-    args, tok, _, _ = _setup_configs(argv + ["--vocab-size", "999"])
+    rc, tok, _, _ = _setup_configs(argv + ["--vocab-size", "999"])
     with pytest.raises(DatasetValidationError, match="was preprocessed with NullTokenizer .*--allow-tokenizer-mismatch"):
-        build_datasets(RunConfig.from_args(args), tok)
-    args, tok, _, _ = _setup_configs(argv + ["--vocab-size", "999", "--allow-tokenizer-mismatch"])
-    assert build_datasets(RunConfig.from_args(args), tok)[0] is not None
+        build_datasets(rc, tok)
+    rc, tok, _, _ = _setup_configs(argv + ["--vocab-size", "999", "--allow-tokenizer-mismatch"])
+    assert build_datasets(rc, tok)[0] is not None
 
 
 def _fake_checkpoint(root, fp, tokenizer_type="NullTokenizer"):
@@ -668,12 +667,12 @@ def test_no_evaluation_builds_no_validation_or_test_split(dataset):
     argv = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
             "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--data-path", dataset,
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]  # the default --split 969,30,1
-    args, tok, _, _ = _setup_configs(argv + ["--eval-iters", "0"])
-    train, valid, test = build_datasets(RunConfig.from_args(args), tok)
+    rc, tok, _, _ = _setup_configs(argv + ["--eval-iters", "0"])
+    train, valid, test = build_datasets(rc, tok)
     assert train is not None and valid is None and test is None
-    args, tok, _, _ = _setup_configs(argv + ["--eval-iters", "1"])  # the test part of 60 documents is empty
+    rc, tok, _, _ = _setup_configs(argv + ["--eval-iters", "1"])  # the test part of 60 documents is empty
     with pytest.raises(DatasetValidationError, match="the test part of --split 969,30,1 gets 0 of its 60 documents"):
-        build_datasets(RunConfig.from_args(args), tok)
+        build_datasets(rc, tok)
 
 
 def test_evaluating_a_hugging_face_model_on_another_tokenizer_s_set_is_refused(tmp_path, capsys, dataset, monkeypatch):

@@ -56,8 +56,9 @@ def test_forward_step_hands_the_model_device_tensors(meta_device):
             seen.update(tokens=tokens.device, position_ids=position_ids.device, labels=labels.device)
             return torch.zeros(labels.shape, device=meta_device)
 
-    args = types.SimpleNamespace(inject_nan_at_iteration=None, params_dtype_name="bfloat16")
-    output, loss_fn = loop._forward_step(loop._State(), args, _batches(), Model())
+    rc = types.SimpleNamespace(run=types.SimpleNamespace(inject_nan_at_iteration=None),
+                               model=types.SimpleNamespace(params_dtype_name="bfloat16"))
+    output, loss_fn = loop._forward_step(loop._State(), rc, _batches(), Model())
     assert set(seen.values()) == {meta_device}
     # The loss multiplies the model's output by the batch's loss mask: both on the model's device.
     loss, num_tokens, report = loss_fn(output)

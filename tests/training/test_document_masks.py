@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lev.arguments import RunConfig, parse_args
+from megatron_lev.arguments import parse_args
 from megatron_lev.lev.config import ConfigError
 
 VOCAB, SEQ = 200, 48
@@ -52,8 +52,8 @@ def _run_parts(corpus, flags):
     from megatron_lev.training.data import build_datasets
     from megatron_lev.training.loop import _setup_configs
 
-    args, tokenizer, config, model_config = _setup_configs(MODEL + ["--data-path", corpus] + flags)
-    train, _, _ = build_datasets(RunConfig.from_args(args), tokenizer)
+    rc, tokenizer, config, model_config = _setup_configs(MODEL + ["--data-path", corpus] + flags)
+    train, _, _ = build_datasets(rc, tokenizer)
     model = checkpoint.build_model_chunks(config, model_config)[0].eval()
     return train[0], model
 

@@ -10,6 +10,8 @@ itself). A NaN is written into rank 1's local gradients before the data-parallel
 
 from __future__ import annotations
 
+import dataclasses
+
 from types import SimpleNamespace
 
 import pytest
@@ -65,8 +67,8 @@ def _setup(setting: str):
     rc = loop_run_config(args)
     model = loop._wrap_model(rc, config, build_model_chunks(config, mc))
     optimizer, scheduler = loop._build_optimizer(rc, config, model)
-    loop._configure_hooks(args, config, model, optimizer, [])
-    run = SimpleNamespace(args=args, config=config, model=model, optimizer=optimizer, scheduler=scheduler,
+    loop._configure_hooks(rc, config, model, optimizer, [])
+    run = SimpleNamespace(rc=rc, config=config, model=model, optimizer=optimizer, scheduler=scheduler,
                           state=loop._State(), poison=False)
     finalize = config.finalize_model_grads_func
 
@@ -88,7 +90,7 @@ def _step(run):
     from megatron_lev.training import loop
     from tests.moe._harness import my_batches
 
-    return loop._train_step(run.args, run.state, run.model, run.optimizer, run.scheduler,
+    return loop._train_step(run.rc, run.state, run.model, run.optimizer, run.scheduler,
                             iter(my_batches(run.state.iteration)), [])
 
 
@@ -106,7 +108,7 @@ def _check_setting(setting: str):
 
     run.poison = True
     for action in ("stop", "skip"):
-        run.args.nan_action = action
+        run.rc = dataclasses.replace(run.rc, run=dataclasses.replace(run.rc.run, nan_action=action))
         before = _params(run)
         try:
             out[action] = _step(run)[1:]

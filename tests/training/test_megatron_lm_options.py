@@ -46,8 +46,8 @@ def test_no_mmap_bin_files_reaches_the_indexed_dataset(dataset, flags, mmap):
 
     argv = MODEL + ["--eval-iters", "0", "--split", "1,0,0", "--data-path", dataset,
                     "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"] + flags
-    args, tok, _, _ = _setup_configs(argv)
-    train, _, _ = build_datasets(RunConfig.from_args(args), tok)
+    rc, tok, _, _ = _setup_configs(argv)
+    train, _, _ = build_datasets(rc, tok)
     assert train.config.mmap_bin_files is mmap
     indexed = train.dataset
     assert indexed.mmap is mmap
@@ -178,9 +178,8 @@ def precision_aware_state(argv):
     from megatron_lev import checkpoint
     from megatron_lev.training import loop
 
-    args, _tok, config, model_config = loop._setup_configs(argv)
+    rc, _tok, config, model_config = loop._setup_configs(argv)
     chunks = checkpoint.build_model_chunks(config, model_config)
-    rc = RunConfig.from_args(args)
     model = loop._wrap_model(rc, config, chunks)
     optimizer, _ = loop._build_optimizer(rc, config, model)
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])][0]
@@ -233,10 +232,10 @@ def saved_checkpoint(one_rank, tmp_path_factory):
     from megatron_lev.training.loop import _setup_configs
 
     root = str(tmp_path_factory.mktemp("strictness"))
-    args, _, config, model_config = _setup_configs(MODEL + MOCK + ["--quiet-config"])
+    rc, _, config, model_config = _setup_configs(MODEL + MOCK + ["--quiet-config"])
     model = checkpoint.build_model_chunks(config, model_config)
     checkpoint.save_checkpoint(root, 1, model, None, None, consumed_train_samples=1, counters={},
-                               config=resolved_config(args), save_optim=False, save_rng=True, log=lambda *_: None)
+                               config=resolved_config(rc.flat()), save_optim=False, save_rng=True, log=lambda *_: None)
     return root, model
 
 
@@ -248,8 +247,8 @@ def test_dist_ckpt_strictness_reaches_the_load(saved_checkpoint, strictness):
     from megatron_lev.training.loop import _setup_configs
 
     root, model = saved_checkpoint
-    args = _setup_configs(MODEL + MOCK + ["--dist-ckpt-strictness", strictness])[0]
-    load = lambda: checkpoint.load_checkpoint(root, model, None, None, run_args=vars(args),  # noqa: E731
+    rc = _setup_configs(MODEL + MOCK + ["--dist-ckpt-strictness", strictness])[0]
+    load = lambda: checkpoint.load_checkpoint(root, model, None, None, run_args=rc.to_saved_args(),  # noqa: E731
                                               load_optim=False, load_rng=False, log=lambda *_: None)
     if strictness != "raise_all":  # raise_unexpected: a checkpoint key left unread is no unexpected key
         assert load()["iteration"] == 1
@@ -330,9 +329,10 @@ def test_disable_bf16_reduced_precision_matmul_reaches_torch():
 def test_params_norm_runs_on_the_logged_iterations_only(extra, due):
     from megatron_lev.training.loop import params_norm_due
 
-    args = _parse(["--log-params-norm", "--log-interval", "10"] + extra)
-    assert [i for i in range(1, 21) if params_norm_due(args, i)] == due
-    assert not any(params_norm_due(_parse(["--log-interval", "10"] + extra), i) for i in range(1, 21))
+    rc = RunConfig.from_args(_parse(["--log-params-norm", "--log-interval", "10"] + extra))
+    assert [i for i in range(1, 21) if params_norm_due(rc, i)] == due
+    off = RunConfig.from_args(_parse(["--log-interval", "10"] + extra))
+    assert not any(params_norm_due(off, i) for i in range(1, 21))
 
 
 def test_params_norm_is_the_l2_norm_of_every_parameter(one_rank):
@@ -362,9 +362,9 @@ def _wandb_without_login(argv):
 
     sys.modules["wandb"] = types.SimpleNamespace(init=init)
     try:
-        args, _, config, model_config = _setup_configs(argv)
+        rc, _, config, model_config = _setup_configs(argv)
         try:
-            _start(args, config, model_config)
+            _start(rc, config, model_config)
         except _StartupError as e:
             return str(e)
         return None

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.arguments import RunConfig, parse_args
+from megatron_lev.arguments import parse_args
 from megatron_lev.compat.versions import batch_size_calculator
 from megatron_lev.lev.config import ConfigError
 from tests.training._multi_run import launch_plan
@@ -161,13 +161,12 @@ def decoupled_lr_groups(argv):
     from megatron_lev import checkpoint
     from megatron_lev.training import loop
 
-    args, _tok, config, model_config = loop._setup_configs(argv)
+    rc, _tok, config, model_config = loop._setup_configs(argv)
     chunks = checkpoint.build_model_chunks(config, model_config)
     names = {id(p): n for c in chunks for n, p in c.named_parameters()}
-    rc = RunConfig.from_args(args)
     model = loop._wrap_model(rc, config, chunks)
     optimizer, scheduler = loop._build_optimizer(rc, config, model)
-    scheduler.step(increment=args.global_batch_size)
+    scheduler.step(increment=rc.schedule.global_batch_size)
     return [(names[id(p)], g["lr"], g["max_lr"], g["min_lr"]) for g in optimizer.param_groups for p in g["params"]]
 
 

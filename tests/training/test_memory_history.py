@@ -41,9 +41,9 @@ def test_the_recording_stops_however_the_run_ends(monkeypatch, rank, recorded):
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
                         lambda enabled, **kw: calls.append(enabled))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
-    args = SimpleNamespace(record_memory_history=True, profile_ranks=[0])
+    rc = SimpleNamespace(run=SimpleNamespace(record_memory_history=True, profile_ranks=[0]))
     with pytest.raises(RuntimeError):
-        with loop._memory_history(args):
+        with loop._memory_history(rc):
             assert calls == ([True] if recorded else [])
             raise RuntimeError("the model's build failed")
     assert calls == ([True, None] if recorded else [])

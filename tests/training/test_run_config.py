@@ -17,7 +17,7 @@ from megatron_lev.arguments.run_config import RunConfig, flat_names
 from megatron_lev.arguments.validate import FOLDED_INTO
 from megatron_lev.lev.config import ConfigError
 
-from .test_arguments_read import _ARGS_RECEIVER, _module_name_lists
+from .test_arguments_read import _ARGS_RECEIVER, typed_reads
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINING = ROOT / "megatron_lev" / "training"
@@ -48,53 +48,11 @@ def _parsed(case):
     return args
 
 
-def training_reads():
-    """The argument names read under megatron_lev/training/: ``<...>args.NAME``, ``getattr(<...>args, "NAME")``
-    and ``getattr(<...>args, f)`` with ``f`` running over a collection of names imported from
-    ``megatron_lev.arguments`` (``OPTIMIZER_DTYPE_FIELDS``)."""
-    names = set()
-    for path in sorted(TRAINING.glob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        imported, loop_vars = {}, {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_lev.arguments"):
-                lists = _module_name_lists(node.module[len("megatron_lev.arguments."):] or "__init__")
-                imported.update({a.asname or a.name: lists[a.name] for a in node.names if a.name in lists})
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.comprehension, ast.For)) and isinstance(node.target, ast.Name) \
-                    and isinstance(node.iter, ast.Name) and node.iter.id in imported:
-                loop_vars.setdefault(node.target.id, set()).update(imported[node.iter.id])
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) \
-                    and _ARGS_RECEIVER.search(ast.unparse(node.value)):
-                names.add(node.attr)
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and node.args \
-                    and _ARGS_RECEIVER.search(ast.unparse(node.args[0])):
-                key = node.args[1]
-                if isinstance(key, ast.Constant) and isinstance(key.value, str):
-                    names.add(key.value)
-                elif isinstance(key, ast.Name):
-                    names |= loop_vars.get(key.id, set())
-    return names
-
-
-def test_every_argument_training_reads_has_a_field():
-    reads = training_reads()
-    assert {"train_iters", "tokenizer_type", "inject_nan_at_iteration"} <= reads  # args.X
-    missing = sorted(reads - set(flat_names()))
-    assert not missing, f"arguments read under megatron_lev/training/ without a RunConfig field: {missing}"
-
-
-# The modules of training/ that read the run's typed RunConfig only (docs/run_config.md, step 5: the list
-# grows module by module until it is the whole package).
-TYPED_MODULES = ("data.py", "logger.py", "flops.py", "moe_metrics.py", "params_norm.py")
-
-
-def namespace_reads(path: Path):
-    """Where ``path`` reads an argument namespace: ``<...>args.NAME``, ``getattr(<...>args, ...)``,
-    ``vars(<...>args)``; as (line, source) pairs."""
+def namespace_reads(source: str):
+    """Where ``source`` reads an argument namespace: ``<...>args.NAME``, ``getattr(<...>args, ...)``,
+    ``vars(<...>args)``; as (line, code) pairs."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and _ARGS_RECEIVER.search(ast.unparse(node.value)):
             out.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "vars") and node.args \
@@ -103,11 +61,26 @@ def namespace_reads(path: Path):
     return out
 
 
-@pytest.mark.parametrize("module", TYPED_MODULES)
-def test_the_typed_modules_of_training_read_no_argument_namespace(module):
-    reads = namespace_reads(TRAINING / module)
+@pytest.mark.parametrize("module", sorted(p.name for p in TRAINING.glob("*.py")))
+def test_training_reads_the_run_config_not_an_argument_namespace(module):
+    """Every module of megatron_lev/training/ reads the typed RunConfig; the flat namespace is what the
+    parser makes and ``arguments`` / ``checkpoint`` check (``RunConfig.flat()``)."""
+    reads = namespace_reads((TRAINING / module).read_text(encoding="utf-8"))
     assert not reads, f"megatron_lev/training/{module} reads the argument namespace (read RunConfig's fields): {reads}"
-    assert namespace_reads(TRAINING / "loop.py"), "the walk finds the loop's reads"  # it sees what it looks for
+
+
+def test_the_namespace_walk_finds_each_way_of_reading():
+    code = "def f(args, run):\n    return args.lr, run.args.seed, getattr(args, 'bf16'), vars(run.args), run.rc.lr"
+    assert [c for _, c in namespace_reads(code)] == ["args.lr", "run.args.seed", "getattr(args, 'bf16')",
+                                                     "vars(run.args)"]
+
+
+def test_every_field_training_reads_is_a_run_config_field():
+    reads = set()
+    for path in TRAINING.glob("*.py"):
+        reads |= typed_reads(ast.parse(path.read_text(encoding="utf-8")))
+    assert {"train_iters", "tokenizer_type", "inject_nan_at_iteration", "metrics_file", "seq_length"} <= reads
+    assert reads <= set(flat_names())
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -204,3 +177,15 @@ def test_a_broken_saved_file_is_one_line_naming_the_key():
     with pytest.raises(ConfigError, match="data_parallel_size 3") as e:
         RunConfig.from_saved_args(saved)
     assert "\n" not in str(e.value)
+
+
+def test_the_tokenizer_fills_the_rows_and_the_fingerprint():
+    from megatron_lev.tokenizer import TokenizerSpec, tokenizer_fingerprint
+
+    rc = parse_run_config(BASE + ["--tensor-model-parallel-size", "2"], world_size=2)
+    tokenizer = TokenizerSpec.from_args(rc.data).build()
+    filled = rc.with_tokenizer(tokenizer)
+    assert filled.model.padded_vocab_size == 256  # 100 ids padded to a multiple of 128 x TP 2
+    assert filled.data.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
+    assert dataclasses.replace(filled, model=rc.model, data=rc.data) == rc  # nothing else changes
+    assert vars(filled.flat()) == filled.to_saved_args()  # the flat form arguments/ and checkpoint/ check
