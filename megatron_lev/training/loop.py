@@ -518,7 +518,8 @@ def _will_load_checkpoint(rc: RunConfig) -> bool:
         found = False
         try:
             if rc.checkpointing.load and os.path.isdir(rc.checkpointing.load):
-                found = rc.checkpointing.ckpt_step is not None or checkpoint.find_checkpoint(rc.checkpointing.load) is not None
+                ck = rc.checkpointing
+                found = ck.ckpt_step is not None or checkpoint.find_checkpoint(ck.load) is not None
         except (checkpoint.CheckpointError, OSError):
             pass  # reported by the load itself
     return bool(broadcast_object(found))
@@ -858,15 +859,15 @@ def _set_logging_level(rc: RunConfig) -> Optional[int]:
 
 def _load(run: _Run, state: _State) -> None:
     """Resume from ``--load`` (model, optimizer, scheduler, RNG, counters) when it holds a checkpoint."""
-    rc = run.rc
-    if not rc.checkpointing.load:
+    ck = run.rc.checkpointing
+    if not ck.load:
         return
     try:
         loaded = checkpoint.load_checkpoint(
-            rc.checkpointing.load, run.model, run.optimizer, run.scheduler, run_args=run.cfg,
-            load_optim=not rc.checkpointing.no_load_optim, load_rng=not rc.checkpointing.no_load_rng, finetune=rc.checkpointing.finetune,
-            exit_on_missing=rc.checkpointing.exit_on_missing_checkpoint, iteration=rc.checkpointing.ckpt_step,
-            verify=not rc.checkpointing.no_ckpt_checksums, log=run.logger.log)
+            ck.load, run.model, run.optimizer, run.scheduler, run_args=run.cfg,
+            load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune,
+            exit_on_missing=ck.exit_on_missing_checkpoint, iteration=ck.ckpt_step,
+            verify=not ck.no_ckpt_checksums, log=run.logger.log)
     except checkpoint.CheckpointError as e:
         raise _StartupError(str(e)) from None
     if loaded is not None:
@@ -918,7 +919,8 @@ def _check_batches_ahead(rc: RunConfig, state: _State) -> None:
     instead, naming the batch)."""
     if rc.schedule.rampup_batch_size is None and rc.schedule.step_batch_size_schedule is None:
         return
-    ahead = batch_sizes(rc.flat(), state.consumed_train_samples, iterations=max(0, rc.schedule.train_iters - state.iteration))
+    ahead = batch_sizes(rc.flat(), state.consumed_train_samples,
+                        iterations=max(0, rc.schedule.train_iters - state.iteration))
     per_step = rc.schedule.micro_batch_size * rc.layout.dp
     for consumed, gbs in ahead:
         if gbs % per_step:
@@ -934,7 +936,7 @@ def _check_batches_ahead(rc: RunConfig, state: _State) -> None:
 
 def _save(run: _Run, state: _State, iteration: int) -> bool:
     """Write a checkpoint; refuse (False, one error line) when the parameters are not finite."""
-    rc = run.rc
+    ck = run.rc.checkpointing
     if not _params_finite(run.model):
         msg = (f"NaN/Inf in the parameters at iteration {iteration}; no checkpoint written (the latest "
                f"stays {state.last_saved if state.last_saved is not None else 'none'}); lower --lr or keep the "
@@ -945,12 +947,12 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
     state.saving = iteration
     with _ctrl_c_held(), _params_gathered(run):
         checkpoint.save_checkpoint(
-            rc.checkpointing.save, iteration, run.model, run.optimizer, run.scheduler,
+            ck.save, iteration, run.model, run.optimizer, run.scheduler,
             consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
-            save_optim=not rc.checkpointing.no_save_optim, save_rng=not rc.checkpointing.no_save_rng,
-            optim_fully_reshardable=rc.checkpointing.dist_ckpt_optim_fully_reshardable, kill_at=rc.checkpointing.debug_kill_during_save,
-            stall_at=rc.checkpointing.debug_stall_during_save, enospc_at=rc.checkpointing.debug_enospc_during_save,
-            record_checksums=not rc.checkpointing.no_ckpt_checksums, log=run.logger.log)
+            save_optim=not ck.no_save_optim, save_rng=not ck.no_save_rng,
+            optim_fully_reshardable=ck.dist_ckpt_optim_fully_reshardable, kill_at=ck.debug_kill_during_save,
+            stall_at=ck.debug_stall_during_save, enospc_at=ck.debug_enospc_during_save,
+            record_checksums=not ck.no_ckpt_checksums, log=run.logger.log)
         state.last_saved = iteration
     state.saving = None
     return True
@@ -1186,23 +1188,24 @@ def _next_batch(run: _Run, state: _State, interval: _Interval) -> Optional[int]:
 
 def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
     rc = run.rc
+    sched, ck = rc.schedule, rc.checkpointing
     reset_aux_loss_trackers()
     interval = _Interval(start=time.time())
     for chunk in run.model:
         chunk.train()
-    while not rc.schedule.skip_train and state.iteration < rc.schedule.train_iters:
+    while not sched.skip_train and state.iteration < sched.train_iters:
         profiler.before_step(state.iteration)
         num_microbatches = _next_batch(run, state, interval)
         if num_microbatches is None:
             return EXIT_NAN
-        global_batch = num_microbatches * rc.schedule.micro_batch_size * rc.layout.dp
+        global_batch = num_microbatches * sched.micro_batch_size * rc.layout.dp
         try:
             loss, grad_norm, ok, got_nan = _train_step(rc, state, run.model, run.optimizer, run.scheduler,
                                                        run.train_iter, run.table_modules, num_microbatches)
         except NanDetected as e:
             run.logger.log(f"ERROR: {e}; stopping")
             report_error(str(e), show=rank_is0())
-            if rc.run.nan_action == "save-and-stop" and rc.checkpointing.save and state.last_saved != state.iteration:
+            if rc.run.nan_action == "save-and-stop" and ck.save and state.last_saved != state.iteration:
                 # The failed step was not applied: this is the state after the last good iteration.
                 _save(run, state, state.iteration)
             return EXIT_NAN
@@ -1225,10 +1228,10 @@ def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
         if rc.run.manual_gc and rc.run.manual_gc_interval and state.iteration % rc.run.manual_gc_interval == 0:
             gc.collect()
         t_side = time.time()  # evaluation and checkpointing are kept out of the per-iteration time
-        if rc.schedule.eval_interval and state.iteration % rc.schedule.eval_interval == 0 and state.iteration < rc.schedule.train_iters:
+        if sched.eval_interval and state.iteration % sched.eval_interval == 0 and state.iteration < sched.train_iters:
             _run_eval(run, state, f"iteration {state.iteration}")
         stop = _should_stop(run, state)
-        if rc.checkpointing.save and (stop or (rc.checkpointing.save_interval and state.iteration % rc.checkpointing.save_interval == 0)):
+        if ck.save and (stop or (ck.save_interval and state.iteration % ck.save_interval == 0)):
             if not _save(run, state, state.iteration):
                 return EXIT_NAN
         interval.start += time.time() - t_side
@@ -1236,9 +1239,9 @@ def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
             run.stop_on_sigterm.check()
         if stop:
             break
-    if rc.schedule.skip_train or state.iteration >= rc.schedule.train_iters:
+    if sched.skip_train or state.iteration >= sched.train_iters:
         _run_eval(run, state, f"iteration {state.iteration} on validation set")
-        if not rc.schedule.skip_train and rc.checkpointing.save and state.last_saved != state.iteration:
+        if not sched.skip_train and ck.save and state.last_saved != state.iteration:
             if not _save(run, state, state.iteration):
                 return EXIT_NAN
     return 0
