@@ -189,3 +189,28 @@ def test_the_tokenizer_fills_the_rows_and_the_fingerprint():
     assert filled.data.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
     assert dataclasses.replace(filled, model=rc.model, data=rc.data) == rc  # nothing else changes
     assert vars(filled.flat()) == filled.to_saved_args()  # the flat form arguments/ and checkpoint/ check
+
+
+# config.yaml as the last release before RunConfig wrote it (0a9b888; bench/same_training.sh's TP=2 lev run,
+# its paths replaced): TP=2 with sequence parallelism, the distributed optimizer, bf16, a cosine schedule.
+RELEASED = Path(__file__).parent / "data" / "config_0a9b888_lev_tp2.yaml"
+RELEASED_ARGV = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --global-batch-size 4 "
+    "--train-iters 6 --lr 1e-3 --lr-decay-style cosine --lr-warmup-iters 1 --mock-data --vocab-size 1000 "
+    "--tokenizer-type NullTokenizer --log-interval 1 --eval-interval 3 --eval-iters 1 --quiet-config "
+    "--hidden-dropout 0 --attention-dropout 0 --lev-seed-dim 16 --lev-rank 8 --lev-heads 2 --lev-knots 8 "
+    "--save-interval 3 --seed 7 --input-embedding lev --tensor-model-parallel-size 2 --sequence-parallel "
+    "--use-distributed-optimizer --bf16 --save /checkpoints/lev-tp2 --metrics-file /checkpoints/lev-tp2/metrics.jsonl"
+).split()
+
+
+def test_a_released_config_yaml_reads_as_the_same_flags_parse_today():
+    from megatron_lev.tokenizer import TokenizerSpec
+
+    saved = yaml.safe_load(RELEASED.read_text(encoding="utf-8"))
+    rc = RunConfig.from_saved_args(saved, source=str(RELEASED))
+    now = parse_run_config(RELEASED_ARGV, world_size=2)
+    assert rc == now.with_tokenizer(TokenizerSpec.from_args(now.data).build())
+    assert rc.layout.tp == 2 and rc.layout.dp == 1 and rc.model.sequence_parallel and rc.model.bf16
+    # Written back, it is the released file key by key.
+    assert yaml.safe_load(config_to_yaml(resolved_config(rc.flat()))) == saved
