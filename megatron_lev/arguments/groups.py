@@ -341,59 +341,61 @@ class CheckpointingConfig:
 class LoggingConfig:
     """The log lines, TensorBoard, wandb and the metrics file (Megatron-LM's LoggerConfig)."""
 
-    log_interval: int
-    """Iterations between log lines (--log-interval)."""
+    log_interval: int = field(default=100, metadata={"min": 1})
+    """Iterations between log lines."""
 
-    logging_level: Optional[int]
-    """Python logging level (--logging-level)."""
+    logging_level: Optional[int] = field(default=None, metadata={"min": 0})
+    """level of the root Python logger (10 DEBUG, 20 INFO, 30 WARNING, ...; default: $MEGATRON_LOGGING_LEVEL,
+    else unchanged)"""
 
-    quiet_config: bool
-    """Do not print the arguments at start-up (--quiet-config)."""
+    quiet_config: bool = False
+    """do not print the resolved config at start-up"""
 
-    log_params_norm: bool
-    """Log the parameters' norm (--log-params-norm)."""
+    log_params_norm: bool = False
+    """the L2 norm of the parameters on the log line and to TensorBoard/wandb (params-norm)"""
 
-    log_num_zeros_in_grad: bool
-    """Log the number of zero gradients (--log-num-zeros-in-grad)."""
+    log_num_zeros_in_grad: bool = False
+    """the number of zero gradient entries on the log line and to TensorBoard/wandb (num-zeros)"""
 
-    peak_tflops_per_device: Optional[float]
-    """The device's peak TFLOP/s, for the model-FLOPs utilisation (--peak-tflops-per-device)."""
+    peak_tflops_per_device: Optional[float] = field(default=None, metadata={"above": 0})
+    """for MFU; default: known GPUs' dense bf16 peak, unknown (no MFU) on CPU"""
 
-    metrics_file: Optional[str]
-    """JSON-lines file of every logged value (--metrics-file)."""
+    metrics_file: Optional[str] = None
+    """append one JSON line per iteration/evaluation with exact values (rank 0)"""
 
-    tensorboard_dir: Optional[str]
-    """TensorBoard directory (--tensorboard-dir)."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard directory."""
 
-    tensorboard_log_interval: int
-    """Iterations between TensorBoard scalars (--tensorboard-log-interval)."""
+    tensorboard_log_interval: int = field(default=1, metadata={"min": 1})
+    """Iterations between TensorBoard scalars."""
 
-    tensorboard_queue_size: int
-    """TensorBoard's queue of pending events (--tensorboard-queue-size)."""
+    tensorboard_queue_size: int = field(default=1000, metadata={"min": 1})
+    """TensorBoard events held before they are written out"""
 
-    log_timers_to_tensorboard: bool
-    """Timers to TensorBoard (--log-timers-to-tensorboard)."""
+    log_timers_to_tensorboard: bool = False
+    """the time per iteration (iteration-time, s) to TensorBoard/wandb at each --log-interval"""
 
-    log_loss_scale_to_tensorboard: bool
-    """The loss scale to TensorBoard (--no-log-loss-scale-to-tensorboard turns it off)."""
+    log_loss_scale_to_tensorboard: bool = True
+    """the loss scale to TensorBoard/wandb (the default; --no-log-loss-scale-to-tensorboard leaves it out)"""
 
-    log_validation_ppl_to_tensorboard: bool
-    """Validation perplexity to TensorBoard (--log-validation-ppl-to-tensorboard)."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """the validation perplexity to TensorBoard/wandb beside the validation loss"""
 
-    log_memory_to_tensorboard: bool
-    """Memory use to TensorBoard (--log-memory-to-tensorboard)."""
+    log_memory_to_tensorboard: bool = False
+    """memory to TensorBoard/wandb: the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes,
+    mem-max-allocated-bytes, mem-allocated-count (on CPU: mem-max-rss-bytes)"""
 
-    log_world_size_to_tensorboard: bool
-    """The world size to TensorBoard (--log-world-size-to-tensorboard)."""
+    log_world_size_to_tensorboard: bool = False
+    """the number of ranks to TensorBoard/wandb (world-size)"""
 
-    wandb_project: Optional[str]
-    """wandb project; None = no wandb (--wandb-project)."""
+    wandb_project: Optional[str] = None
+    """wandb project; none: no wandb."""
 
-    wandb_exp_name: Optional[str]
-    """wandb run name (--wandb-exp-name)."""
+    wandb_exp_name: Optional[str] = None
+    """wandb run name."""
 
-    wandb_save_dir: Optional[str]
-    """wandb's local directory (--wandb-save-dir); None = --save."""
+    wandb_save_dir: Optional[str] = None
+    """wandb's local directory; default: --save."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,8 +6,21 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_lev.config_flags import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
+from megatron_lev.config_flags import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, add_config_flags, \
+    add_switch_flags, field_flag
 from megatron_lev.lev.config import ConfigError
+
+from .groups import LoggingConfig
+
+# The logging flags, generated from LoggingConfig's fields (--logging-level is declared with the
+# garbage-collection and profiling flags, as in Megatron-LM's help).
+_LOGGING_VALUES = ("log_interval", "tensorboard_dir", "tensorboard_log_interval", "tensorboard_queue_size",
+                   "wandb_project", "wandb_exp_name", "wandb_save_dir", "peak_tflops_per_device", "metrics_file")
+_LOGGING_SWITCHES = tuple((field_flag(name), name, True) for name in (
+    "log_params_norm", "log_num_zeros_in_grad", "log_timers_to_tensorboard", "log_validation_ppl_to_tensorboard",
+    "log_memory_to_tensorboard", "log_world_size_to_tensorboard", "quiet_config")) + (
+    (("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"), "log_loss_scale_to_tensorboard",
+     False),)
 
 
 def add_run_flags(p) -> None:
@@ -31,38 +44,11 @@ def add_run_flags(p) -> None:
     g.add_argument("--debug-stall-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
     g.add_argument("--debug-enospc-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=POSITIVE_INT, default=100)
     g.add_argument("--eval-interval", type=POSITIVE_INT, default=1000)
     g.add_argument("--eval-iters", type=NON_NEGATIVE_INT, default=100)
     g.add_argument("--skip-train", action="store_true", help="only evaluate (after --load)")
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--tensorboard-log-interval", type=POSITIVE_INT, default=1)
-    g.add_argument("--tensorboard-queue-size", type=POSITIVE_INT, default=1000,
-                   help="TensorBoard events held before they are written out")
-    g.add_argument("--log-params-norm", action="store_true",
-                   help="the L2 norm of the parameters on the log line and to TensorBoard/wandb (params-norm)")
-    g.add_argument("--log-num-zeros-in-grad", action="store_true",
-                   help="the number of zero gradient entries on the log line and to TensorBoard/wandb (num-zeros)")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
-                   dest="log_loss_scale_to_tensorboard", action="store_false",
-                   help="no loss-scale scalar to TensorBoard/wandb")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="the time per iteration (iteration-time, s) to TensorBoard/wandb at each --log-interval")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
-                   help="the validation perplexity to TensorBoard/wandb beside the validation loss")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="memory to TensorBoard/wandb: the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "
-                        "mem-max-allocated-bytes, mem-allocated-count (on CPU: mem-max-rss-bytes)")
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
-                   help="the number of ranks to TensorBoard/wandb (world-size)")
-    g.add_argument("--wandb-project", default=None)
-    g.add_argument("--wandb-exp-name", default=None)
-    g.add_argument("--wandb-save-dir", default=None)
-    g.add_argument("--peak-tflops-per-device", type=POSITIVE_FLOAT, default=None,
-                   help="for MFU; default: known GPUs' dense bf16 peak, unknown (no MFU) on CPU")
-    g.add_argument("--metrics-file", default=None,
-                   help="append one JSON line per iteration/evaluation with exact values (rank 0)")
-    g.add_argument("--quiet-config", action="store_true", help="do not print the resolved config at start-up")
+    add_config_flags(g, LoggingConfig, field_flag, _LOGGING_VALUES)
+    add_switch_flags(g, LoggingConfig, _LOGGING_SWITCHES)
 
     g = p.add_argument_group("garbage collection, memory and profiling")
     g.add_argument("--manual-gc", action="store_true",
@@ -78,9 +64,7 @@ def add_run_flags(p) -> None:
     g.add_argument("--empty-unused-memory-level", type=NON_NEGATIVE_INT, default=0, choices=[0, 1, 2],
                    help="release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after "
                         "each step's backward and each evaluation step, 2 also after the optimizer step")
-    g.add_argument("--logging-level", type=NON_NEGATIVE_INT, default=None,
-                   help="level of the root Python logger (10 DEBUG, 20 INFO, 30 WARNING, ...; default: "
-                        "$MEGATRON_LOGGING_LEVEL, else unchanged)")
+    add_config_flags(g, LoggingConfig, field_flag, ("logging_level",))
     g.add_argument("--profile", action="store_true",
                    help="profile iterations --profile-step-start to --profile-step-end on --profile-ranks: with "
                         "--use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else nsys ranges "
