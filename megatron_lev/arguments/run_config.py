@@ -339,7 +339,9 @@ class RunConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RunConfig":
         """The run configuration of validated arguments (``parse_args``)."""
-        return cls._from_flat(vars(args), "the arguments")
+        # As argparse typed them: config.yaml keeps writing what the flags gave (--loss-scale-window's
+        # default is the int 1000, as in Megatron-LM).
+        return cls._from_flat(vars(args), "the arguments", coerce=False)
 
     @classmethod
     def from_saved_args(cls, saved: Mapping[str, Any], source: str = "config.yaml") -> "RunConfig":
@@ -377,8 +379,8 @@ class RunConfig:
             data=dataclasses.replace(self.data, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)))
 
     @classmethod
-    def _from_flat(cls, values: Mapping[str, Any], source: str) -> "RunConfig":
-        groups = {name: _group(klass, values, source) for name, klass in _GROUPS.items()}
+    def _from_flat(cls, values: Mapping[str, Any], source: str, coerce: bool = True) -> "RunConfig":
+        groups = {name: _group(klass, values, source, coerce) for name, klass in _GROUPS.items()}
         if "world_size" not in values:
             raise ConfigError(f"{source}: no world_size (the number of processes the arguments were validated for)")
         layout = ParallelLayout.from_fields(values, world_size=values["world_size"])
@@ -416,12 +418,12 @@ def _derive_missing(values: Dict[str, Any], source: str) -> None:
             values["micro_batch_size"] * (values.get("data_parallel_size") or 1))
 
 
-def _group(klass, values: Mapping[str, Any], source: str):
+def _group(klass, values: Mapping[str, Any], source: str, coerce: bool = True):
     hints = typing.get_type_hints(klass)
     kwargs = {}
     for f in fields(klass):
         if f.name in values:
-            kwargs[f.name] = _coerce(hints[f.name], values[f.name], f.name, source)
+            kwargs[f.name] = _coerce(hints[f.name], values[f.name], f.name, source) if coerce else values[f.name]
         elif f.default is dataclasses.MISSING:
             raise ConfigError(f"{source}: no {f.name} (flag --{f.name.replace('_', '-')})")
     return klass(**kwargs)

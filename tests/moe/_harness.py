@@ -88,7 +88,9 @@ def loop_run_config(args):
                  expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
                  expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
                  world_size=torch.distributed.get_world_size())
-    return RunConfig.from_saved_args({**vars(args), **sizes}, source="the harness's arguments")
+    # params_dtype_name None: derived again from the bf16/fp16 the harness set over the parsed defaults.
+    return RunConfig.from_saved_args({**vars(args), **sizes, "params_dtype_name": None},
+                                     source="the harness's arguments")
 
 
 def _harness_args(distributed_optimizer: bool, overlap: bool, num_microbatches: int):

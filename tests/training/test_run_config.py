@@ -103,6 +103,8 @@ def test_the_saved_arguments_are_config_yaml(case):
     args = _parsed(case)
     written = yaml.safe_load(config_to_yaml(resolved_config(args)))
     assert yaml.safe_load(config_to_yaml(RunConfig.from_args(args).to_saved_args())) == written
+    # Training writes resolved_config(rc.flat()): the same text (1000 stays 1000, not 1000.0).
+    assert config_to_yaml(resolved_config(RunConfig.from_args(args).flat())) == config_to_yaml(resolved_config(args))
 
 
 def test_each_argument_has_one_field():
