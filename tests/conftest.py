@@ -367,6 +367,7 @@ _TORCH_ATTRS = ([(torch, n) for n in _cpu_backend._FACTORIES]
 # Every function and class attribute of the torch namespaces that tests (and the CPU backend) patch, as
 # this process started: a value that differs after a test is a patch left behind.
 import torch._dynamo  # noqa: E402,F401  (its import wraps torch.manual_seed once: before the snapshot)
+from torch.utils._device import _device_constructors  # noqa: E402  (the factories device contexts redirect)
 
 _WATCHED = (torch, torch.Tensor, torch.nn.Module, torch.nn.init, torch.nn.functional, torch.cuda, torch.cuda.random,
             torch.distributed)
@@ -403,6 +404,9 @@ def _torch_as_it_was(request):
     for owner, name, value in stale:
         setattr(owner, name, value)
     left = [f"{getattr(o, '__name__', o)}.{n}" for o, n, _ in stale]
+    if torch.empty not in _device_constructors():  # cached while a patch was installed (compat.cpu.remove)
+        _device_constructors.cache_clear()
+        left.append("torch.utils._device._device_constructors (cached while torch.empty was patched)")
     modes = _torch_modes()
     if modes != _MODES_AS_STARTED:
         left.append(f"dtype/grad/deterministic/mode stacks {modes} (started {_MODES_AS_STARTED})")

@@ -198,6 +198,13 @@ def remove() -> None:
     while _SAVED:
         owner, name, value = _SAVED.pop()  # last patched first: an attribute patched twice ends original
         setattr(owner, name, value)
+    # torch caches the factories that device contexts (``with torch.device("meta")``) redirect at their
+    # first use: cached while the wrappers were installed, it would leave the originals out, so a model
+    # built under a meta device context afterwards (transformers' from_pretrained) would be built on the
+    # CPU and keep uninitialised buffers.
+    constructors = getattr(getattr(torch.utils, "_device", None), "_device_constructors", None)
+    if hasattr(constructors, "cache_clear"):
+        constructors.cache_clear()
     while _RNG_FILTER:
         from megatron.core.tensor_parallel import random as mrandom
 

@@ -308,8 +308,12 @@ def test_a_rank_that_cannot_reopen_rank_0s_iteration_sends_its_line_to_the_verif
 
 def test_hf_export_gives_the_same_numbers(tp1_run, tiny_ckpt, task_files, tmp_path):
     import megatron_lev.conversion.hf as hf
+    from megatron_lev import compat
     from megatron_lev.evaluation.cli import main
 
+    # The in-process evaluations above left the CPU backend installed: a Hugging Face model is not built
+    # under it (its rotary buffers would stay uninitialised, compat/cpu.py).
+    compat.remove()
     _, out1 = tp1_run
     ref = _load(out1)
     export = tmp_path / "hf"

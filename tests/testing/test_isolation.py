@@ -67,3 +67,22 @@ def test_the_cpu_backend_comes_off_whole():
     assert torch.Tensor.to is to and torch.cuda.current_device is cuda_current
     assert not compat.is_applied()
     compat.remove()  # a second removal is a no-op
+
+
+def test_device_contexts_build_on_their_device_after_the_cpu_backend_comes_off():
+    """torch caches the factories a ``with torch.device(...)`` context redirects at its first use; used
+    first while the backend's wrappers were installed (a Hugging Face model loaded in a process that ran an
+    in-process evaluation), the cache left the real factories out after ``remove``, and transformers then
+    built the next model on the CPU with garbage rotary buffers (a flaky logits mismatch far from the cause)."""
+    from torch.utils._device import _device_constructors
+
+    _device_constructors.cache_clear()
+    compat.apply(force=True)
+    try:
+        with torch.device("meta"):
+            torch.empty(1)  # the first use: the cache is filled with the wrappers
+    finally:
+        compat.remove()
+    assert torch.empty in _device_constructors()
+    with torch.device("meta"):
+        assert torch.empty(2).device.type == "meta" and torch.zeros(2).device.type == "meta"
