@@ -5,7 +5,12 @@ which both need "build a model at some TP/PP layout on this machine and do somet
 
     results = spawn_ranks(fn, world_size=4, tp=2, pp=2, args=(...))
 
-Each rank is a fresh process (multiprocessing "spawn"), so ``fn`` must be a module-level function.
+Each rank is a fresh process, so ``fn`` must be a module-level function. Ranks that cannot touch CUDA (CUDA
+hidden from them, or a machine without it) fork from a server that imported torch and megatron-core
+once (multiprocessing "forkserver", :mod:`.rank_server`): a rank then starts in a fraction of a second
+instead of paying the imports, which a conversion at TP x PP = 4 paid four times over. Ranks that may
+use CUDA are spawned (a process must not fork once CUDA is initialised, and an import may initialise it).
+Either way a rank gets the launcher's environment and working directory of the moment it is started.
 Each rank starts through :func:`megatron_lev.distributed.init_distributed`: the CPU backend without
 CUDA, a gloo group joined through a file store (no TCP port to pick and lose to a concurrent job),
 ``parallel_state`` and, if asked, megatron's RNG tracker seeded. Return values travel back as
@@ -18,8 +23,10 @@ ranks stuck behind a failed peer are stopped after a short grace period.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import queue as queue_mod
 import tempfile
@@ -27,10 +34,12 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Type
 
+from megatron_lev._procutil import die_with_parent
+
 from .bootstrap import destroy_distributed, init_distributed
 from .layout import ParallelLayout
 
-__all__ = ["RankFailure", "spawn_ranks"]
+__all__ = ["RankFailure", "rank_context", "spawn_ranks"]
 
 
 class RankFailure(RuntimeError):
@@ -76,12 +85,53 @@ def run_task(fn, args, kwargs, layout, seed, collective_timeout, passthrough, in
     return payload, error, one_line
 
 
-def start_rank(rank: int, world: int, quiet: bool, hide_cuda: bool) -> None:
-    """What every local rank does first: its launcher variables, Ctrl-C, warnings, devices and threads."""
+@contextlib.contextmanager
+def _cuda_hidden():
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def rank_context(hide_cuda: bool):
+    """The multiprocessing context to start local ranks from (see the module docstring): the rank server
+    where the ranks cannot touch CUDA, "spawn" where they may. The server, started on first use with CUDA
+    hidden from it, lives as long as this process."""
+    import torch
+
+    if not hide_cuda and torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([f"{__package__}.rank_server"])  # for a server started from here on
+    with _cuda_hidden():
+        multiprocessing.forkserver.ensure_running()  # (re)started here if it is not running
+    return ctx
+
+
+def launch_state(ctx) -> Tuple[dict, str, bool]:
+    """What a rank takes from its launcher at start: the environment, the working directory (a forked rank
+    would otherwise have the server's, of the moment the server started), and whether it is forked."""
+    return dict(os.environ), os.getcwd(), ctx.get_start_method() == "forkserver"
+
+
+def start_rank(rank: int, world: int, quiet: bool, hide_cuda: bool,
+               state: Optional[Tuple[dict, str, bool]] = None) -> None:
+    """What every local rank does first: its launcher's environment, its launcher variables, Ctrl-C,
+    warnings, devices and threads."""
     from megatron_lev._procutil import ignore_interrupt
 
-    # Ctrl-C signals the terminal's whole process group: the process that started the ranks stops them
-    # (its wait for their reports is interrupted) and reports it in one line; the ranks print nothing.
+    if state is not None:
+        env, cwd, forked = state
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        if forked:
+            die_with_parent()  # its parent is the server, which ends with the launcher
     ignore_interrupt()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if quiet:  # megatron-core's notes on missing fused kernels, deprecations
@@ -96,8 +146,8 @@ def start_rank(rank: int, world: int, quiet: bool, hide_cuda: bool) -> None:
 
 
 def _rank_main(rank, world, store_file, layout, seed, fn, args, kwargs, out_q, collective_timeout,
-               passthrough, hide_cuda, quiet):
-    start_rank(rank, world, quiet, hide_cuda)
+               passthrough, hide_cuda, quiet, state):
+    start_rank(rank, world, quiet, hide_cuda, state)
     payload, error, one_line = run_task(fn, args, kwargs, layout, seed, collective_timeout, passthrough,
                                         init_method=f"file://{store_file}")
     out_q.put((rank, payload, error, one_line))
@@ -131,7 +181,7 @@ def spawn_ranks(
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results."""
     ParallelLayout(world_size=world_size, tp=tp, pp=pp, vpp=vpp)  # refused here, before any rank is started
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(hide_cuda)
     out_q = ctx.Queue()
     fd, store_file = tempfile.mkstemp(prefix="megatron_lev_ranks_", suffix=".store")
     os.close(fd)
@@ -139,7 +189,7 @@ def spawn_ranks(
     procs = [
         ctx.Process(target=_rank_main, args=(r, world_size, store_file, (tp, pp, vpp), seed, fn, tuple(args),
                                              kwargs or {}, out_q, collective_timeout, tuple(passthrough),
-                                             hide_cuda, quiet))
+                                             hide_cuda, quiet, launch_state(ctx)))
         for r in range(world_size)
     ]
     for p in procs:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import tempfile
@@ -38,8 +37,8 @@ _STOP = None
 
 
 def _pool_rank(rank: int, world: int, store_file: str, tasks, out_q, collective_timeout: float, quiet: bool,
-               hide_cuda: bool) -> None:
-    spawn_mod.start_rank(rank, world, quiet, hide_cuda)
+               hide_cuda: bool, state) -> None:
+    spawn_mod.start_rank(rank, world, quiet, hide_cuda, state)
     import torch
     import torch.distributed as dist
 
@@ -93,7 +92,7 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = spawn_mod.rank_context(self.hide_cuda)
         fd, self._store_file = tempfile.mkstemp(prefix="megatron_lev_pool_", suffix=".store")
         os.close(fd)
         os.remove(self._store_file)  # the file store creates it
@@ -103,7 +102,7 @@ class RankPool:
             # Not daemonic: a job may start processes of its own (dist_checkpointing's writers).
             ctx.Process(target=_pool_rank,
                         args=(r, self.world_size, self._store_file, self._tasks[r], self._out_q,
-                              self.collective_timeout, self.quiet, self.hide_cuda))
+                              self.collective_timeout, self.quiet, self.hide_cuda, spawn_mod.launch_state(ctx)))
             for r in range(self.world_size)
         ]
         for p in self._procs:
