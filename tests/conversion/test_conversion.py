@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_lev.testing.cli import run_cli
 from tests.conftest import BPE_VOCAB
 from tests.training._multi_run import launch_plan
 
@@ -164,11 +164,9 @@ def test_training_resumes_from_converted_checkpoint(runs, tmp_path):
     iteration 3 without optimizer state."""
     root = runs["root"]
     cfg = root / "lev_tp1" / "iter_0000002" / "config.yaml"
-    r = subprocess.run([sys.executable, PRETRAIN, "--config", str(cfg), "--load", str(root / "lev_tp1"),
-                        "--save", str(tmp_path / "resumed"), "--train-iters", "3", "--override-opt-param-scheduler",
-                        "--metrics-file",
-                        str(tmp_path / "m.jsonl")], capture_output=True, text=True, env=_env(), timeout=600,
-                       cwd=str(REPO))
+    r = run_cli(PRETRAIN, ["--config", cfg, "--load", root / "lev_tp1", "--save", tmp_path / "resumed", "--train-iters",
+                           "3", "--override-opt-param-scheduler", "--metrics-file", tmp_path / "m.jsonl"],
+                env=_env(), timeout=600, cwd=str(REPO))
     assert r.returncode == 0, r.stderr[-4000:]
     assert "successfully loaded checkpoint from" in r.stdout and "at iteration 2" in r.stdout
     rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
@@ -292,8 +290,8 @@ def test_bad_inputs_give_one_line_errors(runs, tmp_path):
     assert "already holds a checkpoint" in err(reshard_checkpoint, root / "lev_src", root / "lev_tp1", tp=1)
     assert "not lev" in err(export_lev, root / "tied_tp1", tmp_path / "lev")
     # The CLI prints the same single line and exits 2.
-    r = subprocess.run([sys.executable, CONVERT, "export-hf", "--load", str(tmp_path / "nope"), "--save",
-                        str(tmp_path / "hf")], capture_output=True, text=True, env=_env(), timeout=300)
+    r = run_cli(CONVERT, ["export-hf", "--load", tmp_path / "nope", "--save", tmp_path / "hf"], env=_env(),
+                timeout=300)
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "no such checkpoint directory" in lines[0]

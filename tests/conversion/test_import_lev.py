@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_lev.testing.cli import run_cli
+
 # Its tests share multi-process jobs (~71 s for the module on 2 cores): not in make test-fast.
 pytestmark = pytest.mark.slow
 
@@ -280,8 +282,8 @@ def test_import_refusals_are_one_line(models, tmp_path):
         {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})))
     assert m.ignored == ["model.layers.0.self_attn.rotary_emb.inv_freq"]
     # The CLI prints one line and exits 2.
-    r = subprocess.run([sys.executable, CONVERT, "import-hf", "--hf-model", str(tmp_path / "shape"), "--save",
-                        str(tmp_path / "out")], capture_output=True, text=True, env=_env(), timeout=300)
+    r = run_cli(CONVERT, ["import-hf", "--hf-model", tmp_path / "shape", "--save", tmp_path / "out"], env=_env(),
+                timeout=300)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "shape mismatch" in lines[0]
 

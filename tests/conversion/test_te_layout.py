@@ -13,13 +13,13 @@ Hugging Face and LEV, and resumed by pretrain_lev.py, side by side. Logits must 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+
+from megatron_lev.testing.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "pretrain_lev.py")
@@ -38,8 +38,7 @@ def _pretrain(args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, PRETRAIN] + MODEL_ARGS + args, capture_output=True, text=True, env=env,
-                       cwd=str(REPO), timeout=600)
+    r = run_cli(PRETRAIN, MODEL_ARGS + args, env=env, cwd=str(REPO), timeout=600)
     if r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-3000:]}\nSTDERR:\n{r.stderr[-5000:]}")
     return r.stdout

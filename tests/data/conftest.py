@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+from megatron_lev.testing.cli import run_cli
 from tests.conftest import tokenizer_flags as cli_flags  # noqa: F401  (used by the data tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -14,7 +13,4 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def run_tool(name, *args):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / name), *map(str, args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(REPO_ROOT),
-    )
+    return run_cli(REPO_ROOT / "tools" / name, args, env=env, cwd=str(REPO_ROOT))

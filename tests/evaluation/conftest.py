@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lev.testing.cli import run_cli
 from tests.conftest import built_once
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,21 +36,21 @@ def clean_env():
     return env
 
 
-def _checked(cmd, timeout):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=timeout, cwd=str(REPO))
+def _checked(r):
     if r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}")
     return r
 
 
 def torchrun(nproc, script, args, timeout=300):
-    return _checked([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                     "--master-port", str(free_port()), str(script)] + [str(a) for a in args], timeout)
+    return _checked(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                                    "--master-port", str(free_port()), str(script)] + [str(a) for a in args],
+                                   capture_output=True, text=True, env=clean_env(), timeout=timeout, cwd=str(REPO)))
 
 
 def run_script(script, args, timeout=300):
     """``script`` as one plain process (a single rank needs no launcher)."""
-    return _checked([sys.executable, str(script)] + [str(a) for a in args], timeout)
+    return _checked(run_cli(script, args, env=clean_env(), timeout=timeout, cwd=str(REPO)))
 
 
 class ByteTokenizer:

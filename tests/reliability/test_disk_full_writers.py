@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lev.testing.cli import run_cli
 from tests.reliability.test_training_faults import tiny_args
 from tests.training.test_pretrain import REPO, _env, run_single
 
@@ -84,9 +85,11 @@ if _under:
 
 def _tool(args, inject_dir=None, full_under=None):
     env = _env()
-    if inject_dir is not None:
-        env["PYTHONPATH"] = f"{inject_dir}:{env.get('PYTHONPATH', REPO)}"
-        env["FULL_UNDER"] = str(full_under)
+    if inject_dir is None:
+        return run_cli(args[0], args[1:], env=env, cwd=str(REPO), timeout=600)
+    # A new interpreter, which loads the sitecustomize of its PYTHONPATH at start-up.
+    env["PYTHONPATH"] = f"{inject_dir}:{env.get('PYTHONPATH', REPO)}"
+    env["FULL_UNDER"] = str(full_under)
     return subprocess.run([sys.executable] + [str(a) for a in args], capture_output=True, text=True, env=env,
                           cwd=str(REPO), timeout=600)
 

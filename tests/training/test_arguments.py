@@ -4,8 +4,6 @@ and the resolved config's round trip through YAML. In-process (no ranks) except 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import yaml
 
 from megatron_lev.arguments import config_to_yaml, parse_args, resolved_config
 from megatron_lev.lev.config import ConfigError
+from megatron_lev.testing.cli import run_cli
 from tests.conftest import tokenizer_flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,8 +108,7 @@ def _cli(args, env_extra=None):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, str(REPO / "pretrain_lev.py")] + args, capture_output=True, text=True,
-                          env=env, timeout=120, cwd=str(REPO))
+    return run_cli(REPO / "pretrain_lev.py", args, env=env, timeout=120, cwd=str(REPO))
 
 
 def test_cli_errors_are_one_line_without_traceback(tok_args, tmp_path):

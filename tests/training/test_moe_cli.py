@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from megatron_lev.testing.cli import run_cli
 from tests.training._multi_run import launch_plan
 from tests.training.test_production_path import _metrics  # the metrics file's train rows by iteration
 
@@ -153,9 +152,8 @@ def test_optimizer_state_of_another_ep_is_refused(runs):
 def test_hf_export_of_an_moe_checkpoint_is_refused_in_one_line(runs):
     tmp, _ = runs
     repo = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, str(repo / "tools" / "convert_checkpoint.py"), "export-hf", "--load",
-                        str(tmp / "resume"), "--save", str(tmp / "hf")], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=str(repo))
+    r = run_cli(repo / "tools" / "convert_checkpoint.py", ["export-hf", "--load", tmp / "resume", "--save", tmp / "hf"],
+                env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=str(repo))
     assert r.returncode != 0
     errors = [ln for ln in r.stderr.splitlines() if "MoE checkpoints do not export to Hugging Face yet" in ln]
     assert len(errors) == 1 and "--num-experts 4" in errors[0], r.stderr[-2000:]
@@ -164,9 +162,8 @@ def test_hf_export_of_an_moe_checkpoint_is_refused_in_one_line(runs):
 
 
 def _evaluate(repo, env, load, data, out):
-    r = subprocess.run([sys.executable, str(repo / "tools" / "evaluate.py"), "--load", str(load), "--valid-data",
-                        str(data), "--output-dir", str(out), "--no-progress"], capture_output=True, text=True,
-                       env=env, cwd=str(repo))
+    r = run_cli(repo / "tools" / "evaluate.py", ["--load", load, "--valid-data", data, "--output-dir", out,
+                                                 "--no-progress"], env=env, cwd=str(repo))
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads((out / "results.json").read_text())["perplexity"]["valid"]
 
@@ -184,17 +181,17 @@ def test_evaluation_runs_on_the_ep2_checkpoint_unchanged_and_on_its_reshard(runs
     docs.write_text("".join(json.dumps({"text": " ".join(map(str, rng.integers(0, 250, 80)))}) + "\n"
                             for _ in range(12)))
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    subprocess.run([sys.executable, str(repo / "tools" / "preprocess_data.py"), "--input", str(docs),
-                    "--output-prefix", str(tmp / "eval"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
-                    "--append-eod"], check=True, capture_output=True, env=env, cwd=str(repo))
+    r = run_cli(repo / "tools" / "preprocess_data.py", ["--input", docs, "--output-prefix", tmp / "eval",
+                                                        "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+                                                        "--append-eod"], env=env, cwd=str(repo))
+    assert r.returncode == 0, r.stderr[-2000:]
     valid = _evaluate(repo, env, tmp / "resume", tmp / "eval_text_document", tmp / "eval-out")
     assert valid["tokens"] > 900 and valid["documents"] == 12
     # A 4-iteration model on random ids: its perplexity is near the vocabulary size (256).
     assert 100 < valid["ppl"] < 600, valid
 
-    r = subprocess.run([sys.executable, str(repo / "tools" / "convert_checkpoint.py"), "reshard", "--load",
-                        str(tmp / "resume"), "--save", str(tmp / "tp1"), "--target-tp", "1", "--target-pp", "1"],
-                       capture_output=True, text=True, env=env, cwd=str(repo))
+    r = run_cli(repo / "tools" / "convert_checkpoint.py", ["reshard", "--load", tmp / "resume", "--save", tmp / "tp1",
+                                                           "--target-tp", "1", "--target-pp", "1"], env=env, cwd=str(repo))
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = yaml.safe_load((tmp / "tp1" / "iter_0000004" / "config.yaml").read_text())
     assert (cfg["tensor_model_parallel_size"], cfg["expert_model_parallel_size"]) == (1, 1)

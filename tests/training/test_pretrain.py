@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lev.testing.cli import run_cli
 from tests.training._multi_run import launch_plan
 
 # Its tests share multi-process jobs (~54 s for the module on 2 cores): not in make test-fast.
@@ -47,8 +48,7 @@ def launch(nproc, args, timeout=300, check=True):
 
 def run_single(args, timeout=300):
     """One process without torchrun (the exit code is the script's own)."""
-    return subprocess.run([sys.executable, PRETRAIN] + args, capture_output=True, text=True, env=_env(),
-                          timeout=timeout, cwd=str(REPO))
+    return run_cli(PRETRAIN, args, env=_env(), timeout=timeout, cwd=str(REPO))
 
 
 def _free_port():
