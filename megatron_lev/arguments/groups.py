@@ -91,26 +91,31 @@ class ScheduleConfig:
     """Training length, batch sizes, evaluation cadence, and the learning-rate and weight-decay schedule
     (Megatron-LM's TrainingConfig, ValidationConfig and SchedulerConfig)."""
 
-    train_iters: Optional[int]
-    """Iterations to train over all runs (--train-iters); or --train-samples."""
+    train_iters: Optional[int] = field(default=None, metadata={"min": 0})
+    """iterations to train over all runs (or --train-samples); 0: no training step (a model to convert or
+    evaluate)"""
 
-    train_samples: Optional[int]
-    """Samples to train over all runs (--train-samples)."""
+    train_samples: Optional[int] = field(default=None, metadata={"min": 1})
+    """train for this many samples (instead of --train-iters); the schedule flags are then the --lr-*-samples
+    ones"""
 
-    micro_batch_size: int
-    """Samples per data-parallel rank per micro-batch (--micro-batch-size)."""
+    micro_batch_size: int = field(metadata={"min": 1})
+    """Samples per data-parallel rank per micro-batch."""
 
-    global_batch_size: int
-    """Samples per iteration over all data-parallel ranks (--global-batch-size)."""
+    global_batch_size: int = field(metadata={"min": 1})
+    """samples per iteration over all data-parallel ranks; default: micro x data-parallel size"""
 
     num_microbatches: int
     """Micro-batches per iteration, derived: global / (micro x data-parallel size)."""
 
-    rampup_batch_size: Optional[List[int]]
-    """Start size, increment and ramp-up samples of a growing global batch (--rampup-batch-size)."""
+    rampup_batch_size: Optional[List[int]] = field(
+        default=None, metadata={"nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES"), "min": 0})
+    """grow the global batch from START by INCREMENT to --global-batch-size over SAMPLES samples
+    (megatron-core's ramp-up calculator; needs --train-samples)"""
 
-    step_batch_size_schedule: Optional[str]
-    """Step-wise global batch sizes, THRESHOLD:SIZE ... (--step-batch-size-schedule)."""
+    step_batch_size_schedule: Optional[str] = field(default=None, metadata={"metavar": "'T0:B0 T1:B1 ...'"})
+    """global batch B_i from T_i tokens on (suffixes K/M/B/T; the first T is 0); the largest is the global
+    batch size (megatron-core >= 0.18)"""
 
     eval_interval: int
     """Iterations between validations (--eval-interval)."""
@@ -121,50 +126,52 @@ class ScheduleConfig:
     skip_train: bool
     """Evaluate only (--skip-train)."""
 
-    lr_decay_style: str
-    """Learning-rate decay (--lr-decay-style)."""
+    lr_decay_style: str = field(default="linear", metadata={
+        "choices": ("constant", "linear", "cosine", "inverse-square-root", "WSD")})
+    """Learning-rate decay."""
 
-    lr_decay_iters: Optional[int]
-    """Iterations to decay over (--lr-decay-iters; validation sets it to --train-iters when unset)."""
+    lr_decay_iters: Optional[int] = field(default=None, metadata={"min": 1})
+    """iterations to decay the learning rate over; default: --train-iters"""
 
-    lr_decay_samples: Optional[int]
-    """Samples to decay over (--lr-decay-samples)."""
+    lr_decay_samples: Optional[int] = field(default=None, metadata={"min": 1})
+    """with --train-samples: samples to decay the learning rate over (default: --train-samples)"""
 
-    lr_warmup_fraction: Optional[float]
-    """Warm-up as a fraction of the decay (--lr-warmup-fraction)."""
+    lr_wsd_decay_iters: Optional[int] = field(default=None, metadata={"min": 1})
+    """Iterations of the annealing phase of --lr-decay-style WSD."""
 
-    lr_warmup_iters: int
-    """Warm-up iterations (--lr-warmup-iters)."""
+    lr_wsd_decay_samples: Optional[int] = field(default=None, metadata={"min": 1})
+    """with --train-samples: samples of the annealing phase of --lr-decay-style WSD"""
 
-    lr_warmup_samples: int
-    """Warm-up samples (--lr-warmup-samples)."""
+    lr_wsd_decay_style: str = field(default="exponential", metadata={
+        "choices": ("exponential", "linear", "cosine", "minus_sqrt")})
+    """Decay of the WSD schedule's annealing phase."""
 
-    lr_warmup_init: float
-    """Learning rate at the start of the warm-up (--lr-warmup-init)."""
+    lr_warmup_iters: int = field(default=0, metadata={"min": 0})
+    """Iterations to warm the learning rate up over."""
 
-    lr_wsd_decay_style: str
-    """Decay of the WSD schedule's annealing phase (--lr-wsd-decay-style)."""
+    lr_warmup_samples: int = field(default=0, metadata={"min": 0})
+    """with --train-samples: samples to warm the learning rate up over"""
 
-    lr_wsd_decay_iters: Optional[int]
-    """Iterations of the WSD annealing phase (--lr-wsd-decay-iters)."""
+    lr_warmup_fraction: Optional[float] = field(default=None, metadata={"min": 0, "max": 1})
+    """Warm-up as a fraction of the decay."""
 
-    lr_wsd_decay_samples: Optional[int]
-    """Samples of the WSD annealing phase (--lr-wsd-decay-samples)."""
+    lr_warmup_init: float = field(default=0.0, metadata={"min": 0})
+    """Learning rate at the start of the warm-up."""
 
-    start_weight_decay: Optional[float]
-    """Weight decay at the start (--start-weight-decay; validation sets it to --weight-decay when unset)."""
+    start_weight_decay: Optional[float] = field(default=None, metadata={"min": 0})
+    """Weight decay at the start; default: --weight-decay."""
 
-    end_weight_decay: Optional[float]
-    """Weight decay at the end (--end-weight-decay)."""
+    end_weight_decay: Optional[float] = field(default=None, metadata={"min": 0})
+    """Weight decay at the end; default: --weight-decay."""
 
-    weight_decay_incr_style: str
-    """How the weight decay goes from start to end (--weight-decay-incr-style)."""
+    weight_decay_incr_style: str = field(default="constant", metadata={"choices": ("constant", "linear", "cosine")})
+    """How the weight decay goes from start to end."""
 
-    override_opt_param_scheduler: bool
-    """Take the schedule from the flags, not the checkpoint (--override-opt-param-scheduler)."""
+    override_opt_param_scheduler: bool = False
+    """Take the learning-rate and weight-decay schedule from the flags, not the checkpoint."""
 
-    use_checkpoint_opt_param_scheduler: bool
-    """Take the schedule from the checkpoint (--use-checkpoint-opt-param-scheduler)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Take the learning-rate and weight-decay schedule from the checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,38 +179,40 @@ class OptimizerRunConfig:
     """The optimizer, learning rates, clipping and loss scaling (the fields of megatron-core's
     OptimizerConfig that the flags set)."""
 
-    optimizer: str
-    """adam (AdamW) or sgd (--optimizer)."""
+    optimizer: str = field(default="adam", metadata={"choices": ("adam", "sgd")})
+    """adam is AdamW (decoupled weight decay), as in megatron-core"""
 
-    lr: float
-    """Peak learning rate (--lr)."""
+    lr: float = field(metadata={"min": 0})
+    """Peak learning rate."""
 
-    min_lr: float
-    """Learning rate at the end of the decay (--min-lr)."""
+    min_lr: float = field(default=0.0, metadata={"min": 0})
+    """Learning rate at the end of the decay."""
 
-    decoupled_lr: Optional[float]
-    """Learning rate of the input and output embeddings (--decoupled-lr); None = --lr."""
+    decoupled_lr: Optional[float] = field(default=None, metadata={"min": 0})
+    """learning rate of the input embedding and the output layer (with LEV: the whole input arm, i.e.
+    codebooks, spline heads and projections; with every arm: its input module and the output head); the
+    others follow --lr"""
 
-    decoupled_min_lr: Optional[float]
-    """Minimum learning rate of the embeddings (--decoupled-min-lr)."""
+    decoupled_min_lr: Optional[float] = field(default=None, metadata={"min": 0})
+    """minimum learning rate of the --decoupled-lr parameters (default: --min-lr)"""
 
-    weight_decay: float
-    """Weight decay (--weight-decay)."""
+    weight_decay: float = field(default=0.01, metadata={"min": 0})
+    """Weight decay."""
 
-    adam_beta1: float
-    """Adam's first-moment coefficient (--adam-beta1)."""
+    adam_beta1: float = field(default=0.9, metadata={"min": 0, "below": 1})
+    """Adam's first-moment coefficient."""
 
-    adam_beta2: float
-    """Adam's second-moment coefficient (--adam-beta2)."""
+    adam_beta2: float = field(default=0.999, metadata={"min": 0, "below": 1})
+    """Adam's second-moment coefficient."""
 
-    adam_eps: float
-    """Adam's epsilon (--adam-eps)."""
+    adam_eps: float = field(default=1e-8, metadata={"above": 0})
+    """Adam's epsilon."""
 
-    sgd_momentum: float
-    """SGD's momentum (--sgd-momentum)."""
+    sgd_momentum: float = field(default=0.9, metadata={"min": 0, "below": 1})
+    """SGD's momentum."""
 
-    clip_grad: float
-    """Clip the global gradient norm to this (--clip-grad)."""
+    clip_grad: float = field(default=1.0, metadata={"min": 0})
+    """gradient-norm clip (0: no clipping)"""
 
     use_distributed_optimizer: bool
     """Shard the optimizer state over data-parallel ranks (--use-distributed-optimizer)."""
