@@ -117,14 +117,14 @@ class ScheduleConfig:
     """global batch B_i from T_i tokens on (suffixes K/M/B/T; the first T is 0); the largest is the global
     batch size (megatron-core >= 0.18)"""
 
-    eval_interval: int
-    """Iterations between validations (--eval-interval)."""
+    eval_interval: int = field(default=1000, metadata={"min": 1})
+    """Iterations between validations."""
 
-    eval_iters: int
-    """Iterations per validation and test (--eval-iters)."""
+    eval_iters: int = field(default=100, metadata={"min": 0})
+    """Iterations per validation and test."""
 
-    skip_train: bool
-    """Evaluate only (--skip-train)."""
+    skip_train: bool = False
+    """only evaluate (after --load)"""
 
     lr_decay_style: str = field(default="linear", metadata={
         "choices": ("constant", "linear", "cosine", "inverse-square-root", "WSD")})
@@ -271,8 +271,9 @@ class DistributedConfig:
     accumulate_allreduce_grads_in_fp32: bool
     """Accumulate and reduce gradients in float32 (--accumulate-allreduce-grads-in-fp32)."""
 
-    check_for_nan_in_loss_and_grad: bool
-    """Check the loss and gradients for NaN each step (--no-check-for-nan-in-loss-and-grad turns it off)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """check loss and gradients for NaN/Inf every iteration (the default; --no-check-for-nan-in-loss-and-grad:
+    not every iteration, a checkpoint is still refused when the parameters hold NaN/Inf); see --nan-action"""
 
     no_overlap_p2p_communication: bool
     """Interleaved schedule: batched, non-overlapped p2p (--no-overlap-p2p-communication)."""
@@ -411,56 +412,64 @@ class LoggingConfig:
 class RunControlConfig:
     """Seed, exit conditions, fault handling, garbage collection and profiling."""
 
-    seed: int
-    """Random seed (--seed)."""
+    seed: int = field(default=1234, metadata={"min": 0})
+    """Random seed (Megatron-LM's default; the model's initialisation seed too)."""
 
-    exit_interval: Optional[int]
-    """Stop at an iteration divisible by this (--exit-interval)."""
+    exit_interval: Optional[int] = field(default=None, metadata={"min": 1})
+    """stop (after saving) at an iteration multiple of N"""
 
-    exit_duration_in_mins: Optional[float]
-    """Stop after this many minutes (--exit-duration-in-mins)."""
+    exit_duration_in_mins: Optional[float] = field(default=None, metadata={"above": 0})
+    """Stop (after saving) once the run has taken this many minutes."""
 
-    exit_signal_handler: bool
-    """Save and stop on SIGTERM (--exit-signal-handler)."""
+    exit_signal_handler: bool = False
+    """on SIGTERM: save a checkpoint at the end of the current iteration and exit 0"""
 
-    nan_action: str
-    """What a NaN loss or gradient does (--nan-action)."""
+    nan_action: str = field(default="save-and-stop", metadata={"choices": ("stop", "save-and-stop", "skip")})
+    """on NaN/Inf: stop; save the last good state (when --save is given) and stop; or skip the optimizer step
+    and continue (counted as a nan iteration)"""
 
-    inject_nan_at_iteration: Optional[int]
-    """Fault injection: a NaN loss at this iteration (--inject-nan-at-iteration)."""
+    inject_nan_at_iteration: Optional[int] = field(default=None, metadata={"min": 1, "hidden": True})
+    """Fault injection: a NaN loss at this iteration."""
 
-    manual_gc: bool
-    """Collect garbage at fixed points instead of by threshold (--manual-gc)."""
+    manual_gc: bool = False
+    """turn Python's threshold-based garbage collector off and collect at fixed points (the same on every
+    rank): at start-up, around each evaluation (--manual-gc-eval) and every --manual-gc-interval iterations"""
 
-    manual_gc_interval: int
-    """Iterations between manual collections; 0 = only around evaluation (--manual-gc-interval)."""
+    manual_gc_interval: int = field(default=0, metadata={"min": 0})
+    """with --manual-gc: collect every N training iterations (0: never between steps)"""
 
-    manual_gc_eval: bool
-    """Collect around each evaluation with --manual-gc (--no-manual-gc-eval turns it off)."""
+    manual_gc_eval: bool = True
+    """with --manual-gc: collect before and after each evaluation (the default; --no-manual-gc-eval: no
+    collection around evaluations)"""
 
-    empty_unused_memory_level: int
-    """Empty the CUDA cache each iteration: 0 off, 1 moderate, 2 aggressive (--empty-unused-memory-level)."""
+    empty_unused_memory_level: int = field(default=0, metadata={"min": 0, "choices": (0, 1, 2)})
+    """release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after each step's
+    backward and each evaluation step, 2 also after the optimizer step"""
 
-    profile: bool
-    """Profile the steps --profile-step-start to --profile-step-end (--profile)."""
+    profile: bool = False
+    """profile iterations --profile-step-start to --profile-step-end on --profile-ranks: with
+    --use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else nsys ranges (CUDA only)"""
 
-    use_pytorch_profiler: bool
-    """The PyTorch profiler instead of nsys ranges (--use-pytorch-profiler)."""
+    use_pytorch_profiler: bool = False
+    """with --profile: torch.profiler, trace written under --tensorboard-dir (TensorBoard,
+    Perfetto/chrome://tracing)"""
 
-    profile_ranks: List[int]
-    """Ranks that profile (--profile-ranks)."""
+    profile_ranks: List[int] = field(default_factory=lambda: [0], metadata={"nargs": "+", "min": 0})
+    """global ranks to profile"""
 
-    profile_step_start: int
-    """First profiled iteration (--profile-step-start)."""
+    profile_step_start: int = field(default=10, metadata={"min": 0})
+    """First profiled iteration."""
 
-    profile_step_end: int
-    """Iteration at which profiling stops (--profile-step-end)."""
+    profile_step_end: int = field(default=12, metadata={"min": 1})
+    """Iteration at which profiling stops."""
 
-    record_memory_history: bool
-    """Record CUDA memory history (--record-memory-history)."""
+    record_memory_history: bool = False
+    """record the CUDA caching allocator's history on the --profile-ranks and write a snapshot
+    (torch.cuda.memory._dump_snapshot) to --memory-snapshot-path, one file per rank, at each --log-interval
+    (CUDA only)"""
 
-    memory_snapshot_path: str
-    """Where the memory history is written (--memory-snapshot-path)."""
+    memory_snapshot_path: str = "snapshot.pickle"
+    """with --record-memory-history: the snapshot file (rank R writes NAME_R.pickle)"""
 
 
 @dataclass(frozen=True, kw_only=True)
