@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+# Megatron-LM's names of the precision-aware optimizer's dtypes (fp8 is stored as uint8, as there).
+OPTIMIZER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "uint8"}
+
 # megatron-core's StrictHandling values that load a checkpoint (its return_* ones hand the keys to a caller).
 DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                         "ignore_all")
@@ -217,35 +220,37 @@ class OptimizerRunConfig:
     use_distributed_optimizer: bool
     """Shard the optimizer state over data-parallel ranks (--use-distributed-optimizer)."""
 
-    use_precision_aware_optimizer: bool
-    """Transformer Engine's FusedAdam with the dtypes below (--use-precision-aware-optimizer)."""
+    use_precision_aware_optimizer: bool = False
+    """Transformer Engine's FusedAdam with the main parameters, gradients and Adam moments in the dtypes
+    below (needs --use-distributed-optimizer and --optimizer adam)"""
 
-    main_grads_dtype: str
-    """Main gradients' dtype of the precision-aware optimizer (--main-grads-dtype)."""
+    main_grads_dtype: str = field(default="fp32", metadata={"choices": ("fp32", "bf16")})
+    """dtype of the main gradients (bf16: needs --bf16) with --use-precision-aware-optimizer"""
 
-    main_params_dtype: str
-    """Main parameters' dtype of the precision-aware optimizer (--main-params-dtype)."""
+    main_params_dtype: str = field(default="fp32", metadata={"choices": ("fp32", "fp16")})
+    """dtype of the main parameters with --use-precision-aware-optimizer"""
 
-    exp_avg_dtype: str
-    """Adam's first moment's dtype (--exp-avg-dtype)."""
+    exp_avg_dtype: str = field(default="fp32", metadata={"choices": tuple(OPTIMIZER_DTYPES)})
+    """dtype of the Adam's first moment with --use-precision-aware-optimizer"""
 
-    exp_avg_sq_dtype: str
-    """Adam's second moment's dtype (--exp-avg-sq-dtype)."""
+    exp_avg_sq_dtype: str = field(default="fp32", metadata={"choices": tuple(OPTIMIZER_DTYPES)})
+    """dtype of the Adam's second moment with --use-precision-aware-optimizer"""
 
-    loss_scale: Optional[float]
-    """A fixed loss scale (--loss-scale); None = dynamic scaling with --fp16."""
+    loss_scale: Optional[float] = field(default=None, metadata={"above": 0})
+    """static loss scale (fp16); default dynamic"""
 
-    initial_loss_scale: float
-    """Dynamic loss scaling's first scale (--initial-loss-scale)."""
+    initial_loss_scale: float = field(default=2.0**32, metadata={"above": 0})
+    """Dynamic loss scaling's first scale."""
 
-    min_loss_scale: float
-    """Dynamic loss scaling's smallest scale (--min-loss-scale)."""
+    min_loss_scale: float = field(default=1.0, metadata={"above": 0})
+    """Dynamic loss scaling's smallest scale."""
 
-    loss_scale_window: float
-    """Iterations without overflow before the scale grows (--loss-scale-window)."""
+    # The int 1000, as Megatron-LM's flag: config.yaml has always written "loss_scale_window: 1000".
+    loss_scale_window: float = field(default=1000, metadata={"min": 1})
+    """Iterations without overflow before the dynamic loss scale grows."""
 
-    hysteresis: int
-    """Overflows tolerated before the scale shrinks (--hysteresis)."""
+    hysteresis: int = field(default=2, metadata={"min": 1})
+    """Overflows tolerated before the dynamic loss scale shrinks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -488,8 +493,8 @@ class FoldedFlagsConfig:
     """An untied output layer (--untie-embeddings-and-output-weights), folded into --input-embedding (which
     validation makes consistent with it)."""
 
-    grad_reduce_in_bf16: bool
-    """Reduce gradients in bf16 (--grad-reduce-in-bf16), folded into --accumulate-allreduce-grads-in-fp32."""
+    grad_reduce_in_bf16: bool = False
+    """reduce gradients in bf16 instead of fp32 (with --bf16); folded into --accumulate-allreduce-grads-in-fp32"""
 
     group_query_attention: bool
     """Grouped-query attention (--group-query-attention), folded into --num-query-groups."""
