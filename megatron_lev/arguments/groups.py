@@ -24,41 +24,44 @@ class DataConfig:
     seq_length: int
     """Tokens per sample (--seq-length)."""
 
-    data_path: Optional[List[str]]
-    """Weighted dataset prefixes split by --split (--data-path)."""
+    data_path: Optional[List[str]] = field(default=None, metadata={"nargs": "*"})
+    """prefix, or 'weight prefix weight prefix ...'; split into train, valid and test by --split"""
 
-    train_data_path: Optional[List[str]]
-    """Training dataset prefixes (--train-data-path), instead of --data-path with --split."""
+    train_data_path: Optional[List[str]] = field(default=None, metadata={"nargs": "*"})
+    """Training dataset prefixes, instead of --data-path with --split."""
 
-    valid_data_path: Optional[List[str]]
-    """Validation dataset prefixes (--valid-data-path)."""
+    valid_data_path: Optional[List[str]] = field(default=None, metadata={"nargs": "*"})
+    """Validation dataset prefixes."""
 
-    test_data_path: Optional[List[str]]
-    """Test dataset prefixes (--test-data-path)."""
+    test_data_path: Optional[List[str]] = field(default=None, metadata={"nargs": "*"})
+    """Test dataset prefixes."""
 
-    split: str
-    """Train,valid,test proportions of --data-path (--split)."""
+    split: str = "969,30,1"
+    """Train,valid,test proportions of --data-path."""
 
-    data_cache_path: Optional[str]
-    """Where the dataset index caches are written (--data-cache-path)."""
+    data_cache_path: Optional[str] = None
+    """Where the dataset index caches are written."""
 
-    mmap_bin_files: bool
-    """Memory-map the .bin files (--no-mmap-bin-files turns it off)."""
+    mmap_bin_files: bool = True
+    """memory-map the .bin files (the default; --no-mmap-bin-files reads them with file reads instead)"""
 
-    mock_data: bool
-    """Random tokens instead of a dataset (--mock-data)."""
+    mock_data: bool = False
+    """megatron-core's MockGPTDataset (no files)"""
 
-    num_workers: int
-    """Data-loader worker processes (--num-workers)."""
+    num_workers: int = field(default=0, metadata={"min": 0})
+    """DataLoader worker processes per rank"""
 
-    eod_mask_loss: bool
-    """No loss on end-of-document tokens (--eod-mask-loss)."""
+    eod_mask_loss: bool = False
+    """leave the EOD tokens out of the loss"""
 
-    reset_attention_mask: bool
-    """Attention does not cross document boundaries (--reset-attention-mask)."""
+    reset_attention_mask: bool = False
+    """a token attends to its own document only (local layer spec). The dense s x s mask is built per sample on
+    the CPU by megatron-core's GPTDataset (use --num-workers > 0), and with it SDPA cannot use flash attention
+    (auto falls back to the memory-efficient or cuDNN kernels)"""
 
-    reset_position_ids: bool
-    """Positions restart at each document (--reset-position-ids)."""
+    reset_position_ids: bool = False
+    """positions restart at each document (the learned position table; with rope, together with
+    --reset-attention-mask only)"""
 
     tokenizer_type: str
     """The tokenizer (--tokenizer-type)."""
@@ -85,8 +88,8 @@ class DataConfig:
     tokenizer_fingerprint: Optional[Dict[str, Any]] = None
     """What identifies the tokenizer a checkpoint was trained with; None until the tokenizer is built."""
 
-    allow_tokenizer_mismatch: bool
-    """Load a checkpoint trained with another tokenizer (--allow-tokenizer-mismatch)."""
+    allow_tokenizer_mismatch: bool = False
+    """train on datasets, or resume a checkpoint, made with another tokenizer (warns instead of refusing)"""
 
 
 @dataclass(frozen=True, kw_only=True)
