@@ -8,38 +8,28 @@ position table); ``--eod-mask-loss`` leaves the EOD tokens out of the loss (the 
 
 from __future__ import annotations
 
-from megatron_lev.config_flags import NON_NEGATIVE_INT
+from megatron_lev.config_flags import add_config_flags, add_switch_flags, field_flag
 from megatron_lev.lev.config import ConfigError
 
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG
 from megatron_lev.tokenizer.spec import TokenizerSpec
 
+from .groups import DataConfig
+
+
+_SOURCES = ("data_path", "split", "train_data_path", "valid_data_path", "test_data_path", "data_cache_path",
+            "num_workers")
+_SWITCHES = (("--mock-data", "mock_data", True), ("--reset-position-ids", "reset_position_ids", True),
+             ("--reset-attention-mask", "reset_attention_mask", True), ("--eod-mask-loss", "eod_mask_loss", True),
+             ("--no-mmap-bin-files", "mmap_bin_files", False))
+
 
 def add_data_flags(p) -> None:
     g = p.add_argument_group("data and tokenizer")
-    g.add_argument("--data-path", nargs="*", default=None, help="prefix, or 'weight prefix weight prefix ...'")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--train-data-path", nargs="*", default=None)
-    g.add_argument("--valid-data-path", nargs="*", default=None)
-    g.add_argument("--test-data-path", nargs="*", default=None)
-    g.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset (no files)")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--num-workers", type=NON_NEGATIVE_INT, default=0, help="DataLoader worker processes per rank")
-    g.add_argument("--reset-position-ids", action="store_true",
-                   help="positions restart at each document (the learned position table; with rope, together with "
-                        "--reset-attention-mask only)")
-    g.add_argument("--reset-attention-mask", action="store_true",
-                   help="a token attends to its own document only (local layer spec). The dense s x s mask is "
-                        "built per sample on the CPU by megatron-core's GPTDataset (use --num-workers > 0), and "
-                        "with it SDPA cannot use flash attention (auto falls back to the memory-efficient or "
-                        "cuDNN kernels)")
-    g.add_argument("--eod-mask-loss", action="store_true", help="leave the EOD tokens out of the loss")
-    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
-                   help="read the .bin files with file reads instead of memory-mapping them")
+    add_config_flags(g, DataConfig, field_flag, _SOURCES)
+    add_switch_flags(g, DataConfig, _SWITCHES)
     TokenizerSpec.add_flags(g)  # --vocab-size also sizes --mock-data
-    g.add_argument(ALLOW_TOKENIZER_MISMATCH_FLAG, action="store_true",
-                   help="train on datasets, or resume a checkpoint, made with another tokenizer (warns instead "
-                        "of refusing)")
+    add_switch_flags(g, DataConfig, ((ALLOW_TOKENIZER_MISMATCH_FLAG, "allow_tokenizer_mismatch", True),))
 
 
 def check_document_flags(args) -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+# Megatron-LM's names of the precision-aware optimizer's dtypes (fp8 is stored as uint8, as there).
+OPTIMIZER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "uint8"}
+
 # megatron-core's StrictHandling values that load a checkpoint (its return_* ones hand the keys to a caller).
 DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                         "ignore_all")
@@ -21,41 +24,44 @@ class DataConfig:
     seq_length: int
     """Tokens per sample (--seq-length)."""
 
-    data_path: Optional[List[str]]
-    """Weighted dataset prefixes split by --split (--data-path)."""
+    data_path: Optional[List[str]] = field(default=None, metadata={"nargs": "*"})
+    """prefix, or 'weight prefix weight prefix ...'; split into train, valid and test by --split"""
 
-    train_data_path: Optional[List[str]]
-    """Training dataset prefixes (--train-data-path), instead of --data-path with --split."""
+    train_data_path: Optional[List[str]] = field(default=None, metadata={"nargs": "*"})
+    """Training dataset prefixes, instead of --data-path with --split."""
 
-    valid_data_path: Optional[List[str]]
-    """Validation dataset prefixes (--valid-data-path)."""
+    valid_data_path: Optional[List[str]] = field(default=None, metadata={"nargs": "*"})
+    """Validation dataset prefixes."""
 
-    test_data_path: Optional[List[str]]
-    """Test dataset prefixes (--test-data-path)."""
+    test_data_path: Optional[List[str]] = field(default=None, metadata={"nargs": "*"})
+    """Test dataset prefixes."""
 
-    split: str
-    """Train,valid,test proportions of --data-path (--split)."""
+    split: str = "969,30,1"
+    """Train,valid,test proportions of --data-path."""
 
-    data_cache_path: Optional[str]
-    """Where the dataset index caches are written (--data-cache-path)."""
+    data_cache_path: Optional[str] = None
+    """Where the dataset index caches are written."""
 
-    mmap_bin_files: bool
-    """Memory-map the .bin files (--no-mmap-bin-files turns it off)."""
+    mmap_bin_files: bool = True
+    """memory-map the .bin files (the default; --no-mmap-bin-files reads them with file reads instead)"""
 
-    mock_data: bool
-    """Random tokens instead of a dataset (--mock-data)."""
+    mock_data: bool = False
+    """megatron-core's MockGPTDataset (no files)"""
 
-    num_workers: int
-    """Data-loader worker processes (--num-workers)."""
+    num_workers: int = field(default=0, metadata={"min": 0})
+    """DataLoader worker processes per rank"""
 
-    eod_mask_loss: bool
-    """No loss on end-of-document tokens (--eod-mask-loss)."""
+    eod_mask_loss: bool = False
+    """leave the EOD tokens out of the loss"""
 
-    reset_attention_mask: bool
-    """Attention does not cross document boundaries (--reset-attention-mask)."""
+    reset_attention_mask: bool = False
+    """a token attends to its own document only (local layer spec). The dense s x s mask is built per sample on
+    the CPU by megatron-core's GPTDataset (use --num-workers > 0), and with it SDPA cannot use flash attention
+    (auto falls back to the memory-efficient or cuDNN kernels)"""
 
-    reset_position_ids: bool
-    """Positions restart at each document (--reset-position-ids)."""
+    reset_position_ids: bool = False
+    """positions restart at each document (the learned position table; with rope, together with
+    --reset-attention-mask only)"""
 
     tokenizer_type: str
     """The tokenizer (--tokenizer-type)."""
@@ -82,8 +88,8 @@ class DataConfig:
     tokenizer_fingerprint: Optional[Dict[str, Any]] = None
     """What identifies the tokenizer a checkpoint was trained with; None until the tokenizer is built."""
 
-    allow_tokenizer_mismatch: bool
-    """Load a checkpoint trained with another tokenizer (--allow-tokenizer-mismatch)."""
+    allow_tokenizer_mismatch: bool = False
+    """train on datasets, or resume a checkpoint, made with another tokenizer (warns instead of refusing)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,80 +97,87 @@ class ScheduleConfig:
     """Training length, batch sizes, evaluation cadence, and the learning-rate and weight-decay schedule
     (Megatron-LM's TrainingConfig, ValidationConfig and SchedulerConfig)."""
 
-    train_iters: Optional[int]
-    """Iterations to train over all runs (--train-iters); or --train-samples."""
+    train_iters: Optional[int] = field(default=None, metadata={"min": 0})
+    """iterations to train over all runs (or --train-samples); 0: no training step (a model to convert or
+    evaluate)"""
 
-    train_samples: Optional[int]
-    """Samples to train over all runs (--train-samples)."""
+    train_samples: Optional[int] = field(default=None, metadata={"min": 1})
+    """train for this many samples (instead of --train-iters); the schedule flags are then the --lr-*-samples
+    ones"""
 
-    micro_batch_size: int
-    """Samples per data-parallel rank per micro-batch (--micro-batch-size)."""
+    micro_batch_size: int = field(metadata={"min": 1})
+    """Samples per data-parallel rank per micro-batch."""
 
-    global_batch_size: int
-    """Samples per iteration over all data-parallel ranks (--global-batch-size)."""
+    global_batch_size: int = field(metadata={"min": 1})
+    """samples per iteration over all data-parallel ranks; default: micro x data-parallel size"""
 
     num_microbatches: int
     """Micro-batches per iteration, derived: global / (micro x data-parallel size)."""
 
-    rampup_batch_size: Optional[List[int]]
-    """Start size, increment and ramp-up samples of a growing global batch (--rampup-batch-size)."""
+    rampup_batch_size: Optional[List[int]] = field(
+        default=None, metadata={"nargs": 3, "metavar": ("START", "INCREMENT", "SAMPLES"), "min": 0})
+    """grow the global batch from START by INCREMENT to --global-batch-size over SAMPLES samples
+    (megatron-core's ramp-up calculator; needs --train-samples)"""
 
-    step_batch_size_schedule: Optional[str]
-    """Step-wise global batch sizes, THRESHOLD:SIZE ... (--step-batch-size-schedule)."""
+    step_batch_size_schedule: Optional[str] = field(default=None, metadata={"metavar": "'T0:B0 T1:B1 ...'"})
+    """global batch B_i from T_i tokens on (suffixes K/M/B/T; the first T is 0); the largest is the global
+    batch size (megatron-core >= 0.18)"""
 
-    eval_interval: int
-    """Iterations between validations (--eval-interval)."""
+    eval_interval: int = field(default=1000, metadata={"min": 1})
+    """Iterations between validations."""
 
-    eval_iters: int
-    """Iterations per validation and test (--eval-iters)."""
+    eval_iters: int = field(default=100, metadata={"min": 0})
+    """Iterations per validation and test."""
 
-    skip_train: bool
-    """Evaluate only (--skip-train)."""
+    skip_train: bool = False
+    """only evaluate (after --load)"""
 
-    lr_decay_style: str
-    """Learning-rate decay (--lr-decay-style)."""
+    lr_decay_style: str = field(default="linear", metadata={
+        "choices": ("constant", "linear", "cosine", "inverse-square-root", "WSD")})
+    """Learning-rate decay."""
 
-    lr_decay_iters: Optional[int]
-    """Iterations to decay over (--lr-decay-iters; validation sets it to --train-iters when unset)."""
+    lr_decay_iters: Optional[int] = field(default=None, metadata={"min": 1})
+    """iterations to decay the learning rate over; default: --train-iters"""
 
-    lr_decay_samples: Optional[int]
-    """Samples to decay over (--lr-decay-samples)."""
+    lr_decay_samples: Optional[int] = field(default=None, metadata={"min": 1})
+    """with --train-samples: samples to decay the learning rate over (default: --train-samples)"""
 
-    lr_warmup_fraction: Optional[float]
-    """Warm-up as a fraction of the decay (--lr-warmup-fraction)."""
+    lr_wsd_decay_iters: Optional[int] = field(default=None, metadata={"min": 1})
+    """Iterations of the annealing phase of --lr-decay-style WSD."""
 
-    lr_warmup_iters: int
-    """Warm-up iterations (--lr-warmup-iters)."""
+    lr_wsd_decay_samples: Optional[int] = field(default=None, metadata={"min": 1})
+    """with --train-samples: samples of the annealing phase of --lr-decay-style WSD"""
 
-    lr_warmup_samples: int
-    """Warm-up samples (--lr-warmup-samples)."""
+    lr_wsd_decay_style: str = field(default="exponential", metadata={
+        "choices": ("exponential", "linear", "cosine", "minus_sqrt")})
+    """Decay of the WSD schedule's annealing phase."""
 
-    lr_warmup_init: float
-    """Learning rate at the start of the warm-up (--lr-warmup-init)."""
+    lr_warmup_iters: int = field(default=0, metadata={"min": 0})
+    """Iterations to warm the learning rate up over."""
 
-    lr_wsd_decay_style: str
-    """Decay of the WSD schedule's annealing phase (--lr-wsd-decay-style)."""
+    lr_warmup_samples: int = field(default=0, metadata={"min": 0})
+    """with --train-samples: samples to warm the learning rate up over"""
 
-    lr_wsd_decay_iters: Optional[int]
-    """Iterations of the WSD annealing phase (--lr-wsd-decay-iters)."""
+    lr_warmup_fraction: Optional[float] = field(default=None, metadata={"min": 0, "max": 1})
+    """Warm-up as a fraction of the decay."""
 
-    lr_wsd_decay_samples: Optional[int]
-    """Samples of the WSD annealing phase (--lr-wsd-decay-samples)."""
+    lr_warmup_init: float = field(default=0.0, metadata={"min": 0})
+    """Learning rate at the start of the warm-up."""
 
-    start_weight_decay: Optional[float]
-    """Weight decay at the start (--start-weight-decay; validation sets it to --weight-decay when unset)."""
+    start_weight_decay: Optional[float] = field(default=None, metadata={"min": 0})
+    """Weight decay at the start; default: --weight-decay."""
 
-    end_weight_decay: Optional[float]
-    """Weight decay at the end (--end-weight-decay)."""
+    end_weight_decay: Optional[float] = field(default=None, metadata={"min": 0})
+    """Weight decay at the end; default: --weight-decay."""
 
-    weight_decay_incr_style: str
-    """How the weight decay goes from start to end (--weight-decay-incr-style)."""
+    weight_decay_incr_style: str = field(default="constant", metadata={"choices": ("constant", "linear", "cosine")})
+    """How the weight decay goes from start to end."""
 
-    override_opt_param_scheduler: bool
-    """Take the schedule from the flags, not the checkpoint (--override-opt-param-scheduler)."""
+    override_opt_param_scheduler: bool = False
+    """Take the learning-rate and weight-decay schedule from the flags, not the checkpoint."""
 
-    use_checkpoint_opt_param_scheduler: bool
-    """Take the schedule from the checkpoint (--use-checkpoint-opt-param-scheduler)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Take the learning-rate and weight-decay schedule from the checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,71 +185,75 @@ class OptimizerRunConfig:
     """The optimizer, learning rates, clipping and loss scaling (the fields of megatron-core's
     OptimizerConfig that the flags set)."""
 
-    optimizer: str
-    """adam (AdamW) or sgd (--optimizer)."""
+    optimizer: str = field(default="adam", metadata={"choices": ("adam", "sgd")})
+    """adam is AdamW (decoupled weight decay), as in megatron-core"""
 
-    lr: float
-    """Peak learning rate (--lr)."""
+    lr: float = field(metadata={"min": 0})
+    """Peak learning rate."""
 
-    min_lr: float
-    """Learning rate at the end of the decay (--min-lr)."""
+    min_lr: float = field(default=0.0, metadata={"min": 0})
+    """Learning rate at the end of the decay."""
 
-    decoupled_lr: Optional[float]
-    """Learning rate of the input and output embeddings (--decoupled-lr); None = --lr."""
+    decoupled_lr: Optional[float] = field(default=None, metadata={"min": 0})
+    """learning rate of the input embedding and the output layer (with LEV: the whole input arm, i.e.
+    codebooks, spline heads and projections; with every arm: its input module and the output head); the
+    others follow --lr"""
 
-    decoupled_min_lr: Optional[float]
-    """Minimum learning rate of the embeddings (--decoupled-min-lr)."""
+    decoupled_min_lr: Optional[float] = field(default=None, metadata={"min": 0})
+    """minimum learning rate of the --decoupled-lr parameters (default: --min-lr)"""
 
-    weight_decay: float
-    """Weight decay (--weight-decay)."""
+    weight_decay: float = field(default=0.01, metadata={"min": 0})
+    """Weight decay."""
 
-    adam_beta1: float
-    """Adam's first-moment coefficient (--adam-beta1)."""
+    adam_beta1: float = field(default=0.9, metadata={"min": 0, "below": 1})
+    """Adam's first-moment coefficient."""
 
-    adam_beta2: float
-    """Adam's second-moment coefficient (--adam-beta2)."""
+    adam_beta2: float = field(default=0.999, metadata={"min": 0, "below": 1})
+    """Adam's second-moment coefficient."""
 
-    adam_eps: float
-    """Adam's epsilon (--adam-eps)."""
+    adam_eps: float = field(default=1e-8, metadata={"above": 0})
+    """Adam's epsilon."""
 
-    sgd_momentum: float
-    """SGD's momentum (--sgd-momentum)."""
+    sgd_momentum: float = field(default=0.9, metadata={"min": 0, "below": 1})
+    """SGD's momentum."""
 
-    clip_grad: float
-    """Clip the global gradient norm to this (--clip-grad)."""
+    clip_grad: float = field(default=1.0, metadata={"min": 0})
+    """gradient-norm clip (0: no clipping)"""
 
     use_distributed_optimizer: bool
     """Shard the optimizer state over data-parallel ranks (--use-distributed-optimizer)."""
 
-    use_precision_aware_optimizer: bool
-    """Transformer Engine's FusedAdam with the dtypes below (--use-precision-aware-optimizer)."""
+    use_precision_aware_optimizer: bool = False
+    """Transformer Engine's FusedAdam with the main parameters, gradients and Adam moments in the dtypes
+    below (needs --use-distributed-optimizer and --optimizer adam)"""
 
-    main_grads_dtype: str
-    """Main gradients' dtype of the precision-aware optimizer (--main-grads-dtype)."""
+    main_grads_dtype: str = field(default="fp32", metadata={"choices": ("fp32", "bf16")})
+    """dtype of the main gradients (bf16: needs --bf16) with --use-precision-aware-optimizer"""
 
-    main_params_dtype: str
-    """Main parameters' dtype of the precision-aware optimizer (--main-params-dtype)."""
+    main_params_dtype: str = field(default="fp32", metadata={"choices": ("fp32", "fp16")})
+    """dtype of the main parameters with --use-precision-aware-optimizer"""
 
-    exp_avg_dtype: str
-    """Adam's first moment's dtype (--exp-avg-dtype)."""
+    exp_avg_dtype: str = field(default="fp32", metadata={"choices": tuple(OPTIMIZER_DTYPES)})
+    """dtype of the Adam's first moment with --use-precision-aware-optimizer"""
 
-    exp_avg_sq_dtype: str
-    """Adam's second moment's dtype (--exp-avg-sq-dtype)."""
+    exp_avg_sq_dtype: str = field(default="fp32", metadata={"choices": tuple(OPTIMIZER_DTYPES)})
+    """dtype of the Adam's second moment with --use-precision-aware-optimizer"""
 
-    loss_scale: Optional[float]
-    """A fixed loss scale (--loss-scale); None = dynamic scaling with --fp16."""
+    loss_scale: Optional[float] = field(default=None, metadata={"above": 0})
+    """static loss scale (fp16); default dynamic"""
 
-    initial_loss_scale: float
-    """Dynamic loss scaling's first scale (--initial-loss-scale)."""
+    initial_loss_scale: float = field(default=2.0**32, metadata={"above": 0})
+    """Dynamic loss scaling's first scale."""
 
-    min_loss_scale: float
-    """Dynamic loss scaling's smallest scale (--min-loss-scale)."""
+    min_loss_scale: float = field(default=1.0, metadata={"above": 0})
+    """Dynamic loss scaling's smallest scale."""
 
-    loss_scale_window: float
-    """Iterations without overflow before the scale grows (--loss-scale-window)."""
+    # The int 1000, as Megatron-LM's flag: config.yaml has always written "loss_scale_window: 1000".
+    loss_scale_window: float = field(default=1000, metadata={"min": 1})
+    """Iterations without overflow before the dynamic loss scale grows."""
 
-    hysteresis: int
-    """Overflows tolerated before the scale shrinks (--hysteresis)."""
+    hysteresis: int = field(default=2, metadata={"min": 1})
+    """Overflows tolerated before the dynamic loss scale shrinks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,8 +279,9 @@ class DistributedConfig:
     accumulate_allreduce_grads_in_fp32: bool
     """Accumulate and reduce gradients in float32 (--accumulate-allreduce-grads-in-fp32)."""
 
-    check_for_nan_in_loss_and_grad: bool
-    """Check the loss and gradients for NaN each step (--no-check-for-nan-in-loss-and-grad turns it off)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """check loss and gradients for NaN/Inf every iteration (the default; --no-check-for-nan-in-loss-and-grad:
+    not every iteration, a checkpoint is still refused when the parameters hold NaN/Inf); see --nan-action"""
 
     no_overlap_p2p_communication: bool
     """Interleaved schedule: batched, non-overlapped p2p (--no-overlap-p2p-communication)."""
@@ -402,56 +420,64 @@ class LoggingConfig:
 class RunControlConfig:
     """Seed, exit conditions, fault handling, garbage collection and profiling."""
 
-    seed: int
-    """Random seed (--seed)."""
+    seed: int = field(default=1234, metadata={"min": 0})
+    """Random seed (Megatron-LM's default; the model's initialisation seed too)."""
 
-    exit_interval: Optional[int]
-    """Stop at an iteration divisible by this (--exit-interval)."""
+    exit_interval: Optional[int] = field(default=None, metadata={"min": 1})
+    """stop (after saving) at an iteration multiple of N"""
 
-    exit_duration_in_mins: Optional[float]
-    """Stop after this many minutes (--exit-duration-in-mins)."""
+    exit_duration_in_mins: Optional[float] = field(default=None, metadata={"above": 0})
+    """Stop (after saving) once the run has taken this many minutes."""
 
-    exit_signal_handler: bool
-    """Save and stop on SIGTERM (--exit-signal-handler)."""
+    exit_signal_handler: bool = False
+    """on SIGTERM: save a checkpoint at the end of the current iteration and exit 0"""
 
-    nan_action: str
-    """What a NaN loss or gradient does (--nan-action)."""
+    nan_action: str = field(default="save-and-stop", metadata={"choices": ("stop", "save-and-stop", "skip")})
+    """on NaN/Inf: stop; save the last good state (when --save is given) and stop; or skip the optimizer step
+    and continue (counted as a nan iteration)"""
 
-    inject_nan_at_iteration: Optional[int]
-    """Fault injection: a NaN loss at this iteration (--inject-nan-at-iteration)."""
+    inject_nan_at_iteration: Optional[int] = field(default=None, metadata={"min": 1, "hidden": True})
+    """Fault injection: a NaN loss at this iteration."""
 
-    manual_gc: bool
-    """Collect garbage at fixed points instead of by threshold (--manual-gc)."""
+    manual_gc: bool = False
+    """turn Python's threshold-based garbage collector off and collect at fixed points (the same on every
+    rank): at start-up, around each evaluation (--manual-gc-eval) and every --manual-gc-interval iterations"""
 
-    manual_gc_interval: int
-    """Iterations between manual collections; 0 = only around evaluation (--manual-gc-interval)."""
+    manual_gc_interval: int = field(default=0, metadata={"min": 0})
+    """with --manual-gc: collect every N training iterations (0: never between steps)"""
 
-    manual_gc_eval: bool
-    """Collect around each evaluation with --manual-gc (--no-manual-gc-eval turns it off)."""
+    manual_gc_eval: bool = True
+    """with --manual-gc: collect before and after each evaluation (the default; --no-manual-gc-eval: no
+    collection around evaluations)"""
 
-    empty_unused_memory_level: int
-    """Empty the CUDA cache each iteration: 0 off, 1 moderate, 2 aggressive (--empty-unused-memory-level)."""
+    empty_unused_memory_level: int = field(default=0, metadata={"min": 0, "choices": (0, 1, 2)})
+    """release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after each step's
+    backward and each evaluation step, 2 also after the optimizer step"""
 
-    profile: bool
-    """Profile the steps --profile-step-start to --profile-step-end (--profile)."""
+    profile: bool = False
+    """profile iterations --profile-step-start to --profile-step-end on --profile-ranks: with
+    --use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else nsys ranges (CUDA only)"""
 
-    use_pytorch_profiler: bool
-    """The PyTorch profiler instead of nsys ranges (--use-pytorch-profiler)."""
+    use_pytorch_profiler: bool = False
+    """with --profile: torch.profiler, trace written under --tensorboard-dir (TensorBoard,
+    Perfetto/chrome://tracing)"""
 
-    profile_ranks: List[int]
-    """Ranks that profile (--profile-ranks)."""
+    profile_ranks: List[int] = field(default_factory=lambda: [0], metadata={"nargs": "+", "min": 0})
+    """global ranks to profile"""
 
-    profile_step_start: int
-    """First profiled iteration (--profile-step-start)."""
+    profile_step_start: int = field(default=10, metadata={"min": 0})
+    """First profiled iteration."""
 
-    profile_step_end: int
-    """Iteration at which profiling stops (--profile-step-end)."""
+    profile_step_end: int = field(default=12, metadata={"min": 1})
+    """Iteration at which profiling stops."""
 
-    record_memory_history: bool
-    """Record CUDA memory history (--record-memory-history)."""
+    record_memory_history: bool = False
+    """record the CUDA caching allocator's history on the --profile-ranks and write a snapshot
+    (torch.cuda.memory._dump_snapshot) to --memory-snapshot-path, one file per rank, at each --log-interval
+    (CUDA only)"""
 
-    memory_snapshot_path: str
-    """Where the memory history is written (--memory-snapshot-path)."""
+    memory_snapshot_path: str = "snapshot.pickle"
+    """with --record-memory-history: the snapshot file (rank R writes NAME_R.pickle)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -470,8 +496,8 @@ class FoldedFlagsConfig:
     """An untied output layer (--untie-embeddings-and-output-weights), folded into --input-embedding (which
     validation makes consistent with it)."""
 
-    grad_reduce_in_bf16: bool
-    """Reduce gradients in bf16 (--grad-reduce-in-bf16), folded into --accumulate-allreduce-grads-in-fp32."""
+    grad_reduce_in_bf16: bool = False
+    """reduce gradients in bf16 instead of fp32 (with --bf16); folded into --accumulate-allreduce-grads-in-fp32"""
 
     group_query_attention: bool
     """Grouped-query attention (--group-query-attention), folded into --num-query-groups."""

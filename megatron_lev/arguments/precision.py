@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from megatron.core.transformer import TransformerConfig
 
-from megatron_lev.config_flags import Number, POSITIVE_FLOAT, POSITIVE_INT, add_config_flags
+from megatron_lev.config_flags import add_config_flags, add_switch_flags
 from megatron_lev.lev.config import ConfigError
 
+from .groups import OPTIMIZER_DTYPES, FoldedFlagsConfig, OptimizerRunConfig
 from .model import TRANSFORMER_RANGES, TRANSFORMER_VALUE_FIELDS, field_flag
 
+__all__ = ["OPTIMIZER_DTYPES", "OPTIMIZER_DTYPE_FIELDS", "add_precision_flags", "check_precision_flags",
+           "precision_aware_optimizer_refusal"]
 
-# Megatron-LM's names of the precision-aware optimizer's dtypes (fp8 is stored as uint8, as there).
-OPTIMIZER_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "uint8"}
+# The precision-aware optimizer's dtypes (fields of OptimizerRunConfig and of megatron-core's OptimizerConfig).
 OPTIMIZER_DTYPE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+_LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 # The arguments of Transformer Engine's FusedAdam that megatron-core's precision-aware optimizer passes.
 _FUSED_ADAM_ARGS = ("master_weight_dtype", "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad")
@@ -28,28 +31,17 @@ def add_precision_flags(p) -> None:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"])
     g.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"])
-    g.add_argument("--loss-scale", type=POSITIVE_FLOAT, default=None, help="static loss scale (fp16); default dynamic")
-    g.add_argument("--initial-loss-scale", type=POSITIVE_FLOAT, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=POSITIVE_FLOAT, default=1.0)
-    g.add_argument("--loss-scale-window", type=Number(float, min=1), default=1000)
-    g.add_argument("--hysteresis", type=POSITIVE_INT, default=2)
+    add_config_flags(g, OptimizerRunConfig, field_flag, _LOSS_SCALING)
     # FP8 scaling: TransformerConfig fields of the installed megatron-core (they need --fp8-format).
     add_config_flags(g, TransformerConfig, field_flag, [n for n in TRANSFORMER_VALUE_FIELDS if n.startswith("fp8")],
                      ranges=TRANSFORMER_RANGES)
     g.add_argument("--fp8-param-gather", action="store_true",
                    help="keep the parameters in FP8 and all-gather them in FP8 (TransformerConfig.fp8_param; "
                         "needs --fp8-format and --use-distributed-optimizer)")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="reduce gradients in bf16 instead of fp32 (with --bf16)")
-    g.add_argument("--use-precision-aware-optimizer", action="store_true",
-                   help="Transformer Engine's FusedAdam with the main parameters, gradients and Adam moments in "
-                        "the dtypes below (needs --use-distributed-optimizer and --optimizer adam)")
-    for flag, choices, what in (("--main-grads-dtype", ("fp32", "bf16"), "main gradients (bf16: needs --bf16)"),
-                                ("--main-params-dtype", ("fp32", "fp16"), "main parameters"),
-                                ("--exp-avg-dtype", tuple(OPTIMIZER_DTYPES), "Adam's first moment"),
-                                ("--exp-avg-sq-dtype", tuple(OPTIMIZER_DTYPES), "Adam's second moment")):
-        g.add_argument(flag, default="fp32", choices=choices,
-                       help=f"dtype of the {what} with --use-precision-aware-optimizer")
+    add_switch_flags(g, FoldedFlagsConfig, (("--grad-reduce-in-bf16", "grad_reduce_in_bf16", True),))
+    add_switch_flags(g, OptimizerRunConfig, (("--use-precision-aware-optimizer", "use_precision_aware_optimizer",
+                                              True),))
+    add_config_flags(g, OptimizerRunConfig, field_flag, OPTIMIZER_DTYPE_FIELDS)
 
 
 def precision_aware_optimizer_refusal():
@@ -93,7 +85,7 @@ def _check_precision_aware_optimizer(args) -> None:
     """As Megatron-LM (and megatron-core's OptimizerConfig): the state dtypes other than fp32 need the
     precision-aware optimizer, which needs Adam, the distributed optimizer and Transformer Engine's
     FusedAdam; bf16 main gradients accumulate and reduce in bf16 (the gradient buffer's dtype)."""
-    changed = [f for f in OPTIMIZER_DTYPE_FIELDS if getattr(args, f) != "fp32"]
+    changed = [f for f in OPTIMIZER_DTYPE_FIELDS if getattr(args, f) != getattr(OptimizerRunConfig, f)]
     if not args.use_precision_aware_optimizer:
         if changed:
             name = changed[0]

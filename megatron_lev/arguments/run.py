@@ -4,13 +4,10 @@ logging, TensorBoard/wandb, evaluation cadence; garbage collection, memory and p
 
 from __future__ import annotations
 
-import argparse
-
-from megatron_lev.config_flags import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, add_config_flags, \
-    add_switch_flags, field_flag
+from megatron_lev.config_flags import add_config_flags, add_switch_flags, field_flag
 from megatron_lev.lev.config import ConfigError
 
-from .groups import LoggingConfig
+from .groups import CheckpointingConfig, DistributedConfig, LoggingConfig, RunControlConfig, ScheduleConfig
 
 # The logging flags, generated from LoggingConfig's fields (--logging-level is declared with the
 # garbage-collection and profiling flags, as in Megatron-LM's help).
@@ -23,64 +20,36 @@ _LOGGING_SWITCHES = tuple((field_flag(name), name, True) for name in (
      False),)
 
 
+_RUN_VALUES = ("seed", "exit_interval", "exit_duration_in_mins", "nan_action", "inject_nan_at_iteration")
+_FAULT_INJECTION = ("debug_kill_during_save", "debug_stall_during_save", "debug_enospc_during_save")
+# The NaN check is on by default (Megatron-LM's); both spellings are kept.
+_NAN_CHECK_SWITCHES = (("--check-for-nan-in-loss-and-grad", "check_for_nan_in_loss_and_grad", True),
+                       ("--no-check-for-nan-in-loss-and-grad", "check_for_nan_in_loss_and_grad", False))
+_GC_SWITCHES = (("--manual-gc", "manual_gc", True), ("--manual-gc-eval", "manual_gc_eval", True),
+                (("--no-manual-gc-eval", "--disable-manual-gc-eval"), "manual_gc_eval", False))
+_PROFILE_SWITCHES = tuple((field_flag(name), name, True) for name in (
+    "profile", "record_memory_history", "use_pytorch_profiler"))
+
+
 def add_run_flags(p) -> None:
     g = p.add_argument_group("run control")
-    g.add_argument("--seed", type=NON_NEGATIVE_INT, default=1234)
-    g.add_argument("--exit-interval", type=POSITIVE_INT, default=None, help="stop (after saving) at an iteration multiple of N")
-    g.add_argument("--exit-duration-in-mins", type=POSITIVE_FLOAT, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM: save a checkpoint at the end of the current iteration and exit 0")
-    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
-                   default=True, help="check loss and gradients for NaN/Inf every iteration (the default); "
-                                      "see --nan-action")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false", help="do not check every iteration (a checkpoint is still refused "
-                                              "when the parameters hold NaN/Inf)")
-    g.add_argument("--nan-action", default="save-and-stop", choices=["stop", "save-and-stop", "skip"],
-                   help="on NaN/Inf: stop; save the last good state (when --save is given) and stop; "
-                        "or skip the optimizer step and continue (counted as a nan iteration)")
-    g.add_argument("--inject-nan-at-iteration", type=POSITIVE_INT, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--debug-kill-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
-    g.add_argument("--debug-stall-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
-    g.add_argument("--debug-enospc-during-save", default=None, help=argparse.SUPPRESS)  # "RANK:ITER"
+    add_config_flags(g, RunControlConfig, field_flag, _RUN_VALUES)
+    add_switch_flags(g, RunControlConfig, (("--exit-signal-handler", "exit_signal_handler", True),))
+    add_switch_flags(g, DistributedConfig, _NAN_CHECK_SWITCHES)
+    add_config_flags(g, CheckpointingConfig, field_flag, _FAULT_INJECTION)
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--eval-interval", type=POSITIVE_INT, default=1000)
-    g.add_argument("--eval-iters", type=NON_NEGATIVE_INT, default=100)
-    g.add_argument("--skip-train", action="store_true", help="only evaluate (after --load)")
+    add_config_flags(g, ScheduleConfig, field_flag, ("eval_interval", "eval_iters"))
+    add_switch_flags(g, ScheduleConfig, (("--skip-train", "skip_train", True),))
     add_config_flags(g, LoggingConfig, field_flag, _LOGGING_VALUES)
     add_switch_flags(g, LoggingConfig, _LOGGING_SWITCHES)
 
     g = p.add_argument_group("garbage collection, memory and profiling")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="turn Python's threshold-based garbage collector off and collect at fixed points "
-                        "(the same on every rank): at start-up, around each evaluation (--manual-gc-eval) and "
-                        "every --manual-gc-interval iterations")
-    g.add_argument("--manual-gc-interval", type=NON_NEGATIVE_INT, default=0,
-                   help="with --manual-gc: collect every N training iterations (0: never between steps)")
-    g.add_argument("--manual-gc-eval", dest="manual_gc_eval", action="store_true", default=True,
-                   help="with --manual-gc: collect before and after each evaluation (the default)")
-    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", dest="manual_gc_eval", action="store_false",
-                   help="with --manual-gc: no collection around evaluations")
-    g.add_argument("--empty-unused-memory-level", type=NON_NEGATIVE_INT, default=0, choices=[0, 1, 2],
-                   help="release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after "
-                        "each step's backward and each evaluation step, 2 also after the optimizer step")
+    add_switch_flags(g, RunControlConfig, _GC_SWITCHES)
+    add_config_flags(g, RunControlConfig, field_flag, ("manual_gc_interval", "empty_unused_memory_level"))
     add_config_flags(g, LoggingConfig, field_flag, ("logging_level",))
-    g.add_argument("--profile", action="store_true",
-                   help="profile iterations --profile-step-start to --profile-step-end on --profile-ranks: with "
-                        "--use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else nsys ranges "
-                        "(CUDA only)")
-    g.add_argument("--profile-step-start", type=NON_NEGATIVE_INT, default=10)
-    g.add_argument("--profile-step-end", type=POSITIVE_INT, default=12)
-    g.add_argument("--profile-ranks", type=NON_NEGATIVE_INT, nargs="+", default=[0], help="global ranks to profile")
-    g.add_argument("--record-memory-history", action="store_true",
-                   help="record the CUDA caching allocator's history on the --profile-ranks and write a snapshot "
-                        "(torch.cuda.memory._dump_snapshot) to --memory-snapshot-path, one file per rank, at "
-                        "each --log-interval (CUDA only)")
-    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
-                   help="with --record-memory-history: the snapshot file (rank R writes NAME_R.pickle)")
-    g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="with --profile: torch.profiler, trace written under --tensorboard-dir "
-                        "(TensorBoard, Perfetto/chrome://tracing)")
+    add_switch_flags(g, RunControlConfig, _PROFILE_SWITCHES)
+    add_config_flags(g, RunControlConfig, field_flag, ("profile_step_start", "profile_step_end", "profile_ranks",
+                                                       "memory_snapshot_path"))
 
 
 # The flags that only add scalars to TensorBoard/wandb.
@@ -101,7 +70,7 @@ def check_run(args) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("--record-memory-history records the CUDA caching allocator's history: it needs CUDA "
                               "(drop the flag on CPU)")
-    elif args.memory_snapshot_path != "snapshot.pickle":
+    elif args.memory_snapshot_path != RunControlConfig.memory_snapshot_path:  # the flag's default
         raise ConfigError("--memory-snapshot-path needs --record-memory-history")
     if not args.manual_gc and (args.manual_gc_interval or not args.manual_gc_eval):
         flag = "--manual-gc-interval" if args.manual_gc_interval else "--no-manual-gc-eval"

@@ -19,67 +19,41 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from megatron_lev.compat.versions import batch_size_calculator
-from megatron_lev.config_flags import NON_NEGATIVE_FLOAT, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, \
-    Number
+from megatron_lev.config_flags import POSITIVE_INT, add_config_flags, add_switch_flags, field_flag
 from megatron_lev.lev.config import ConfigError
+
+from .groups import OptimizerRunConfig, ScheduleConfig
+
+
+# The optimizer, schedule, batch-size and training-length flags, generated from the fields of the
+# optimizer and schedule groups (the loss flags below are the model's).
+_OPTIMIZER_VALUES = ("optimizer", "lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "adam_beta1",
+                     "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad")
+_LR_SCHEDULE_VALUES = ("lr_decay_style", "lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters",
+                       "lr_wsd_decay_samples", "lr_wsd_decay_style", "lr_warmup_iters", "lr_warmup_samples",
+                       "lr_warmup_fraction", "lr_warmup_init", "start_weight_decay", "end_weight_decay",
+                       "weight_decay_incr_style")
+# Megatron-LM's first spelling of each keeps its underscore.
+_LR_SCHEDULE_SWITCHES = (
+    (("--override-opt_param-scheduler", "--override-opt-param-scheduler"), "override_opt_param_scheduler", True),
+    (("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"),
+     "use_checkpoint_opt_param_scheduler", True),
+)
+_BATCH_VALUES = ("train_iters", "train_samples", "micro_batch_size", "global_batch_size", "rampup_batch_size",
+                 "step_batch_size_schedule")
 
 
 def add_schedule_flags(p) -> None:
     g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
-                   help="adam is AdamW (decoupled weight decay), as in megatron-core")
-    g.add_argument("--lr", type=NON_NEGATIVE_FLOAT, default=None)
-    g.add_argument("--min-lr", type=NON_NEGATIVE_FLOAT, default=0.0)
-    g.add_argument("--decoupled-lr", type=NON_NEGATIVE_FLOAT, default=None,
-                   help="learning rate of the input embedding and the output layer (with LEV: the whole input "
-                        "arm, i.e. codebooks, spline heads and projections; with every arm: its input module "
-                        "and the output head); the others follow --lr")
-    g.add_argument("--decoupled-min-lr", type=NON_NEGATIVE_FLOAT, default=None,
-                   help="minimum learning rate of the --decoupled-lr parameters (default: --min-lr)")
-    g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    g.add_argument("--lr-decay-iters", type=POSITIVE_INT, default=None, help="default: --train-iters")
-    g.add_argument("--lr-decay-samples", type=POSITIVE_INT, default=None,
-                   help="with --train-samples: samples to decay the learning rate over (default: --train-samples)")
-    g.add_argument("--lr-wsd-decay-iters", type=POSITIVE_INT, default=None)
-    g.add_argument("--lr-wsd-decay-samples", type=POSITIVE_INT, default=None,
-                   help="with --train-samples: samples of the annealing phase of --lr-decay-style WSD")
-    g.add_argument("--lr-wsd-decay-style", default="exponential",
-                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
-    g.add_argument("--lr-warmup-iters", type=NON_NEGATIVE_INT, default=0)
-    g.add_argument("--lr-warmup-samples", type=NON_NEGATIVE_INT, default=0,
-                   help="with --train-samples: samples to warm the learning rate up over")
-    g.add_argument("--lr-warmup-fraction", type=Number(float, min=0, max=1), default=None)
-    g.add_argument("--lr-warmup-init", type=NON_NEGATIVE_FLOAT, default=0.0)
-    g.add_argument("--weight-decay", type=NON_NEGATIVE_FLOAT, default=0.01)
-    g.add_argument("--start-weight-decay", type=NON_NEGATIVE_FLOAT, default=None)
-    g.add_argument("--end-weight-decay", type=NON_NEGATIVE_FLOAT, default=None)
-    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
-    g.add_argument("--adam-beta1", type=PROBABILITY, default=0.9)
-    g.add_argument("--adam-beta2", type=PROBABILITY, default=0.999)
-    g.add_argument("--adam-eps", type=POSITIVE_FLOAT, default=1e-8)
-    g.add_argument("--sgd-momentum", type=PROBABILITY, default=0.9)
-    g.add_argument("--clip-grad", type=NON_NEGATIVE_FLOAT, default=1.0, help="gradient-norm clip (0: no clipping)")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
-                   dest="override_opt_param_scheduler", action="store_true")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
-                   dest="use_checkpoint_opt_param_scheduler", action="store_true")
+    # --lr is required: validation asks for it (the field has no default).
+    add_config_flags(g, OptimizerRunConfig, field_flag, _OPTIMIZER_VALUES, defaults={"lr": None})
+    add_config_flags(g, ScheduleConfig, field_flag, _LR_SCHEDULE_VALUES)
+    add_switch_flags(g, ScheduleConfig, _LR_SCHEDULE_SWITCHES)
 
     g = p.add_argument_group("batch size and training length")
-    g.add_argument("--micro-batch-size", type=POSITIVE_INT, default=None)
-    g.add_argument("--global-batch-size", type=POSITIVE_INT, default=None, help="default: micro x data-parallel size")
-    g.add_argument("--rampup-batch-size", type=NON_NEGATIVE_INT, nargs=3, default=None,
-                   metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="grow the global batch from START by INCREMENT to --global-batch-size over SAMPLES "
-                        "samples (megatron-core's ramp-up calculator; needs --train-samples)")
-    g.add_argument("--step-batch-size-schedule", default=None, metavar="'T0:B0 T1:B1 ...'",
-                   help="global batch B_i from T_i tokens on (suffixes K/M/B/T; the first T is 0); the largest "
-                        "is the global batch size (megatron-core >= 0.18)")
-    g.add_argument("--train-iters", type=NON_NEGATIVE_INT, default=None,
-                   help="0: no training step (a model to convert or evaluate)")
-    g.add_argument("--train-samples", type=POSITIVE_INT, default=None,
-                   help="train for this many samples (instead of --train-iters); the schedule flags are then "
-                        "the --lr-*-samples ones")
+    # Required (--micro-batch-size) or derived by validation (--global-batch-size): None until then.
+    add_config_flags(g, ScheduleConfig, field_flag, _BATCH_VALUES,
+                     defaults={"micro_batch_size": None, "global_batch_size": None})
 
     g = p.add_argument_group("loss")
     g.add_argument("--calculate-per-token-loss", action="store_true",

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from megatron_lev.distributed.layout import ParallelLayout
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models import LevModelConfig, build_gpt_model, build_transformer_config, lev_modules
 from megatron_lev.models.config import TRANSFORMER_FLAG_FIELDS, check_cuda_device_max_connections, check_fp8_tokens, \
@@ -191,19 +192,16 @@ def relayout(saved: Mapping[str, Any], tp: int, pp: int, vpp: Optional[int] = No
     a run resumed from the result chooses its own ``--expert-model-parallel-size``.
     """
     a = dict(saved)
-    tp, pp = int(tp), int(pp)
-    world = int(world_size or tp * pp)
-    if tp < 1 or pp < 1:
-        raise ConfigError("target layout: tensor- and pipeline-parallel sizes must be >= 1")
-    if world % (tp * pp):
-        raise ConfigError(f"TP {tp} x PP {pp} = {tp * pp} does not divide the world size {world}")
+    # The sizes' rules are the layout's (vpp 1 is no interleaving there too); the experts go to EP 1 below.
+    layout = ParallelLayout(world_size=int(world_size or max(1, tp * pp)), tp=int(tp), pp=int(pp), vpp=vpp)
+    tp, pp = layout.tp, layout.pp
     padded = int(a["padded_vocab_size"])
     if padded % tp != 0:
         raise ConfigError(f"the padded vocabulary ({padded} rows) is not divisible by TP {tp}")
     a["make_vocab_size_divisible_by"] = _divisible_by_for(a, padded, tp)
     a.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-             virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
-             num_layers_per_virtual_pipeline_stage=None, world_size=world, data_parallel_size=world // (tp * pp))
+             virtual_pipeline_model_parallel_size=layout.vpp, num_layers_per_virtual_pipeline_stage=None,
+             world_size=layout.world_size, data_parallel_size=layout.dp)
     if tp == 1:
         a["sequence_parallel"] = False
     if a.get("num_experts"):

@@ -543,10 +543,8 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
     try:
         rc, tokenizer, config, model_config = _setup_configs(argv)
         setup = init_distributed(
-            tp=rc.layout.tp, pp=rc.layout.pp,
-            vpp=rc.layout.vpp, backend=rc.distributed.distributed_backend,
-            timeout_minutes=rc.distributed.distributed_timeout_minutes, ep=rc.layout.ep,
-            etp=rc.layout.etp)
+            layout=rc.layout, backend=rc.distributed.distributed_backend,
+            timeout_minutes=rc.distributed.distributed_timeout_minutes)
     except (_StartupError, DistributedConfigError) as e:
         report_error(str(e), show=rank_env == 0)
         return EXIT_CONFIG_ERROR

@@ -30,3 +30,20 @@ def test_relayout_regathers_the_experts_of_an_moe_model():
     assert (a["expert_model_parallel_size"], a["expert_tensor_parallel_size"]) == (1, None)
     dense = relayout({k: v for k, v in saved.items() if k != "num_experts"}, tp=1, pp=1)
     assert dense["expert_model_parallel_size"] == 2  # a dense model's saved value is left as it was
+
+
+def test_relayout_refuses_a_layout_in_the_layouts_own_words():
+    """The target layout's sizes are checked by ParallelLayout's rules, not restated: the same one line as
+    the flags get, and virtual stages at PP 1 (which megatron-core refuses) are refused here too."""
+    from megatron_lev.distributed import ParallelLayout
+
+    saved = {"padded_vocab_size": 384, "make_vocab_size_divisible_by": 128, "tensor_model_parallel_size": 1,
+             "pipeline_model_parallel_size": 1}
+    for sizes in (dict(tp=2, pp=2, world_size=6), dict(tp=1, pp=1, vpp=2), dict(tp=0, pp=1)):
+        with pytest.raises(ConfigError) as got:
+            relayout(saved, **sizes)
+        with pytest.raises(ConfigError) as want:
+            ParallelLayout(world_size=sizes.pop("world_size", 1), **sizes)
+        assert str(got.value) == str(want.value)
+    a = relayout(saved, tp=1, pp=2, vpp=1, world_size=4)
+    assert (a["virtual_pipeline_model_parallel_size"], a["data_parallel_size"]) == (None, 2)

@@ -229,3 +229,22 @@ def test_bootstrap_takes_a_layout(single_process):
     msg = _refusal(init_distributed, layout=ParallelLayout(world_size=2))
     assert msg.startswith("the parallel layout is for 2 processes but this job has 1")
     assert "not both" in _refusal(init_distributed, layout=layout, tp=1)
+
+
+def test_training_hands_the_bootstrap_its_validated_layout():
+    """The trainer starts megatron's groups from the RunConfig's ParallelLayout (made once, by
+    validate_args), not from its sizes read back out of it (which the bootstrap would check again)."""
+    import ast
+    from pathlib import Path
+
+    import megatron_lev.training as training
+
+    calls = []
+    for path in sorted(Path(training.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == \
+                    "init_distributed":
+                calls.append((path.name, node.lineno, {k.arg for k in node.keywords}))
+    assert calls, "training/ starts no process group"
+    for name, line, keywords in calls:
+        assert "layout" in keywords and not keywords & {"tp", "pp", "vpp", "ep", "etp"}, (name, line, keywords)
