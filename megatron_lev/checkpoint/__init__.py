@@ -2,15 +2,16 @@
 model chunks from them, load and save (megatron-core ``dist_checkpointing``).
 
 - ``files``: the tracker, ``iter_*`` directories, ``open_checkpoint`` (saved arguments and common state).
-- ``build``: flat arguments -> TransformerConfig + LevModelConfig -> model chunks; ``relayout``.
+- ``build``: flat arguments -> TransformerConfig + LevModelConfig -> model chunks; ``relayout``;
+  ``SavedModel``, the rest of what evaluation reads of them, typed.
 - ``sharded``: ``save_checkpoint`` / ``load_checkpoint`` (model, optimizer, scheduler, RNG) and
   ``load_model_state`` (model only, any layout).
 
 Training, evaluation and conversion all use this package; it imports ``models`` and ``lev`` only.
 """
 
-from .build import build_configs, build_model_chunks, lev_table_modules, model_config_from_args, params_dtype, \
-    relayout, transformer_config_kwargs
+from .build import SavedModel, build_configs, build_model_chunks, lev_table_modules, model_config_from_args, \
+    params_dtype, relayout, transformer_config_kwargs
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, check_checkpoint_tokenizer, \
     check_intact, checkpoint_dir, find_checkpoint, find_damage, older_complete_checkpoint, load_common, mark_verified, \
     open_checkpoint, read_tracker
@@ -24,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSaveError",
     "SavedCheckpoint",
+    "SavedModel",
     "build_configs",
     "build_model_chunks",
     "check_checkpoint_tokenizer",

@@ -12,6 +12,7 @@ output head are placed by ``megatron_lev.models.build_gpt_model`` on the first/l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -172,6 +173,31 @@ def build_model_chunks(config, model_config: LevModelConfig) -> List[torch.nn.Mo
         chunks.append(build_gpt_model(config=config, model_config=model_config, pre_process=pre, post_process=post,
                                       vp_stage=vp_stage))
     return chunks
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """What saved arguments (a checkpoint's ``config.yaml``) say beside the configs :func:`build_configs`
+    makes of them, typed, for the readers of a checkpoint without the ``arguments`` package (evaluation).
+    A setting the file lacks is None."""
+
+    seq_length: Optional[int]
+    """Tokens per training sequence (--seq-length)."""
+
+    padded_vocab_size: Optional[int]
+    """Embedding rows of the saved model: the tokenizer's vocabulary padded as training padded it."""
+
+    mtp_num_layers: Optional[int]
+    """Multi-token-prediction layers the model was trained with (--mtp-num-layers); None = none."""
+
+    @classmethod
+    def from_saved_args(cls, saved: Mapping[str, Any]) -> "SavedModel":
+        """The view of ``saved`` (flat saved arguments of any version)."""
+        def number(name: str) -> Optional[int]:
+            return int(saved[name]) if saved.get(name) else None
+
+        return cls(seq_length=number("seq_length"), padded_vocab_size=number("padded_vocab_size"),
+                   mtp_num_layers=number("mtp_num_layers"))
 
 
 def lev_table_modules(chunks) -> list:

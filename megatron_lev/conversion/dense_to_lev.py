@@ -46,7 +46,7 @@ from megatron_lev.distributed import set_seed
 from megatron_lev.kernels import register_default_kernels
 from megatron_lev.lev import ConfigError, LEVConfig, LEVEmbedding, lev_param_count
 
-from .source import ConversionError, disk_full_is_one_line, open_checkpoint, save_target
+from .source import ConversionError, disk_full_is_one_line, open_checkpoint, save_target, saved_config
 
 
 @dataclass
@@ -291,7 +291,7 @@ def _write_lev_rank(src_path: str, src_a: Dict[str, Any], dst: str, iteration: i
 
     from .model_io import build_model, load_model_weights, save_model_checkpoint
 
-    set_seed(int(a.get("seed", 1234)))
+    set_seed(saved_config(a).run.seed)
     src_chunks, _c, _m = build_model(src_a)
     load_model_weights(src_chunks, src_path)
     src = src_chunks[0].state_dict()
@@ -351,14 +351,15 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     fit.validate()
     source = open_checkpoint(src, iteration)
     a = source.args
-    if a.get("input_embedding") not in ("tied", "untied"):
-        raise ConversionError(f"{source.path}: --input-embedding is {a.get('input_embedding')}; to-lev needs a "
+    rc = saved_config(source)
+    if rc.model.input_embedding not in ("tied", "untied"):
+        raise ConversionError(f"{source.path}: --input-embedding is {rc.model.input_embedding}; to-lev needs a "
                               "dense input table (tied or untied)")
     dst = save_target(dst, source.root)
     counts = load_counts(token_counts)
-    V, D = int(a["padded_vocab_size"]), int(a["hidden_size"])
+    V, D = int(rc.model.padded_vocab_size), int(rc.model.hidden_size)
     lev_cfg = lev_config_for(a, lev or {})
-    tp, pp = int(a.get("tensor_model_parallel_size", 1)), int(a.get("pipeline_model_parallel_size", 1))
+    tp, pp = rc.layout.tp, rc.layout.pp
     try:
         lev_cfg.validate(V, D, tp)
     except ConfigError as e:
@@ -367,7 +368,7 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
         raise ConversionError(f"--token-counts {token_counts}: {counts.size} entries but the model has {V} ids")
     lev_a = dict(a, input_embedding="lev", untie_embeddings_and_output_weights=True,
                  **lev_cfg.to_args())
-    log(f"converting {source.path} ({a['input_embedding']}, V={V}, D={D}, iteration {source.iteration}) to lev "
+    log(f"converting {source.path} ({rc.model.input_embedding}, V={V}, D={D}, iteration {source.iteration}) to lev "
         f"-> {dst}")
     with disk_full_is_one_line(dst, "the LEV checkpoint"):
         os.makedirs(dst, exist_ok=True)
@@ -378,7 +379,7 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
             from safetensors.torch import load_file, save_file
 
             table = load_file(table_file)["table"]
-            emb, report = fit_lev(table, lev_cfg, init_method_std=float(a.get("init_method_std", 0.02)),
+            emb, report = fit_lev(table, lev_cfg, init_method_std=float(rc.model.init_method_std),
                                   counts=counts, fit=fit)
             log(report.format())
             lev_file = os.path.join(work, "lev.safetensors")

@@ -55,13 +55,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from megatron_lev.arguments.model import saved_model_arg
+from megatron_lev.arguments.run_config import ModelRunConfig, RunConfig
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
 from megatron_lev.tokenizer.fingerprint import MODEL_DIR_SIDECAR, write_sidecar
 from megatron_lev.tokenizer.tokenizers import SENTENCEPIECE_TYPES
 
-from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint
+from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint, saved_config
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -137,47 +137,58 @@ def parse_size(size) -> int:
 # ---------------------------------------------------------------------------------------- checks
 
 
-def check_hf_compatible(a: Dict[str, Any]) -> None:
-    """Raise ConversionError (one line naming the setting) when the saved model has no faithful
-    ``LlamaForCausalLM`` equivalent."""
+def check_hf_compatible(model: ModelRunConfig) -> None:
+    """Raise ConversionError (one line naming the setting) when the saved model (``RunConfig.model`` of its
+    saved arguments: a setting the file lacks is the flag's default) has no faithful ``LlamaForCausalLM``
+    equivalent."""
     def refuse(setting: str, why: str) -> None:
         raise ConversionError(f"cannot export to Hugging Face Llama: {setting} ({why})")
 
-    if a.get("num_experts"):
+    if model.num_experts:
         raise ConversionError(
-            f"MoE checkpoints do not export to Hugging Face yet; this one has --num-experts {a['num_experts']} "
+            f"MoE checkpoints do not export to Hugging Face yet; this one has --num-experts {model.num_experts} "
             "(the HF Mixtral layout is not written here): evaluate it with tools/evaluate.py, or export a "
             "dense-FFN model")
-
-    # A setting the saved arguments lack is the flag's default (saved_model_arg).
-    normalization = saved_model_arg(a, "normalization")
-    if normalization != "RMSNorm":
-        refuse(f"--normalization {normalization}", "Llama uses RMSNorm; train with --normalization RMSNorm")
-    if not saved_model_arg(a, "swiglu"):
+    if model.normalization != "RMSNorm":
+        refuse(f"--normalization {model.normalization}", "Llama uses RMSNorm; train with --normalization RMSNorm")
+    if not model.swiglu:
         refuse("GeLU MLP (--swiglu not set)", "Llama's MLP is SwiGLU")
-    if not saved_model_arg(a, "disable_bias_linear"):
+    if not model.disable_bias_linear:
         refuse("linear-layer biases (--disable-bias-linear not set)", "Llama has no biases")
-    positions = saved_model_arg(a, "position_embedding_type")
-    if positions != "rope":
-        refuse(f"--position-embedding-type {positions}", "Llama uses RoPE")
-    rotary_percent = saved_model_arg(a, "rotary_percent")
-    if float(rotary_percent) != 1.0:
-        refuse(f"--rotary-percent {rotary_percent}", "Llama rotates every channel of a head")
-    for key, why in (("qk_layernorm", "Llama has no QK norm"), ("rotary_interleaved", "Llama rotates halves"),
-                     ("apply_layernorm_1p", "zero-centred norm weights"), ("add_qkv_bias", "Llama has no biases"),
-                     ("rope_scaling", "rope scaling")):
-        if a.get(key):
-            refuse(f"--{key.replace('_', '-')}", why)
-    if a.get("input_embedding") not in INPUT_EMBEDDINGS:
-        refuse(f"--input-embedding {a.get('input_embedding')}", "unknown input arm")
+    if model.position_embedding_type != "rope":
+        refuse(f"--position-embedding-type {model.position_embedding_type}", "Llama uses RoPE")
+    if float(model.rotary_percent) != 1.0:
+        refuse(f"--rotary-percent {model.rotary_percent}", "Llama rotates every channel of a head")
+    if model.layernorm_zero_centered_gamma:
+        refuse("--apply-layernorm-1p", "zero-centred norm weights")
+    if model.input_embedding not in INPUT_EMBEDDINGS:
+        refuse(f"--input-embedding {model.input_embedding}", "unknown input arm")
 
 
-def head_layout(a: Dict[str, Any]) -> Tuple[int, int, int]:
-    """(num_heads, num_query_groups, head_dim)."""
-    n = int(a["num_attention_heads"])
-    g = int(a.get("num_query_groups") or n)
-    hd = int(a.get("kv_channels") or (int(a["hidden_size"]) // n))
+def head_layout(shape) -> Tuple[int, int, int]:
+    """(num_heads, num_query_groups, head_dim) of ``shape``: a TransformerConfig, the saved model
+    (``ModelRunConfig``) or a Hugging Face config's :class:`LlamaShape` (unset groups: one per head; unset
+    channels: hidden / heads)."""
+    n = int(shape.num_attention_heads)
+    g = int(shape.num_query_groups or n)
+    hd = int(shape.kv_channels or (int(shape.hidden_size) // n))
     return n, g, hd
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The dimensions the weight map reads, under TransformerConfig's names (a Hugging Face config's)."""
+
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Hidden width."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads."""
+    kv_channels: int
+    """Channels per head."""
 
 
 # ------------------------------------------------------------------------------------ tensor map
@@ -219,25 +230,26 @@ def join_fc1(gate, up):
     return torch.cat([gate, up], dim=0)
 
 
-def _split(entry: MappedWeight, w, a: Dict[str, Any]):
+def _split(entry: MappedWeight, w, shape):
     if entry.fused == "qkv":
-        return split_qkv(w, *head_layout(a))
+        return split_qkv(w, *head_layout(shape))
     if entry.fused == "fc1":
         return split_fc1(w)
     return (w,)
 
 
-def _join(entry: MappedWeight, parts, a: Dict[str, Any]):
+def _join(entry: MappedWeight, parts, shape):
     if entry.fused == "qkv":
-        return join_qkv(*parts, *head_layout(a))
+        return join_qkv(*parts, *head_layout(shape))
     if entry.fused == "fc1":
         return join_fc1(*parts)
     return parts[0]
 
 
-def hf_tensors(state_dict: Dict[str, Any], a: Dict[str, Any], input_table=None, vocab_rows: Optional[int] = None,
+def hf_tensors(state_dict: Dict[str, Any], shape, input_table=None, vocab_rows: Optional[int] = None,
                tied: bool = False) -> Iterator[Tuple[str, Any]]:
-    """(HF name, tensor) pairs for a TP=1 megatron-core state dict, in HF order (:data:`WEIGHT_MAP`).
+    """(HF name, tensor) pairs for a TP=1 megatron-core state dict of a model of ``shape`` (its
+    TransformerConfig, :func:`head_layout`), in HF order (:data:`WEIGHT_MAP`).
 
     ``input_table``: the dense [V, D] input table (materialised arm); when None, the state dict's
     ``embedding.word_embeddings.weight`` is used. ``vocab_rows``: keep this many vocabulary rows.
@@ -245,7 +257,7 @@ def hf_tensors(state_dict: Dict[str, Any], a: Dict[str, Any], input_table=None, 
     used = set(k for k in state_dict if k.startswith("embedding.")) if input_table is not None else set()
     if tied:
         used.add(OUTPUT.megatron[0])
-    for entry, meg, hf in mapped_names(int(a["num_layers"]), tied):
+    for entry, meg, hf in mapped_names(int(shape.num_layers), tied):
         if entry is EMBEDDING and input_table is not None:
             w = input_table
         else:
@@ -258,7 +270,7 @@ def hf_tensors(state_dict: Dict[str, Any], a: Dict[str, Any], input_table=None, 
             w = state_dict[name].detach()
         if entry.vocab and vocab_rows is not None:
             w = w[:vocab_rows]
-        yield from zip(hf, _split(entry, w, a))
+        yield from zip(hf, _split(entry, w, shape))
     left = [k for k in state_dict if k not in used and not k.endswith("_extra_state")
             and state_dict[k] is not None and getattr(state_dict[k], "numel", lambda: 0)() > 0]
     if left:
@@ -266,20 +278,21 @@ def hf_tensors(state_dict: Dict[str, Any], a: Dict[str, Any], input_table=None, 
                               "equivalent")
 
 
-def megatron_tensors(get: Callable[[str], Any], a: Dict[str, Any], model_keys: Iterable[str], tied: bool,
+def megatron_tensors(get: Callable[[str], Any], shape, model_keys: Iterable[str], tied: bool,
                      vocab_rows: int) -> Iterator[Tuple[str, Any]]:
-    """(megatron name, tensor) pairs for a TP=1 model whose state-dict names are ``model_keys``, from HF
+    """(megatron name, tensor) pairs for a TP=1 model of ``shape`` (:func:`head_layout`) whose state-dict
+    names are ``model_keys``, from HF
     tensors read by ``get(hf_name)`` (:data:`WEIGHT_MAP` read backwards). Vocabulary matrices are padded
     with zero rows to ``vocab_rows``. Every model key is produced once, or ConversionError names it."""
     import torch
 
     keys = set(model_keys)
     done = set()
-    for entry, meg, hf in mapped_names(int(a["num_layers"]), tied):
+    for entry, meg, hf in mapped_names(int(shape.num_layers), tied):
         name = next((m for m in meg if m in keys), None)
         if name is None:
             raise ConversionError(f"the megatron model has no parameter for {hf[0]} (expected {meg[0]})")
-        w = _join(entry, [get(h) for h in hf], a)
+        w = _join(entry, [get(h) for h in hf], shape)
         if entry.vocab and w.shape[0] < vocab_rows:
             w = torch.cat([w, w.new_zeros(vocab_rows - w.shape[0], *w.shape[1:])])
         done.add(name)
@@ -348,8 +361,9 @@ class ShardedSafetensorsWriter:
 # ------------------------------------------------------------------------------ config/tokenizer
 
 
-def tokenizer_info(a: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """Vocabulary size and special ids of the checkpoint's tokenizer (None when it cannot be built)."""
+def tokenizer_info(a) -> Optional[Dict[str, Any]]:
+    """Vocabulary size and special ids of the checkpoint's tokenizer (None when it cannot be built); ``a``:
+    what ``TokenizerSpec.from_args`` reads (the saved run's ``data`` group, or saved arguments)."""
     spec = TokenizerSpec.from_args(a)
     if spec is None:
         return None
@@ -365,9 +379,9 @@ def tokenizer_info(a: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             "bos": int(bos) if isinstance(bos, int) and bos >= 0 else None}
 
 
-def export_tokenizer(a: Dict[str, Any], out_dir: str, log=print) -> List[str]:
-    """Write the checkpoint's tokenizer in HF form (or copy its files); return the written names."""
-    t = a.get("tokenizer_type")
+def export_tokenizer(spec: Optional[TokenizerSpec], out_dir: str, log=print) -> List[str]:
+    """Write the checkpoint's tokenizer (``spec``) in HF form (or copy its files); return the written names."""
+    t = spec.tokenizer_type if spec is not None else None
     before = set(os.listdir(out_dir))
     if t in (None, "NullTokenizer"):
         return []
@@ -376,12 +390,12 @@ def export_tokenizer(a: Dict[str, Any], out_dir: str, log=print) -> List[str]:
             from transformers import GPT2TokenizerFast
 
             special = dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>")
-            tok = GPT2TokenizerFast(vocab=a["vocab_file"], merges=a["merge_file"], **special)
+            tok = GPT2TokenizerFast(vocab=spec.vocab_file, merges=spec.merge_file, **special)
             if len(tok) < 1000:  # transformers < 5 names the files vocab_file / merges_file
-                tok = GPT2TokenizerFast(vocab_file=a["vocab_file"], merges_file=a["merge_file"], **special)
+                tok = GPT2TokenizerFast(vocab_file=spec.vocab_file, merges_file=spec.merge_file, **special)
             tok.save_pretrained(out_dir)
         elif t == "HuggingFaceTokenizer":
-            path = a["tokenizer_model"]
+            path = spec.tokenizer_model
             if os.path.isdir(path):
                 from transformers import AutoTokenizer
 
@@ -391,35 +405,36 @@ def export_tokenizer(a: Dict[str, Any], out_dir: str, log=print) -> List[str]:
 
                 PreTrainedTokenizerFast(tokenizer_file=path).save_pretrained(out_dir)
         elif t in SENTENCEPIECE_TYPES:
-            shutil.copy(a["tokenizer_model"], os.path.join(out_dir, "tokenizer.model"))
+            shutil.copy(spec.tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
             try:
                 from transformers import LlamaTokenizer
 
-                LlamaTokenizer(vocab_file=a["tokenizer_model"], add_bos_token=False,
+                LlamaTokenizer(vocab_file=spec.tokenizer_model, add_bos_token=False,
                                legacy=False).save_pretrained(out_dir)
             except Exception as e:  # keep the raw model file
                 log(f"WARNING: SentencePiece model copied as tokenizer.model but not converted ({e})")
         else:  # TikTokenizer: no HF class reads its file
-            shutil.copy(a["tokenizer_model"], out_dir)
+            shutil.copy(spec.tokenizer_model, out_dir)
             log(f"WARNING: --tokenizer-type {t}: its file was copied; transformers cannot load it directly")
     except (OSError, KeyError, TypeError, ValueError) as e:
         log(f"WARNING: tokenizer not exported ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
     return sorted(set(os.listdir(out_dir)) - before)
 
 
-def llama_config(a: Dict[str, Any], vocab_size: int, dtype: str, tok: Optional[Dict[str, Any]]):
+def llama_config(rc: RunConfig, vocab_size: int, dtype: str, tok: Optional[Dict[str, Any]]):
+    """The ``LlamaConfig`` of the saved run ``rc`` with ``vocab_size`` rows."""
     from transformers import LlamaConfig
 
-    n, g, hd = head_layout(a)
+    m = rc.model
+    n, g, hd = head_layout(m)
     eos = tok["eod"] if tok else None
     bos = (tok["bos"] if tok and tok["bos"] is not None else eos)
     cfg = LlamaConfig(
-        vocab_size=int(vocab_size), hidden_size=int(a["hidden_size"]), intermediate_size=int(a["ffn_hidden_size"]),
-        num_hidden_layers=int(a["num_layers"]), num_attention_heads=n, num_key_value_heads=g, head_dim=hd,
-        hidden_act="silu", max_position_embeddings=int(a.get("max_position_embeddings") or a.get("seq_length")),
-        initializer_range=float(saved_model_arg(a, "init_method_std")),
-        rms_norm_eps=float(saved_model_arg(a, "norm_epsilon")), rope_theta=float(saved_model_arg(a, "rotary_base")),
-        tie_word_embeddings=a["input_embedding"] == "tied",
+        vocab_size=int(vocab_size), hidden_size=int(m.hidden_size), intermediate_size=int(m.ffn_hidden_size),
+        num_hidden_layers=int(m.num_layers), num_attention_heads=n, num_key_value_heads=g, head_dim=hd,
+        hidden_act="silu", max_position_embeddings=int(m.max_position_embeddings or rc.data.seq_length),
+        initializer_range=float(m.init_method_std), rms_norm_eps=float(m.norm_epsilon),
+        rope_theta=float(m.rotary_base), tie_word_embeddings=m.input_embedding == "tied",
         attention_bias=False, mlp_bias=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
         architectures=["LlamaForCausalLM"],
     )
@@ -442,24 +457,24 @@ def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str,
 
     progress = opts["progress"]
     log = print if progress else (lambda m: None)
-    chunks, _config, model_config = build_model(a)
+    chunks, config, model_config = build_model(a)
     model = chunks[0]
     log(f"  loading {src_path}")
     load_model_weights(chunks, src_path, log=log)
-    arm = a["input_embedding"]
+    arm = model_config.input_embedding
     dtype = getattr(torch, opts["dtype"])
     table = None
     if arm not in ("tied", "untied"):
-        log(f"  materialising the {arm} input layer over {a['padded_vocab_size']} ids")
+        log(f"  materialising the {arm} input layer over {model_config.vocab_size} ids")
         table = materialize_input_embedding(model)
     state = model.state_dict()
     vocab_rows = opts.get("vocab_rows")
-    total = 2 + 9 * int(a["num_layers"]) + (0 if arm == "tied" else 1)
+    total = 2 + 9 * int(config.num_layers) + (0 if arm == "tied" else 1)
     writer = ShardedSafetensorsWriter(out_dir, opts["max_shard_size"], dtype=dtype)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="writing safetensors", unit="tensor", disable=not progress)
-    for name, tensor in hf_tensors(state, a, input_table=table, vocab_rows=vocab_rows, tied=arm == "tied"):
+    for name, tensor in hf_tensors(state, config, input_table=table, vocab_rows=vocab_rows, tied=arm == "tied"):
         writer.add(name, tensor)
         bar.update(1)
     bar.close()
@@ -468,7 +483,7 @@ def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str,
     if arm == "lev" and opts.get("lev", True):
         from .lev_export import write_lev
 
-        write_lev(model, a, os.path.join(out_dir, "lev"), table=table)
+        write_lev(model, config, model_config, opts["iteration"], os.path.join(out_dir, "lev"), table=table)
         result["lev"] = True
     ids = opts.get("reference_ids")
     if ids is not None:
@@ -490,8 +505,9 @@ def megatron_logits(model, ids):
     return out.float().cpu()
 
 
-def resolve_dtype(dtype: Optional[str], a: Dict[str, Any]) -> str:
-    name = dtype if dtype is not None else a.get("params_dtype_name", "float32")
+def resolve_dtype(dtype: Optional[str], trained: str) -> str:
+    """The export's dtype: ``dtype`` (--dtype), else the ``trained`` one (``params_dtype_name``)."""
+    name = dtype if dtype is not None else trained
     if name not in _DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
     return _DTYPES[name]
@@ -515,17 +531,18 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
     out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     check_writable(out_dir)  # before any work
     source = open_checkpoint(src, iteration)
-    a = source.args
-    check_hf_compatible(a)
-    dt = resolve_dtype(dtype, a)
+    rc = saved_config(source)
+    check_hf_compatible(rc.model)
+    dt = resolve_dtype(dtype, rc.model.params_dtype_name)
     shard = parse_size(max_shard_size)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConversionError(f"{out_dir}: exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ConversionError(f"{out_dir}: not empty; choose an empty --save directory (or --overwrite)")
+    spec = TokenizerSpec.from_args(rc.data)
     with _HF_LOCK:
-        tok = tokenizer_info(a)
-    padded = int(a["padded_vocab_size"])
+        tok = tokenizer_info(rc.data)
+    padded = int(rc.model.padded_vocab_size)
     vocab_rows = None
     if trim_vocab:
         if tok is None:
@@ -539,26 +556,27 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
 
         clear_export_dir(out_dir)
     if progress:
-        print(f"exporting {source.path} ({a['input_embedding']}, iteration {source.iteration}) -> {out_dir} "
+        print(f"exporting {source.path} ({rc.model.input_embedding}, iteration {source.iteration}) -> {out_dir} "
               f"as LlamaForCausalLM ({dt})", flush=True)
-    a1 = dict(layout_args(a, 1, 1), _iteration=source.iteration)
+    a1 = layout_args(source.args, 1, 1)
     opts = {"dtype": dt, "max_shard_size": shard, "vocab_rows": vocab_rows, "progress": progress, "lev": lev,
+            "iteration": source.iteration,
             "reference_ids": None if reference_ids is None else [list(map(int, r)) for r in reference_ids]}
     with disk_full_is_one_line(out_dir, "the Hugging Face export"):
         result = run_ranks(_export_rank, tp=1, pp=1, args=(source.path, out_dir, a1, opts))[0]
         vocab = vocab_rows if vocab_rows is not None else padded
         with _HF_LOCK:  # transformers' lazy imports are not thread-safe (exports may run side by side)
-            llama_config(a, vocab, dt, tok).save_pretrained(out_dir)
+            llama_config(rc, vocab, dt, tok).save_pretrained(out_dir)
             from transformers import GenerationConfig
 
             eos = tok["eod"] if tok else None
             bos = tok["bos"] if tok and tok["bos"] is not None else eos
             GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out_dir)
-            result["tokenizer_files"] = export_tokenizer(a, out_dir, log=print if progress else (lambda m: None)) \
+            result["tokenizer_files"] = export_tokenizer(spec, out_dir, log=print if progress else (lambda m: None)) \
                 if tokenizer else []
-            if result["tokenizer_files"] and a.get("tokenizer_fingerprint"):
+            if result["tokenizer_files"] and rc.data.tokenizer_fingerprint:
                 # What evaluation compares an indexed set with (re-saved files hash differently).
-                write_sidecar(os.path.join(out_dir, MODEL_DIR_SIDECAR), a["tokenizer_fingerprint"])
+                write_sidecar(os.path.join(out_dir, MODEL_DIR_SIDECAR), rc.data.tokenizer_fingerprint)
                 result["tokenizer_files"].append(MODEL_DIR_SIDECAR)
     result.update(vocab_size=vocab, padded_vocab_size=padded, dtype=dt, out_dir=out_dir,
                   tokenizer_vocab_size=tok["vocab_size"] if tok else None)

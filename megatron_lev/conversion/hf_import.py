@@ -34,8 +34,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .hf import OUTPUT, head_layout, mapped_names, megatron_tensors
-from .source import ConversionError, disk_full_is_one_line, save_target
+from .hf import OUTPUT, LlamaShape, head_layout, mapped_names, megatron_tensors
+from .source import ConversionError, disk_full_is_one_line, save_target, saved_config
 
 # Tensors some Llama checkpoints carry that are derived from config.json (not parameters).
 IGNORED = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),)
@@ -93,25 +93,25 @@ def _rope_theta(cfg: Dict[str, Any]) -> float:
     return float(cfg.get("rope_theta", params.get("rope_theta", 10000.0) if isinstance(params, dict) else 10000.0))
 
 
-def _hf_args(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """The keys of megatron's saved arguments that the weight map's split/join functions read."""
+def _hf_shape(cfg: Dict[str, Any]) -> LlamaShape:
+    """The dimensions of ``config.json`` that the weight map's split/join functions read."""
     n = int(cfg["num_attention_heads"])
-    return {"num_layers": int(cfg["num_hidden_layers"]), "num_attention_heads": n,
-            "num_query_groups": int(cfg.get("num_key_value_heads") or n), "hidden_size": int(cfg["hidden_size"]),
-            "kv_channels": int(cfg.get("head_dim") or cfg["hidden_size"] // n)}
+    return LlamaShape(num_layers=int(cfg["num_hidden_layers"]), num_attention_heads=n,
+                      num_query_groups=int(cfg.get("num_key_value_heads") or n), hidden_size=int(cfg["hidden_size"]),
+                      kv_channels=int(cfg.get("head_dim") or cfg["hidden_size"] // n))
 
 
 def expected_shapes(cfg: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
     """HF tensor name -> shape implied by ``config.json``."""
-    a = _hf_args(cfg)
-    n, g, hd = head_layout(a)
+    shape = _hf_shape(cfg)
+    n, g, hd = head_layout(shape)
     D, F, V = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
     per_layer = {"input_layernorm.weight": (D,), "self_attn.q_proj.weight": (n * hd, D),
                  "self_attn.k_proj.weight": (g * hd, D), "self_attn.v_proj.weight": (g * hd, D),
                  "self_attn.o_proj.weight": (D, n * hd), "post_attention_layernorm.weight": (D,),
                  "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
     out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
-    for _entry, _meg, hf in mapped_names(a["num_layers"], tied=False):
+    for _entry, _meg, hf in mapped_names(shape.num_layers, tied=False):
         for name in hf:
             if name.startswith("model.layers."):
                 out[name] = per_layer[name.split(".", 3)[3]]
@@ -233,7 +233,7 @@ def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Opti
     from megatron_lev.lev.config import ConfigError
 
     cfg = model.config
-    h = _hf_args(cfg)
+    h = _hf_shape(cfg)
     n, g, hd = head_layout(h)
     dt = dtype or cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     if dt not in _DTYPES:
@@ -241,7 +241,7 @@ def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Opti
     dt = _DTYPES[dt]
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
     flags = [
-        "--num-layers", str(h["num_layers"]), "--hidden-size", str(h["hidden_size"]),
+        "--num-layers", str(h.num_layers), "--hidden-size", str(h.hidden_size),
         "--ffn-hidden-size", str(cfg["intermediate_size"]), "--num-attention-heads", str(n),
         "--kv-channels", str(hd), "--seq-length", str(seq_length or max_pos),
         "--max-position-embeddings", str(max_pos), "--position-embedding-type", "rope",
@@ -285,8 +285,8 @@ def _import_rank(files: Dict[str, str], dst: str, a: Dict[str, Any], tied: bool,
 
     from .model_io import build_model, save_model_checkpoint
 
-    set_seed(int(a.get("seed", 1234)))
-    chunks, _config, _mc = build_model(a)
+    set_seed(saved_config(a).run.seed)
+    chunks, config, model_config = build_model(a)
     model = chunks[0]
     state = model.state_dict(keep_vars=True)
     handles: Dict[str, Any] = {}
@@ -300,7 +300,7 @@ def _import_rank(files: Dict[str, str], dst: str, a: Dict[str, Any], tied: bool,
     keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")]
     count = 0
     with torch.no_grad():
-        for name, tensor in megatron_tensors(get, a, keys, tied, int(a["padded_vocab_size"])):
+        for name, tensor in megatron_tensors(get, config, keys, tied, int(model_config.vocab_size)):
             target = state[name]
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ConversionError(f"{name}: the Hugging Face tensors give shape {list(tensor.shape)}, the "
@@ -342,9 +342,10 @@ def _write_import(model, save, tp, pp, seq_length, make_vocab_size_divisible_by,
                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype, tokenizer=tokenizer,
                     log=log)
     ignored = model.ignored
-    log(f"importing {model.path} (LlamaForCausalLM, {a['num_layers']} layers, hidden {a['hidden_size']}, "
-        f"{'tied' if model.tied else 'untied'}, vocab {model.config['vocab_size']} -> {a['padded_vocab_size']} "
-        f"rows, {a['params_dtype_name']}) -> {save} at TP={tp} PP={pp}"
+    m = saved_config(a).model
+    log(f"importing {model.path} (LlamaForCausalLM, {m.num_layers} layers, hidden {m.hidden_size}, "
+        f"{'tied' if model.tied else 'untied'}, vocab {model.config['vocab_size']} -> {m.padded_vocab_size} "
+        f"rows, {m.params_dtype_name}) -> {save} at TP={tp} PP={pp}"
         + (f"; {len(ignored)} derived buffer(s) ignored (rotary inv_freq)" if ignored else ""))
     direct = tp == 1 and pp == 1
     first = save if direct else os.path.join(save, ".import-tp1")

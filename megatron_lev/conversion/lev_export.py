@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any, Dict, Optional
 
-from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint
+from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint, saved_config
 
 CONFIG_FILE = "lev_config.json"
 WEIGHTS_FILE = "lev_embedding.safetensors"
@@ -36,8 +36,9 @@ def _lev_module(model):
     return mods[0]
 
 
-def write_lev(model, a: Dict[str, Any], out_dir: str, table=None) -> None:
-    """Write the LEV parameters of a TP=1 model (and their config) to ``out_dir``."""
+def write_lev(model, config, model_config, iteration: Optional[int], out_dir: str, table=None) -> None:
+    """Write the LEV parameters of a TP=1 model (its TransformerConfig ``config`` and ``LevModelConfig``
+    ``model_config``; ``iteration``: the checkpoint's) and their config to ``out_dir``."""
     from .files import save_safetensors
 
     mod = _lev_module(model)
@@ -46,9 +47,9 @@ def write_lev(model, a: Dict[str, Any], out_dir: str, table=None) -> None:
     cfg = dataclasses.asdict(mod.lev_config)
     cfg["base"] = int(mod.base)
     meta = {"vocab_size": int(mod.vocab_size), "hidden_size": int(mod.hidden_size),
-            "init_method_std": float(a.get("init_method_std", 0.02)), "lev": cfg,
+            "init_method_std": float(config.init_method_std), "lev": cfg,
             "dtype": str(next(iter(tensors.values())).dtype).replace("torch.", ""),
-            "source": {"input_embedding": a.get("input_embedding"), "iteration": a.get("_iteration")}}
+            "source": {"input_embedding": model_config.input_embedding, "iteration": iteration}}
     save_safetensors(tensors, os.path.join(out_dir, WEIGHTS_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
@@ -87,12 +88,13 @@ def load_lev_embedding(folder: str, *, device: str = "cpu", dtype=None, compute_
     return emb.to(device)
 
 
-def _export_lev_rank(src_path: str, out_dir: str, a: Dict[str, Any], progress: bool) -> Dict[str, Any]:
+def _export_lev_rank(src_path: str, out_dir: str, a: Dict[str, Any], iteration: int,
+                     progress: bool) -> Dict[str, Any]:
     from .model_io import build_model, load_model_weights
 
-    chunks, _c, _m = build_model(a)
+    chunks, config, model_config = build_model(a)
     load_model_weights(chunks, src_path, log=print if progress else None)
-    write_lev(chunks[0], a, out_dir)
+    write_lev(chunks[0], config, model_config, iteration, out_dir)
     return {"files": [CONFIG_FILE, WEIGHTS_FILE]}
 
 
@@ -104,15 +106,16 @@ def export_lev(src: str, out_dir: str, *, iteration: Optional[int] = None, progr
     out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     check_writable(out_dir)  # before any work
     source = open_checkpoint(src, iteration)
-    if source.args.get("input_embedding") != "lev":
-        raise ConversionError(f"{source.path}: --input-embedding is {source.args.get('input_embedding')}, "
+    arm = saved_config(source).model.input_embedding
+    if arm != "lev":
+        raise ConversionError(f"{source.path}: --input-embedding is {arm}, "
                               "not lev: there are no LEV parameters to export")
     if os.path.isfile(os.path.join(out_dir, WEIGHTS_FILE)):
         raise ConversionError(f"{out_dir}: already holds {WEIGHTS_FILE}; choose another --save")
-    a = dict(layout_args(source.args, 1, 1), _iteration=source.iteration)
+    a = layout_args(source.args, 1, 1)
     with disk_full_is_one_line(out_dir, "the LEV parameters"):
         os.makedirs(out_dir, exist_ok=True)
-        run_ranks(_export_lev_rank, tp=1, pp=1, args=(source.path, out_dir, a, progress))
+        run_ranks(_export_lev_rank, tp=1, pp=1, args=(source.path, out_dir, a, source.iteration, progress))
     if progress:
         print(f"done: {out_dir} ({CONFIG_FILE}, {WEIGHTS_FILE})", flush=True)
     return out_dir

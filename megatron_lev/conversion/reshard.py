@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional
 from megatron_lev.distributed import set_seed
 
 from .launch import run_ranks
-from .source import ConversionError, disk_full_is_one_line, open_checkpoint, save_target
+from .source import ConversionError, disk_full_is_one_line, open_checkpoint, save_target, saved_config
 
 
 def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],
@@ -40,9 +40,9 @@ def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any
         if progress and rank == 0:
             print(msg, flush=True)
 
-    set_seed(int(a.get("seed", 1234)))
-    chunks, _config, _mc = build_model(a)
-    log(f"  loading {src_path} at TP={a['tensor_model_parallel_size']} PP={a['pipeline_model_parallel_size']}")
+    set_seed(saved_config(a).run.seed)
+    chunks, config, _mc = build_model(a)
+    log(f"  loading {src_path} at TP={config.tensor_model_parallel_size} PP={config.pipeline_model_parallel_size}")
     load_model_weights(chunks, src_path, log=log)
     save_model_checkpoint(chunks, dst_root, iteration, a, common, log=log)
     n = sum(p.numel() for c in chunks for p in c.parameters())
@@ -58,8 +58,8 @@ def reshard_checkpoint(src: str, dst: str, *, tp: int, pp: int = 1, vpp: Optiona
     source = open_checkpoint(src, iteration)
     dst = save_target(dst, source.root)
     a = layout_args(source.args, tp, pp, vpp)
-    num_layers = int(a["num_layers"])
-    stages = pp * (a["virtual_pipeline_model_parallel_size"] or 1)
+    target = saved_config(a, f"target layout --target-tp {tp} --target-pp {pp}")
+    num_layers, stages = target.model.num_layers, target.layout.stages
     if num_layers % stages != 0:
         raise ConversionError(f"target layout: --num-layers {num_layers} is not divisible by "
                               f"{stages} pipeline stages (--target-pp {pp}" + (f" x --target-vpp {vpp})" if vpp else ")"))
@@ -70,11 +70,11 @@ def reshard_checkpoint(src: str, dst: str, *, tp: int, pp: int = 1, vpp: Optiona
     common = {k: source.common.get(k) for k in ("consumed_train_samples", "counters", "opt_param_scheduler")}
     with disk_full_is_one_line(dst, "the resharded checkpoint"):
         os.makedirs(dst, exist_ok=True)
-        run_ranks(_reshard_rank, tp=tp, pp=pp, vpp=a["virtual_pipeline_model_parallel_size"],
+        run_ranks(_reshard_rank, tp=tp, pp=pp, vpp=target.layout.vpp,
                   args=(source.path, dst, source.iteration, a, common, progress))
     out = os.path.join(dst, f"iter_{source.iteration:07d}")
     if progress:
         print(f"done: {out} (model weights, iteration {source.iteration}; no optimizer state). Resume with "
               f"pretrain_lev.py --load {dst} --tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
-              f"--make-vocab-size-divisible-by {a['make_vocab_size_divisible_by']} ...", flush=True)
+              f"--make-vocab-size-divisible-by {target.model.make_vocab_size_divisible_by} ...", flush=True)
     return out

@@ -7,12 +7,14 @@ import errno
 import os
 import shutil
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Mapping, Optional, Union
 
 from megatron_lev._procutil import unwritable
-from megatron_lev.checkpoint import TRACKER, CheckpointError, SavedCheckpoint
+from megatron_lev.arguments.run_config import RunConfig
+from megatron_lev.checkpoint import CONFIG_NAME, TRACKER, CheckpointError, SavedCheckpoint
 from megatron_lev.checkpoint import open_checkpoint as _open_checkpoint
 from megatron_lev.distributed import RankFailure
+from megatron_lev.lev.config import ConfigError
 
 SourceCheckpoint = SavedCheckpoint
 
@@ -30,6 +32,18 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
     try:
         return _open_checkpoint(path, iteration, read_common=read_common)
     except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+
+
+def saved_config(saved: Union[SavedCheckpoint, Mapping[str, Any]], where: str = CONFIG_NAME) -> RunConfig:
+    """The typed configuration of a checkpoint's saved arguments (``RunConfig.from_saved_args``: a setting
+    the file lacks is its flag's default), or of the arguments a conversion re-laid out (``where`` names
+    them); a broken one is one ConversionError line naming it."""
+    if isinstance(saved, SavedCheckpoint):
+        where, saved = os.path.join(saved.path, CONFIG_NAME), saved.args
+    try:
+        return RunConfig.from_saved_args(saved, source=where)
+    except ConfigError as e:
         raise ConversionError(str(e)) from None
 
 

@@ -71,9 +71,10 @@ def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1
         a = relayout(cfg, tp, pp, world_size=world_size)
     except ConfigError as e:
         raise EvalSetupError(f"the checkpoint cannot be evaluated at TP={tp} PP={pp}: {e}") from None
+    # relayout took the world size, so TP x PP divides it; the rest is data parallel
     a.update(sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None,
              recompute_method=None, recompute_num_layers=None, micro_batch_size=micro_batch_size,
-             global_batch_size=micro_batch_size * a["data_parallel_size"], num_microbatches=1)
+             global_batch_size=micro_batch_size * (world_size // (tp * pp)), num_microbatches=1)
     # Evaluation scores the main head: the multi-token-prediction block is built only for its training
     # loss (megatron-core's forward needs labels for it); its saved weights are left unread.
     a["mtp_num_layers"] = None
@@ -86,16 +87,18 @@ def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 
     into it; every rank must name the same one (a tracker read on each rank could differ).
 
     Needs megatron's TP/PP groups (:func:`megatron_lev.distributed.init_distributed`) first. Returns
-    ``(chunks, transformer_config, args, info)`` with ``args`` the evaluation's arguments (a mapping) and
-    ``info`` = {checkpoint, iteration, iteration_dir, config}.
+    ``(chunks, transformer_config, model_config, saved, info)`` with ``model_config`` the evaluated model's
+    ``LevModelConfig``, ``saved`` the checkpoint's :class:`~megatron_lev.checkpoint.SavedModel` and ``info`` =
+    {checkpoint, iteration, iteration_dir, config}.
     """
-    from megatron_lev.checkpoint import build_configs, build_model_chunks, load_model_state
+    from megatron_lev.checkpoint import SavedModel, build_configs, build_model_chunks, load_model_state
     from megatron_lev.lev.config import ConfigError
 
     cfg, iteration, path = checkpoint_config(load_dir, iteration)
+    saved = SavedModel.from_saved_args(cfg)
     args = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
-    if cfg.get("mtp_num_layers") and log is not None:
-        log(f"  {path}: trained with --mtp-num-layers {cfg['mtp_num_layers']}; the main head is scored "
+    if saved.mtp_num_layers and log is not None:
+        log(f"  {path}: trained with --mtp-num-layers {saved.mtp_num_layers}; the main head is scored "
             f"(the MTP block is not loaded)")
     try:
         config, model_config = build_configs(args, for_loading=True)
@@ -116,7 +119,7 @@ def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 
         c.eval()
     info = {"checkpoint": os.path.abspath(load_dir), "iteration": iteration, "iteration_dir": os.path.abspath(path),
             "config": cfg}
-    return chunks, config, args, info
+    return chunks, config, model_config, saved, info
 
 
 def _first_line(e: Exception) -> str:
@@ -196,19 +199,21 @@ class MegatronScorer(Scorer):
                         num_microbatches: Optional[int] = None, max_length: Optional[int] = None, log=None,
                         iteration: Optional[int] = None):
         """Load ``load_dir`` (its tracker's checkpoint, or ``iteration``'s; after
-        :func:`megatron_lev.distributed.init_distributed`); return ``(scorer, args, info)``."""
-        chunks, config, args, info = load_model(load_dir, tp, pp, micro_batch_size, log=log, iteration=iteration)
+        :func:`megatron_lev.distributed.init_distributed`); return ``(scorer, saved, info)`` (``saved``: the
+        checkpoint's :class:`~megatron_lev.checkpoint.SavedModel`)."""
+        chunks, config, model_config, saved, info = load_model(load_dir, tp, pp, micro_batch_size, log=log,
+                                                               iteration=iteration)
         # Learned absolute positions cap the window at max_position_embeddings; RoPE models may be
         # given a longer window than they were trained on.
-        limit = args["seq_length"]
-        if args["position_embedding_type"] == "learned_absolute":
-            limit = min(max_length or limit, args["max_position_embeddings"])
+        limit = saved.seq_length
+        if model_config.position_embedding_type == "learned_absolute":
+            limit = min(max_length or limit, model_config.max_sequence_length)
         elif max_length:
             limit = max_length
-        scorer = cls(chunks, config, max_length=limit, vocab_size=args["padded_vocab_size"],
+        scorer = cls(chunks, config, max_length=limit, vocab_size=model_config.vocab_size,
                      micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                      description=f"megatron-lev {info['checkpoint']} (iteration {info['iteration']}, TP={tp}, PP={pp})")
-        return scorer, args, info
+        return scorer, saved, info
 
     def _score_batches(self, batches, progress) -> Iterable[List[TokenScores]]:
         from megatron.core import parallel_state as ps

@@ -250,15 +250,21 @@ def test_qkv_and_fc1_split_follow_megatron_grouping():
     ({"position_embedding_type": "learned_absolute"}, "--position-embedding-type learned_absolute"),
     ({"rotary_percent": 0.5}, "--rotary-percent 0.5"),
     ({"num_experts": 4}, "MoE checkpoints do not export to Hugging Face yet; this one has --num-experts 4"),
+    ({"layernorm_zero_centered_gamma": True}, "--apply-layernorm-1p (zero-centred norm weights)"),
 ])
 def test_hf_export_refuses_non_llama_settings(setting, expected):
+    from megatron_lev.arguments import parse_args, resolved_config
+    from megatron_lev.arguments.run_config import RunConfig
     from megatron_lev.conversion import ConversionError, check_hf_compatible
 
-    ok = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
-          "position_embedding_type": "rope", "rotary_percent": 1.0, "input_embedding": "lev"}
-    check_hf_compatible(ok)
+    # A Llama-style lev model's config.yaml, then one setting changed in the file.
+    ok = resolved_config(parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --train-iters 4 "
+        "--lr 1e-3 --mock-data --vocab-size 100 --normalization RMSNorm --swiglu --disable-bias-linear "
+        "--position-embedding-type rope --input-embedding lev".split(), world_size=1))
+    check_hf_compatible(RunConfig.from_saved_args(ok).model)
     with pytest.raises(ConversionError) as e:
-        check_hf_compatible({**ok, **setting})
+        check_hf_compatible(RunConfig.from_saved_args({**ok, **setting}).model)
     assert expected in str(e.value) and "\n" not in str(e.value)
 
 

@@ -40,13 +40,13 @@ def _rank_direct_and_cli(tiny, flags):
     from megatron_lev.evaluation.cli import main
     from megatron_lev.evaluation.megatron_scorer import MegatronScorer
 
-    scorer, args, info = MegatronScorer.from_checkpoint(tiny["dir"], micro_batch_size=3)
+    scorer, saved, info = MegatronScorer.from_checkpoint(tiny["dir"], micro_batch_size=3)
     model = scorer.model[0]
     ds = IndexedDataset(tiny["prefix"], multimodal=False, mmap=True)
     docs = [np.asarray(ds[i][:n], dtype=np.int64) for i, n in zip(range(4), (40, 70, 5, 33))]
     eod = tiny["eod"]
     stream = np.concatenate([[eod]] + docs)
-    seq = args["seq_length"]
+    seq = saved.seq_length
     losses = []
     with torch.no_grad():
         for s in range(0, len(stream) - 1, seq):

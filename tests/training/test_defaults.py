@@ -149,15 +149,19 @@ def test_saved_arguments_without_a_setting_read_the_flags_default():
 @pytest.mark.parametrize("missing,named", [("position_embedding_type", "--position-embedding-type learned_absolute"),
                                            ("normalization", "--normalization LayerNorm")])
 def test_the_hf_export_reads_a_missing_setting_as_the_flags_default(missing, named):
+    from megatron_lev.arguments import parse_args, resolved_config
+    from megatron_lev.arguments.run_config import RunConfig
     from megatron_lev.conversion import check_hf_compatible
     from megatron_lev.conversion.source import ConversionError
 
-    llama = dict(normalization="RMSNorm", swiglu=True, disable_bias_linear=True, position_embedding_type="rope",
-                 rotary_percent=1.0, input_embedding="tied")
-    check_hf_compatible(llama)
-    del llama[missing]
+    llama = resolved_config(parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --train-iters 4 "
+        "--lr 1e-3 --mock-data --vocab-size 100 --normalization RMSNorm --swiglu --disable-bias-linear "
+        "--position-embedding-type rope".split(), world_size=1))
+    check_hf_compatible(RunConfig.from_saved_args(llama).model)
+    del llama[missing]  # a config.yaml written before the flag existed
     with pytest.raises(ConversionError, match=named):
-        check_hf_compatible(llama)
+        check_hf_compatible(RunConfig.from_saved_args(llama).model)
 
 
 def test_the_tables_name_destinations_of_the_parser():
