@@ -29,6 +29,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "tokenizer": {"config_flags", "jsonl"},
     "data": {"_procutil", "jsonl", "tokenizer"},
     "_procutil": set(),
+    "_rank_server": {"distributed"},  # what the server that forks local ranks imports once
     "checkpoint": {"compat", "distributed", "lev", "models", "parallel", "tokenizer"},
     "arguments": {"_procutil", "compat", "config_flags", "distributed", "lev", "models", "tokenizer"},
     "evaluation": {"_procutil", "checkpoint", "data", "distributed", "jsonl", "lev", "models", "parallel",

@@ -7,7 +7,7 @@ which both need "build a model at some TP/PP layout on this machine and do somet
 
 Each rank is a fresh process, so ``fn`` must be a module-level function. Ranks that cannot touch CUDA (CUDA
 hidden from them, or a machine without it) fork from a server that imported torch and megatron-core
-once (multiprocessing "forkserver", :mod:`.rank_server`): a rank then starts in a fraction of a second
+once (multiprocessing "forkserver", :mod:`megatron_lev._rank_server`): a rank then starts in a fraction of a second
 instead of paying the imports, which a conversion at TP x PP = 4 paid four times over. Ranks that may
 use CUDA are spawned (a process must not fork once CUDA is initialised, and an import may initialise it).
 Either way a rank gets the launcher's environment and working directory of the moment it is started.
@@ -23,7 +23,6 @@ ranks stuck behind a failed peer are stopped after a short grace period.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -39,7 +38,7 @@ from megatron_lev._procutil import die_with_parent
 from .bootstrap import destroy_distributed, init_distributed
 from .layout import ParallelLayout
 
-__all__ = ["RankFailure", "rank_context", "spawn_ranks"]
+__all__ = ["LaunchState", "RankFailure", "leave_server", "rank_context", "spawn_ranks"]
 
 
 class RankFailure(RuntimeError):
@@ -85,53 +84,72 @@ def run_task(fn, args, kwargs, layout, seed, collective_timeout, passthrough, in
     return payload, error, one_line
 
 
-@contextlib.contextmanager
-def _cuda_hidden():
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+_SERVER_MODULE = "megatron_lev._rank_server"
+_server: Optional[str] = None  # "ours": the forkserver was started from here with the rank server; "other"
 
 
 def rank_context(hide_cuda: bool):
     """The multiprocessing context to start local ranks from (see the module docstring): the rank server
-    where the ranks cannot touch CUDA, "spawn" where they may. The server, started on first use with CUDA
-    hidden from it, lives as long as this process."""
+    where the ranks cannot touch CUDA, "spawn" where they may, or where other code of this process had
+    already started multiprocessing's one forkserver (its imports and environment are not the rank
+    server's). The server starts with the first rank and lives as long as this process."""
     import torch
 
-    if not hide_cuda and torch.cuda.is_available():
+    global _server
+    if not hide_cuda and torch.cuda.device_count() > 0:  # NVML: no CUDA context in the launcher
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([f"{__package__}.rank_server"])  # for a server started from here on
-    with _cuda_hidden():
-        multiprocessing.forkserver.ensure_running()  # (re)started here if it is not running
-    return ctx
+    if _server is None:
+        _server = "other" if multiprocessing.forkserver._forkserver._forkserver_pid is not None else "ours"
+        if _server == "ours":
+            multiprocessing.forkserver.set_forkserver_preload([_SERVER_MODULE])
+    return mp.get_context("forkserver" if _server == "ours" else "spawn")
 
 
-def launch_state(ctx) -> Tuple[dict, str, bool]:
-    """What a rank takes from its launcher at start: the environment, the working directory (a forked rank
-    would otherwise have the server's, of the moment the server started), and whether it is forked."""
-    return dict(os.environ), os.getcwd(), ctx.get_start_method() == "forkserver"
+class LaunchState:
+    """What a rank takes from its launcher: the environment and working directory of the moment it is
+    started. Passed as the rank's first argument, it is applied while the rank's arguments are read, before
+    the module of the rank's function is imported (a forked rank would otherwise import it in the server's
+    environment, of the moment the server started). Variables the launcher does not have are removed; what
+    the rank's own imports set afterwards stays."""
+
+    def __init__(self, ctx, env: Optional[dict] = None, cwd: Optional[str] = None):
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = os.getcwd() if cwd is None else cwd
+        self.forked = ctx.get_start_method() == "forkserver"
+
+    def __reduce__(self):
+        return _apply_launch_state, (self.env, self.cwd, self.forked)
 
 
-def start_rank(rank: int, world: int, quiet: bool, hide_cuda: bool,
-               state: Optional[Tuple[dict, str, bool]] = None) -> None:
-    """What every local rank does first: its launcher's environment, its launcher variables, Ctrl-C,
-    warnings, devices and threads."""
+def _apply_launch_state(env: dict, cwd: str, forked: bool) -> bool:
+    for name in set(os.environ) - set(env):
+        del os.environ[name]
+    os.environ.update(env)
+    os.chdir(cwd)
+    if forked:
+        leave_server()
+    return forked
+
+
+def leave_server() -> None:
+    """In a process forked from the rank server: give up its copy of the pipe by which the server knows
+    that its launcher is alive (the server ends only when every holder has closed it), and die with the
+    server, which ends with the launcher."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    die_with_parent()
+    launcher = multiprocessing.parent_process()
+    if launcher is not None and not launcher.is_alive():  # gone before the signal was armed
+        os._exit(1)
+
+
+def start_rank(rank: int, world: int, quiet: bool, hide_cuda: bool) -> None:
+    """What every local rank does first (its launcher's environment is already applied: ``LaunchState``):
+    its launcher variables, Ctrl-C, warnings, devices and threads."""
     from megatron_lev._procutil import ignore_interrupt
 
-    if state is not None:
-        env, cwd, forked = state
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        if forked:
-            die_with_parent()  # its parent is the server, which ends with the launcher
     ignore_interrupt()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if quiet:  # megatron-core's notes on missing fused kernels, deprecations
@@ -145,9 +163,9 @@ def start_rank(rank: int, world: int, quiet: bool, hide_cuda: bool,
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
 
 
-def _rank_main(rank, world, store_file, layout, seed, fn, args, kwargs, out_q, collective_timeout,
-               passthrough, hide_cuda, quiet, state):
-    start_rank(rank, world, quiet, hide_cuda, state)
+def _rank_main(_state, rank, world, store_file, layout, seed, fn, args, kwargs, out_q, collective_timeout,
+               passthrough, hide_cuda, quiet):
+    start_rank(rank, world, quiet, hide_cuda)
     payload, error, one_line = run_task(fn, args, kwargs, layout, seed, collective_timeout, passthrough,
                                         init_method=f"file://{store_file}")
     out_q.put((rank, payload, error, one_line))
@@ -187,9 +205,9 @@ def spawn_ranks(
     os.close(fd)
     os.remove(store_file)  # the file store creates it
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, store_file, (tp, pp, vpp), seed, fn, tuple(args),
-                                             kwargs or {}, out_q, collective_timeout, tuple(passthrough),
-                                             hide_cuda, quiet, launch_state(ctx)))
+        ctx.Process(target=_rank_main, args=(LaunchState(ctx), r, world_size, store_file, (tp, pp, vpp), seed, fn,
+                                             tuple(args), kwargs or {}, out_q, collective_timeout,
+                                             tuple(passthrough), hide_cuda, quiet))
         for r in range(world_size)
     ]
     for p in procs:

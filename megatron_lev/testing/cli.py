@@ -11,8 +11,9 @@ spawn.rank_context``), which imported those once: the script runs as ``__main__`
 count it sets included), working directory and exit code, its stdout and stderr captured from the file
 descriptors (what C code and child processes print too), and its exit as an interpreter's (non-daemon
 threads waited for, then the exit handlers). What a fork cannot
-give is a fresh interpreter's start-up: a test of start-up itself, of signals sent to a process group or
-of a launcher (torchrun) starts a real process. Where CUDA is available the run is a real process too.
+give is a fresh interpreter's start-up (what is imported then, a sitecustomize or PYTHONHASHSEED of the
+run's environment): a test of start-up itself, of signals sent to a process group or of a launcher
+(torchrun) starts a real process. Where CUDA is available the run is a real process too.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _apply_interpreter_env(env: Mapping[str, str]) -> None:
         torch.set_num_threads(int(threads))  # libgomp read it once, in the server
 
 
-def _cli_main(script: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, out: str, err: str) -> None:
+def _cli_main(_state, script: str, argv: Sequence[str], env: Mapping[str, str], out: str, err: str) -> None:
     import atexit
     import io
     import runpy
@@ -54,12 +55,9 @@ def _cli_main(script: str, argv: Sequence[str], env: Mapping[str, str], cwd: str
     sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8", errors="backslashreplace")
     sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), encoding="utf-8", errors="backslashreplace",
                                   line_buffering=True)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
     _apply_interpreter_env(env)
     sys.argv = [script, *argv]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -90,12 +88,12 @@ def run_cli(script: str, args: Sequence[object] = (), *, env: Optional[Mapping[s
     """``python script *args`` with its output captured (see the module docstring)."""
     import torch
 
-    from megatron_lev.distributed.spawn import rank_context
+    from megatron_lev.distributed.spawn import LaunchState, rank_context
 
     script, argv = str(script), [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     cwd = os.getcwd() if cwd is None else str(cwd)
-    if torch.cuda.is_available():
+    if torch.cuda.device_count() > 0:  # NVML: no CUDA context in this process
         return subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env, cwd=cwd,
                               timeout=timeout)
     ctx = rank_context(hide_cuda=True)
@@ -103,7 +101,7 @@ def run_cli(script: str, args: Sequence[object] = (), *, env: Optional[Mapping[s
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out, err):
             open(path, "w").close()
-        proc = ctx.Process(target=_cli_main, args=(script, argv, env, cwd, out, err))
+        proc = ctx.Process(target=_cli_main, args=(LaunchState(ctx, env, cwd), script, argv, env, out, err))
         proc.start()
         proc.join(timeout)
         if proc.is_alive():

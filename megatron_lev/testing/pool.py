@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import multiprocessing
 import os
 import queue as queue_mod
 import tempfile
@@ -36,9 +37,9 @@ __all__ = ["RankPool", "close_pools", "get_pool"]
 _STOP = None
 
 
-def _pool_rank(rank: int, world: int, store_file: str, tasks, out_q, collective_timeout: float, quiet: bool,
-               hide_cuda: bool, state) -> None:
-    spawn_mod.start_rank(rank, world, quiet, hide_cuda, state)
+def _pool_rank(_state, rank: int, world: int, store_file: str, tasks, out_q, collective_timeout: float, quiet: bool,
+               hide_cuda: bool) -> None:
+    spawn_mod.start_rank(rank, world, quiet, hide_cuda)
     import torch
     import torch.distributed as dist
 
@@ -51,13 +52,13 @@ def _pool_rank(rank: int, world: int, store_file: str, tasks, out_q, collective_
         out_q.put((None, rank, None, traceback.format_exc(), False))
         return
     env, cwd, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
-    parent = os.getppid()
+    launcher = multiprocessing.parent_process()  # the test process (a forked rank's parent is the server)
     try:
         while True:
             try:
                 task = tasks.get(timeout=5.0)
             except queue_mod.Empty:
-                if os.getppid() != parent:  # the test process is gone: no one will send a job or a stop
+                if not launcher.is_alive():  # the test process is gone: no one will send a job or a stop
                     break
                 continue
             if task is _STOP:
@@ -101,8 +102,8 @@ class RankPool:
         self._procs = [
             # Not daemonic: a job may start processes of its own (dist_checkpointing's writers).
             ctx.Process(target=_pool_rank,
-                        args=(r, self.world_size, self._store_file, self._tasks[r], self._out_q,
-                              self.collective_timeout, self.quiet, self.hide_cuda, spawn_mod.launch_state(ctx)))
+                        args=(spawn_mod.LaunchState(ctx), r, self.world_size, self._store_file, self._tasks[r],
+                              self._out_q, self.collective_timeout, self.quiet, self.hide_cuda))
             for r in range(self.world_size)
         ]
         for p in self._procs:
