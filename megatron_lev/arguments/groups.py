@@ -220,8 +220,8 @@ class OptimizerRunConfig:
     clip_grad: float = field(default=1.0, metadata={"min": 0})
     """gradient-norm clip (0: no clipping)"""
 
-    use_distributed_optimizer: bool
-    """Shard the optimizer state over data-parallel ranks (--use-distributed-optimizer)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state over the data-parallel ranks (ZeRO-1)."""
 
     use_precision_aware_optimizer: bool = False
     """Transformer Engine's FusedAdam with the main parameters, gradients and Adam moments in the dtypes
@@ -261,34 +261,33 @@ class DistributedConfig:
     """Process groups and gradient reduction (megatron-core's DistributedDataParallelConfig and the
     backend)."""
 
-    distributed_backend: Optional[str]
-    """nccl or gloo (--distributed-backend); None = nccl on GPUs, gloo on CPUs."""
+    distributed_backend: Optional[str] = field(default=None, metadata={"choices": ("nccl", "gloo")})
+    """the process-group backend; default: nccl with CUDA, gloo without"""
 
-    distributed_timeout_minutes: int
-    """Collective timeout (--distributed-timeout-minutes)."""
+    distributed_timeout_minutes: int = field(default=10, metadata={"min": 1})
+    """Timeout of the collectives, in minutes."""
 
-    overlap_grad_reduce: bool
-    """Overlap the gradient reduction with the backward pass (--overlap-grad-reduce)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the gradient reduction with the backward pass."""
 
-    overlap_param_gather: bool
-    """Overlap the distributed optimizer's parameter all-gather with the forward pass (--overlap-param-gather)."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
 
-    ddp_bucket_size: Optional[int]
-    """Gradient bucket size in elements (--ddp-bucket-size); None = megatron-core's."""
+    ddp_bucket_size: Optional[int] = field(default=None, metadata={"min": 1})
+    """Gradient bucket size in elements; default: megatron-core's."""
 
-    accumulate_allreduce_grads_in_fp32: bool
-    """Accumulate and reduce gradients in float32 (--accumulate-allreduce-grads-in-fp32)."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Accumulate and reduce gradients in float32."""
 
     check_for_nan_in_loss_and_grad: bool = True
     """check loss and gradients for NaN/Inf every iteration (the default; --no-check-for-nan-in-loss-and-grad:
     not every iteration, a checkpoint is still refused when the parameters hold NaN/Inf); see --nan-action"""
 
-    no_overlap_p2p_communication: bool
-    """Interleaved schedule: batched, non-overlapped p2p (--no-overlap-p2p-communication)."""
+    no_overlap_p2p_communication: bool = False
+    """interleaved schedule: batched, non-overlapped p2p (default overlaps, as Megatron-LM)"""
 
-    num_distributed_optimizer_instances: int
-    """Copies of the distributed optimizer across the data-parallel group; only 1
-    (--num-distributed-optimizer-instances)."""
+    num_distributed_optimizer_instances: int = field(default=1, metadata={"min": 1})
+    """copies of the distributed optimizer across the data-parallel group: only 1 here"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -486,8 +485,9 @@ class FoldedFlagsConfig:
     nothing reads them after validation, and they are kept so that ``config.yaml`` (fed back through
     ``--config``) reproduces the command line."""
 
-    num_layers_per_virtual_pipeline_stage: Optional[int]
-    """Layers per virtual stage (--num-layers-per-virtual-pipeline-stage), folded into the layout's vpp."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = field(default=None, metadata={"min": 1})
+    """Layers per virtual pipeline stage, instead of --virtual-pipeline-model-parallel-size (folded into the
+    layout's vpp)."""
 
     recompute_activations: bool
     """Selective recompute (--recompute-activations), folded into --recompute-granularity."""

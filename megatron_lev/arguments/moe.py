@@ -1,12 +1,14 @@
 """Mixture-of-experts and multi-token-prediction flags under Megatron-LM's names, and their checks.
 
 The flags whose name is a megatron-core ``TransformerConfig`` field (``--moe-router-topk``,
-``--expert-model-parallel-size``, ``--mtp-num-layers``, the ``--moe-grouped-gemm`` switches, ...) are
+``--mtp-num-layers``, the ``--moe-grouped-gemm`` switches, ...) are
 generated from the installed ``TransformerConfig`` (type, default, help); the others are written here:
 ``--num-experts`` (``num_moe_experts``), and the flags whose field type has no single command-line form
 (``--moe-layer-freq``: an int or a pattern; the load-balancing type and aux-loss coefficient: one value
 here, where the field also takes a list; the dispatcher: the choices this project runs).
-``checkpoint.build.MOE_ARGS`` maps the argument names back to the fields.
+``checkpoint.build.MOE_ARGS`` maps the argument names back to the fields. The expert-parallel sizes
+(``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``) are the parallel layout's flags
+(``arguments.parallel``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,10 @@ from megatron_lev.models.moe import MOE_LOAD_BALANCING_TYPES, MOE_TOKEN_DISPATCH
 from .model import field_flag
 
 # TransformerConfig fields that are flags of their own name.
-_VALUE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_z_loss_coeff", "moe_router_dtype",
-                 "expert_model_parallel_size", "expert_tensor_parallel_size", "mtp_num_layers",
+_VALUE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_z_loss_coeff", "moe_router_dtype", "mtp_num_layers",
                  "mtp_loss_scaling_factor")
 # Their ranges (TransformerConfig has no range metadata): sizes >= 1, loss coefficients >= 0.
 _RANGES = {"moe_ffn_hidden_size": {"min": 1}, "moe_router_topk": {"min": 1}, "moe_z_loss_coeff": {"min": 0},
-           "expert_model_parallel_size": {"min": 1}, "expert_tensor_parallel_size": {"min": 1},
            "mtp_num_layers": {"min": 1}, "mtp_loss_scaling_factor": {"min": 0}}
 _SWITCHES = (
     ("--moe-grouped-gemm", "moe_grouped_gemm", True),

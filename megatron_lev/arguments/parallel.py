@@ -1,30 +1,34 @@
-"""Parallel layout and gradient communication: TP, PP, virtual stages, sequence parallelism, the
-distributed optimizer and the DDP overlap flags, the process-group backend. The layout's rules are
-``distributed.layout.ParallelLayout``'s (made by ``validate_args``)."""
+"""Parallel layout and gradient communication: TP, PP, virtual stages, CP, EP and ETP, sequence
+parallelism, the distributed optimizer and the DDP overlap flags, the process-group backend. The sizes'
+flags are generated from :class:`~megatron_lev.distributed.layout.ParallelLayout`'s fields under Megatron-LM's
+names (``size_flag``: ``tp`` is ``--tensor-model-parallel-size``, its destination
+``tensor_model_parallel_size``), the others from the groups' fields; the layout's rules are
+``ParallelLayout``'s (made by ``validate_args``)."""
 
 from __future__ import annotations
 
-from megatron_lev.config_flags import POSITIVE_INT
+from megatron.core.transformer import TransformerConfig
+
+from megatron_lev.config_flags import add_config_flags, add_switch_flags, field_flag
+from megatron_lev.distributed.layout import ParallelLayout, size_flag
+
+from .groups import DistributedConfig, FoldedFlagsConfig, OptimizerRunConfig
+
+_DDP_VALUES = ("ddp_bucket_size", "num_distributed_optimizer_instances", "distributed_backend",
+               "distributed_timeout_minutes")
+_DDP_SWITCHES = tuple((field_flag(name), name, True) for name in (
+    "no_overlap_p2p_communication", "overlap_grad_reduce", "overlap_param_gather",
+    "accumulate_allreduce_grads_in_fp32"))
 
 
 def add_parallel_flags(p) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=POSITIVE_INT, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=POSITIVE_INT, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=POSITIVE_INT, default=None)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=POSITIVE_INT, default=None)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--context-parallel-size", type=POSITIVE_INT, default=1,
-                   help="context parallelism is not implemented here: only 1 is accepted")
-    g.add_argument("--no-overlap-p2p-communication", action="store_true",
-                   help="interleaved schedule: batched, non-overlapped p2p (default overlaps, as Megatron-LM)")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--ddp-bucket-size", type=POSITIVE_INT, default=None)
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    g.add_argument("--num-distributed-optimizer-instances", type=POSITIVE_INT, default=1,
-                   help="copies of the distributed optimizer across the data-parallel group: only 1 here")
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
-                   help="default nccl with CUDA, gloo without")
-    g.add_argument("--distributed-timeout-minutes", type=POSITIVE_INT, default=10)
+    add_config_flags(g, ParallelLayout, size_flag, ("tp", "pp"))
+    add_config_flags(g, FoldedFlagsConfig, field_flag, ("num_layers_per_virtual_pipeline_stage",))
+    add_config_flags(g, ParallelLayout, size_flag, ("vpp", "cp", "ep", "etp"))
+    # A TransformerConfig field (megatron-core's ModelParallelConfig), as the model's switches.
+    add_switch_flags(g, TransformerConfig, (("--sequence-parallel", "sequence_parallel", True),))
+    add_switch_flags(g, OptimizerRunConfig, (("--use-distributed-optimizer", "use_distributed_optimizer", True),))
+    add_switch_flags(g, DistributedConfig, _DDP_SWITCHES)
+    add_config_flags(g, DistributedConfig, field_flag, _DDP_VALUES)
+

@@ -5,8 +5,11 @@ Each group holds the settings one part of the trainer reads, under Megatron-LM's
 field is the flag ``--field-name``), as Megatron-LM's ``megatron/training/config/`` groups its
 ``TrainingConfig``, ``SchedulerConfig`` and ``LoggerConfig``; the parallel sizes are one
 :class:`~megatron_lev.distributed.layout.ParallelLayout`, checked once where it is made. The fields
-have no defaults: the flags' defaults (``build_parser``) are the only ones until the flags are generated
-from these fields. Values the tokenizer decides (``padded_vocab_size``, ``tokenizer_fingerprint``) are
+that flags are generated from (most of ``groups.py``'s, and the layout's sizes) hold the flags' defaults, so
+each default is written once. The others are required: a setting without a default (``lr``) or that
+validation resolves (``global_batch_size``, ``num_microbatches``), and the fields whose flags another
+class declares (the model group's, ``TokenizerSpec``'s), whose defaults are those flags'
+(``build_parser``). Values the tokenizer decides (``padded_vocab_size``, ``tokenizer_fingerprint``) are
 None until it is built.
 
 ``from_saved_args`` reads a saved flat dictionary: a key it lacks (a file written before the flag

@@ -17,12 +17,12 @@ layers against the pipeline stages) are the model's: ``models.config.check_paral
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from megatron_lev.lev.config import ConfigError
 
-__all__ = ["DistributedConfigError", "MEGATRON_FIELDS", "ParallelLayout", "check_layout"]
+__all__ = ["DistributedConfigError", "MEGATRON_FIELDS", "ParallelLayout", "check_layout", "size_flag"]
 
 
 class DistributedConfigError(ConfigError):
@@ -40,7 +40,8 @@ MEGATRON_FIELDS = {
 }
 
 
-def _flag(size: str) -> str:
+def size_flag(size: str) -> str:
+    """A size's flag under Megatron-LM's spelling: ``tp`` -> ``--tensor-model-parallel-size``."""
     return "--" + MEGATRON_FIELDS[size].replace("_", "-")
 
 
@@ -56,26 +57,28 @@ class ParallelLayout:
     world_size: int
     """Processes in the job (torchrun's WORLD_SIZE)."""
 
-    tp: int = 1
-    """Tensor-parallel size (--tensor-model-parallel-size)."""
+    # The sizes' defaults, ranges and docstrings are also their flags' (arguments.parallel generates them).
+    tp: int = field(default=1, metadata={"min": 1})
+    """Tensor-parallel size: the ranks that split each layer's weights."""
 
-    pp: int = 1
-    """Pipeline stages (--pipeline-model-parallel-size)."""
+    pp: int = field(default=1, metadata={"min": 1})
+    """Pipeline stages: the ranks that split the layers."""
 
-    vpp: Optional[int] = None
-    """Model chunks per pipeline rank, the interleaved schedule (--virtual-pipeline-model-parallel-size, or
-    derived from --num-layers-per-virtual-pipeline-stage); None = one chunk. 1 is kept as None: it means
-    no interleaving, and megatron-core refuses any virtual size at PP 1."""
+    vpp: Optional[int] = field(default=None, metadata={"min": 1})
+    """Model chunks per pipeline rank, the interleaved schedule (or derived from
+    --num-layers-per-virtual-pipeline-stage); unset: one chunk. 1 is kept as unset: it means no
+    interleaving, and megatron-core refuses any virtual size at PP 1."""
 
-    cp: int = 1
-    """Context-parallel size (--context-parallel-size)."""
+    cp: int = field(default=1, metadata={"min": 1})
+    """Context-parallel size: the ranks that split each sequence (context parallelism is not implemented in
+    the trainer: only 1 is accepted)."""
 
-    ep: int = 1
-    """Expert-parallel size (--expert-model-parallel-size): the ranks that share one MoE layer's experts."""
+    ep: int = field(default=1, metadata={"min": 1})
+    """Expert-parallel size: the ranks that share one MoE layer's experts."""
 
-    etp: Optional[int] = None
-    """Expert tensor-parallel size (--expert-tensor-parallel-size); None = TP, megatron-core's default (kept
-    unset so that saved arguments stay right after a conversion to another TP size)."""
+    etp: Optional[int] = field(default=None, metadata={"min": 1})
+    """Expert tensor-parallel size; unset: the tensor-parallel size, megatron-core's default (kept unset so
+    that saved arguments stay right after a conversion to another TP size)."""
 
     def __post_init__(self) -> None:
         if self.vpp == 1:
@@ -116,28 +119,28 @@ class ParallelLayout:
             value = getattr(self, size)
             if not (_positive(value) or (value is None and size in ("vpp", "etp"))):
                 unset = " or unset" if size in ("vpp", "etp") else ""
-                raise DistributedConfigError(f"{_flag(size)} must be >= 1 (an integer{unset}; got {value!r})")
+                raise DistributedConfigError(f"{size_flag(size)} must be >= 1 (an integer{unset}; got {value!r})")
         if self.vpp is not None and self.pp == 1:
             # megatron-core's initialize_model_parallel: the interleaved schedule splits each stage's layers.
             raise DistributedConfigError(
-                f"{_flag('vpp')} {self.vpp} (or --num-layers-per-virtual-pipeline-stage) needs "
-                f"{_flag('pp')} > 1; raise the pipeline size or drop the virtual stages")
+                f"{size_flag('vpp')} {self.vpp} (or --num-layers-per-virtual-pipeline-stage) needs "
+                f"{size_flag('pp')} > 1; raise the pipeline size or drop the virtual stages")
 
     def _check_world(self) -> None:
         """megatron-core's two tilings of the world: TP x PP x CP (x DP), and per stage EP x ETP (x expert DP)."""
         model = self.tp * self.pp * self.cp
         if self.world_size % model:
-            sizes = f"{_flag('tp')} {self.tp} x {_flag('pp')} {self.pp}"
+            sizes = f"{size_flag('tp')} {self.tp} x {size_flag('pp')} {self.pp}"
             if self.cp > 1:
-                sizes += f" x {_flag('cp')} {self.cp}"
+                sizes += f" x {size_flag('cp')} {self.cp}"
             raise DistributedConfigError(
                 f"{sizes} = {model} does not divide the world size {self.world_size}; start a multiple of "
                 f"{model} processes or change the parallel sizes")
         per_stage, experts = self.world_size // self.pp, self.ep * self.expert_tp
         if per_stage % experts:
             raise DistributedConfigError(
-                f"{_flag('ep')} {self.ep} x {_flag('etp')} {self.expert_tp} = {experts} does not divide the "
-                f"{per_stage} ranks of a pipeline stage (world {self.world_size} / PP {self.pp}); change the "
+                f"{size_flag('ep')} {self.ep} x {size_flag('etp')} {self.expert_tp} = {experts} does not divide "
+                f"the {per_stage} ranks of a pipeline stage (world {self.world_size} / PP {self.pp}); change the "
                 "expert parallel sizes or the number of processes")
 
     # ------------------------------------------------------------------ construction
@@ -158,7 +161,7 @@ class ParallelLayout:
         """The layout of megatron-core's field names (a ``TransformerConfig``'s, its keyword arguments, or the
         parsed flags); without ``world_size``, :meth:`smallest`. An absent field has megatron-core's default."""
         sizes = {size: fields.get(name) for size, name in MEGATRON_FIELDS.items()}
-        sizes = {k: (1 if v is None and k not in ("vpp", "etp") else v) for k, v in sizes.items()}
+        sizes = {k: (cls.__dataclass_fields__[k].default if v is None else v) for k, v in sizes.items()}
         if world_size is None:
             return cls.smallest(**sizes)
         return cls(world_size=world_size, **sizes)

@@ -103,6 +103,30 @@ def test_smallest_layout_and_megatron_field_names():
     assert check_layout(4, 2, 1, ep=2, etp=1) == ParallelLayout(world_size=4, tp=2, ep=2, etp=1)
 
 
+def test_the_size_flags_are_the_layouts_fields():
+    """Each size's flag is generated from its ParallelLayout field under Megatron-LM's name: the destination
+    is megatron-core's field name, the default the field's (an int, not a float), the range the field's
+    metadata, the help the field's docstring; so the parsed defaults make the default layout."""
+    from dataclasses import fields
+
+    from megatron_lev.arguments import build_parser
+    from megatron_lev.config_flags import field_docs
+    from megatron_lev.distributed.layout import MEGATRON_FIELDS, size_flag
+
+    parser, docs = build_parser(), field_docs(ParallelLayout)
+    by_flag = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    for f in fields(ParallelLayout):
+        if f.name == "world_size":
+            continue
+        action = by_flag[size_flag(f.name)]
+        assert action.dest == MEGATRON_FIELDS[f.name] and action.config_field == (ParallelLayout, f.name)
+        default = parser.get_default(action.dest)
+        assert default == f.default and type(default) is type(f.default), (action.dest, default, f.default)
+        assert action.type.min == f.metadata["min"] and action.help.startswith(docs[f.name]), action.dest
+    assert ParallelLayout.from_fields(vars(parse_args(BASE, world_size=2)), world_size=2) == ParallelLayout(world_size=2)
+    assert "--context-parallel-size: must be >= 1" in _refusal(parse_args, BASE + ["--context-parallel-size", "0"])
+
+
 # ------------------------------------------------------------------------ the model against the layout
 
 
