@@ -142,7 +142,7 @@ def build_configs(a: Mapping[str, Any], *, for_loading: bool = False, **override
     FP8; no layer initialises its parameters). Otherwise the model is trained, wrapped in megatron's DDP
     (gradient-accumulation fusion where available). ``overrides``: TransformerConfig fields to set."""
     if for_loading:
-        a = dict(a, **settings_for_loading(a))
+        a = dict(a, **settings_for_loading(a.get("transformer_impl")))
     model_config = model_config_from_args(a)
     kw = transformer_config_kwargs(a)
     if for_loading:

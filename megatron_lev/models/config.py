@@ -123,8 +123,9 @@ def use_transformer_engine(transformer_impl: str = "auto") -> bool:
     return have
 
 
-def settings_for_loading(saved: Dict[str, Any]) -> Dict[str, Any]:
-    """The layer-spec and FP8 settings to rebuild a saved model with on this machine.
+def settings_for_loading(transformer_impl: Optional[str]) -> Dict[str, Any]:
+    """The layer-spec and FP8 settings to rebuild a saved model with on this machine (``transformer_impl``:
+    the saved ``--transformer-impl``, None in a file written before the flag).
 
     Checkpoints load into either layer spec (``models.checkpoint_keys``), so a model trained with
     Transformer Engine is rebuilt with the local spec where TE or CUDA is missing. FP8 is never kept:
@@ -133,7 +134,7 @@ def settings_for_loading(saved: Dict[str, Any]) -> Dict[str, Any]:
     note of megatron-core's ``prepare_model_for_fp8_inference``). The weights FP8 training saves are
     the bf16/fp32 ones, so the model evaluates in its ``--bf16``/``--fp16`` precision.
     """
-    impl = saved.get("transformer_impl") or "auto"
+    impl = transformer_impl or "auto"
     if impl == "transformer_engine" and not (te_available() and torch.cuda.is_available()):
         impl = "auto"
     return {"transformer_impl": impl, "fp8_format": None}
