@@ -41,17 +41,25 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_lev import checkpoint
-from megatron_lev._procutil import EXIT_INTERRUPTED
+from megatron_lev._procutil import EXIT_INTERRUPTED, atomic_path
 from megatron_lev.arguments import RunConfig, format_config, parse_run_config, resolved_config
 from megatron_lev.arguments.groups import ScheduleConfig
+from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, grads_checked_in_step
+from megatron_lev.compat.versions import fallback_notice
+from megatron_lev.data.datasets import DatasetValidationError
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
     set_seed
 from megatron_lev.lev.config import ConfigError
-from megatron_lev.parallel.collectives import all_reduce_, group_device
+from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
+from megatron_lev.parallel.collectives import all_reduce_, broadcast_object, group_device
+from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
-from .logger import TrainingLogger, memory_scalars
+from .data import build_datasets, build_tokenizer_from_args, close_iterators, get_batch, train_iterators, \
+    valid_iterators
+from .flops import flops_per_iteration, peak_tflops_per_device
+from .logger import LogWriterError, TrainingLogger, memory_scalars
 from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
 from .params_norm import params_l2_norm
 
@@ -217,8 +225,6 @@ def optimizer_config(rc: RunConfig, params_dtype: torch.dtype):
     precision-aware optimizer's state dtypes by their Megatron-LM names, fp8 as uint8)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
-
     opt, model = rc.optimizer, rc.model
     dtypes = {f: getattr(torch, OPTIMIZER_DTYPES[getattr(opt, f)]) for f in OPTIMIZER_DTYPE_FIELDS}
     return OptimizerConfig(
@@ -240,8 +246,6 @@ def optimizer_config(rc: RunConfig, params_dtype: torch.dtype):
 def _build_optimizer(rc: RunConfig, config, model):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
     opt_config = optimizer_config(rc, config.params_dtype)
 
@@ -332,8 +336,6 @@ def _holds(chunk, module) -> bool:
 
 
 def _forward_step(state: _State, rc: RunConfig, data_iterator, model):
-    from .data import get_batch
-
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, mask_dtype=getattr(torch, rc.model.params_dtype_name))
     output = model(tokens, position_ids, attention_mask, labels=labels)
@@ -476,8 +478,6 @@ def _nan_step(rc: RunConfig, state: _State, what: str, loss):
 def evaluate(rc: RunConfig, model, valid_dataset, table_modules) -> Optional[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .data import close_iterators, valid_iterators
-
     if valid_dataset is None or rc.schedule.eval_iters == 0:
         return None
     for chunk in model:
@@ -511,8 +511,6 @@ def _will_load_checkpoint(rc: RunConfig) -> bool:
     every rank: another rank's could differ (--load created at this moment by rank 0's TensorBoard or
     wandb writer, a tracker a node's filesystem cache does not show yet), and a rank that initialised
     alone would wait for the others in the statistics' all-reduces."""
-    from megatron_lev.parallel.collectives import broadcast_object
-
     found = None
     if torch.distributed.get_rank() == 0:
         found = False
@@ -579,16 +577,12 @@ class _StartupError(Exception):
 
 
 def _startup_errors():
-    from megatron_lev.data.datasets import DatasetValidationError
-
     return (ConfigError, checkpoint.CheckpointError, DatasetValidationError)
 
 
 def _setup_configs(argv):
     """The run's configuration (the flags parsed and validated, the tokenizer's vocabulary and fingerprint
     in it), the tokenizer and the typed model configs (TransformerConfig, LevModelConfig)."""
-    from .data import build_tokenizer_from_args
-
     try:
         rc = parse_run_config(argv)
         # Newer checkpoints in --save are judged once the ranks can share reading them (_run), unless only
@@ -643,8 +637,6 @@ class _Run:
 def dump_memory_snapshot(path: str) -> None:
     """--record-memory-history's snapshot, written beside ``path`` and renamed: a reader (or a stop
     mid-write) never sees a truncated pickle, and a failed write keeps the previous snapshot."""
-    from megatron_lev._procutil import atomic_path
-
     with atomic_path(path) as tmp:
         torch.cuda.memory._dump_snapshot(tmp)
 
@@ -700,8 +692,6 @@ def _run_recorded(rc: RunConfig, tokenizer, config, model_config) -> int:
                      f"{_last_checkpoint(rc)[1]}", show=rank_is0())
         return EXIT_RANK_LOST
     finally:
-        from .data import close_iterators
-
         close_iterators(run.train_iter)
         for handler in (run.handler, run.stop_on_sigterm):
             if handler is not None:
@@ -778,8 +768,6 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
     """Logger, seeds, model chunks (with the parameter report), DDP, optimizer and schedule hooks."""
     from megatron.core import parallel_state as ps
 
-    from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
-
     t_start = time.time()
     if rc.run.profile and not rc.run.use_pytorch_profiler and not torch.cuda.is_available():
         raise _StartupError("--profile without --use-pytorch-profiler records nsys ranges (torch.cuda.profiler), "
@@ -792,8 +780,6 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
             logging.getLogger().setLevel(logging_level)
         raise
     if torch.cuda.is_available():
-        from megatron_lev.compat.versions import fallback_notice
-
         notice = fallback_notice()
         if notice is not None:
             logger.log(notice)
@@ -824,10 +810,6 @@ def _start_logger(rc: RunConfig) -> TrainingLogger:
     alone: their failure (wandb without a login on the node, a folder made read-only since the start-up
     checks) stops every rank with its line, instead of rank 0 alone while the others wait for it in the
     model's first collectives."""
-    from megatron_lev.parallel.collectives import broadcast_object
-
-    from .logger import LogWriterError
-
     logger, error = None, None
     try:
         logger = TrainingLogger(rc.logging, save=rc.checkpointing.save)
@@ -876,15 +858,12 @@ def _load(run: _Run, state: _State) -> None:
 
 def _start_data(run: _Run, state: _State, tokenizer) -> None:
     """Datasets and the training iterator (from the consumed samples), FLOPs figures, signal handler."""
-    from . import data as data_mod
-    from .flops import flops_per_iteration, peak_tflops_per_device
-
     rc = run.rc
     try:
-        train_ds, run.valid_ds, _test_ds = data_mod.build_datasets(run.rc, tokenizer)
+        train_ds, run.valid_ds, _test_ds = build_datasets(run.rc, tokenizer)
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0]) from None
-    run.train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, run.rc)
+    run.train_iter = train_iterators(train_ds, state.consumed_train_samples, run.rc)
     _check_batches_ahead(rc, state)
     run.batches.update(state.consumed_train_samples, consistency_check=False)
     run.flops = _Memo(lambda gbs: flops_per_iteration(
