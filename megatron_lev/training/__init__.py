@@ -5,14 +5,13 @@ construction come from ``megatron_lev.checkpoint`` (shared with evaluation and c
 Entry point: ``pretrain(argv)`` (used by ``pretrain_lev.py``).
 """
 
+from megatron_lev._procutil import guard_process_tree
 from megatron_lev.lev.config import ConfigError
 
 from megatron_lev.arguments import build_parser, parse_args, resolved_config
 
 
 def pretrain(argv=None) -> int:
-    from megatron_lev._procutil import guard_process_tree
-
     guard_process_tree()  # before the imports of the loop, which take seconds
     from .loop import pretrain as _pretrain
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Dict, Iterator, Optional
 import numpy as np
 import torch
 
+from megatron_lev._procutil import ignore_stop_signals
+from megatron_lev.data.datasets import build_train_valid_test_datasets
 from megatron_lev.tokenizer import TokenizerSpec
 
 if TYPE_CHECKING:
@@ -30,8 +32,6 @@ def build_tokenizer_from_args(args):
 
 def build_datasets(config: "RunConfig", tokenizer):
     """(train, valid, test) megatron-core datasets sized for this run (valid/test may be None)."""
-    from megatron_lev.data.datasets import build_train_valid_test_datasets
-
     data, schedule = config.data, config.schedule
     gbs = schedule.global_batch_size
     # As Megatron-LM: --train-samples when given (a ramped-up run takes fewer than train_iters x gbs).
@@ -115,8 +115,6 @@ def make_iterator(dataset, consumed_samples: int, config: "RunConfig", cyclic: b
     pin = batch_device().type == "cuda"
     workers = config.data.num_workers
     if workers > 0:
-        from megatron_lev._procutil import ignore_stop_signals
-
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                              collate_fn=_collate, persistent_workers=False,
                                              worker_init_fn=ignore_stop_signals, pin_memory=pin)

@@ -22,21 +22,22 @@ all-gather); ``finish_table_step()`` runs after the last backward and before the
 (the accumulated row gradients go back through G with one gradient delivery per parameter, which is
 what megatron DDP's overlapped grad reduce counts on), as the first thing of the finalize-grads hook
 that the schedule calls.
+
+What ends a run early (SIGTERM, Ctrl-C, NaN/Inf, --exit-interval, --exit-duration-in-mins, a lost rank) and
+the line it prints is in ``faults``; the profiler, memory history and manual GC around the steps in
+``profiling``. The loop asks them in a few lines (``_train``, ``_train_loop``, ``_train_step``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -44,26 +45,26 @@ from megatron_lev import checkpoint
 from megatron_lev._procutil import EXIT_INTERRUPTED
 from megatron_lev.arguments import RunConfig, format_config, parse_run_config, resolved_config
 from megatron_lev.arguments.groups import ScheduleConfig
+from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
-from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, grads_checked_in_step
+from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step
+from megatron_lev.compat.versions import fallback_notice
+from megatron_lev.data.datasets import DatasetValidationError
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
     set_seed
 from megatron_lev.lev.config import ConfigError
-from megatron_lev.parallel.collectives import all_reduce_, group_device
+from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
+from megatron_lev.parallel.collectives import all_reduce_, broadcast_object, group_device
+from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
-from .logger import TrainingLogger, memory_scalars
+from . import faults, profiling
+from .data import build_datasets, build_tokenizer_from_args, close_iterators, get_batch, train_iterators, \
+    valid_iterators
+from .faults import EXIT_CONFIG_ERROR, EXIT_NAN, EXIT_SAVE_FAILED, NanDetected, Terminated, rank_is0
+from .flops import flops_per_iteration, peak_tflops_per_device
+from .logger import LogWriterError, TrainingLogger, memory_scalars
 from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
 from .params_norm import params_l2_norm
-
-EXIT_CONFIG_ERROR = 2
-EXIT_NAN = 3
-EXIT_SAVE_FAILED = 4
-EXIT_RANK_LOST = 5
-EXIT_TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a process that SIGTERM ended
-
-
-class NanDetected(RuntimeError):
-    pass
 
 
 @dataclass
@@ -105,79 +106,6 @@ class _Interval:
     """The MoE and MTP losses of each step (``moe_metrics.step_aux_losses``), by name."""
 
 
-class SignalHandler:
-    """Remembers a SIGTERM; the loop checks it (across ranks) at the end of each iteration."""
-
-    def __init__(self, sig=signal.SIGTERM) -> None:
-        self.sig = sig
-        self.received = False
-        self._prev = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-
-    def any_rank_received(self) -> bool:
-        return _any_rank(self.received)  # on the world group's device (NCCL reduces no CPU tensor)
-
-    def release(self) -> None:
-        signal.signal(self.sig, self._prev)
-
-
-class Terminated(SystemExit):
-    """SIGTERM arrived without --exit-signal-handler (a SystemExit: code 143 should it ever go uncaught)."""
-
-
-class _StopOnSigterm:
-    """SIGTERM without --exit-signal-handler stops the run where it stands, in one line.
-
-    Megatron-LM dies silently there; torchrun sends SIGTERM to the surviving ranks when one dies, Slurm to
-    all at the end of a job. Between saves the handler raises :class:`Terminated` in the main thread. During
-    a save it is held: a save that completes is kept and the run stops right after it; a save that is
-    still running ``grace_s`` later is cut short (both launchers kill 30 s after their SIGTERM), leaving
-    that checkpoint incomplete while the tracker, written last, still names the previous one. Holding also
-    keeps the raise out of the fork hooks of dist_checkpointing's writers, which would drop it."""
-
-    def __init__(self, state: _State, grace_s: float = 15.0) -> None:
-        self.state = state
-        self.grace_s = grace_s
-        self.received = False
-        self.deadline: Optional[float] = None
-        self._timer: Optional[threading.Timer] = None
-        self.stopping = False
-        """The run is already stopping on another failure, whose line a SIGTERM must not cut off."""
-        self._prev = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-        if self.stopping:
-            return
-        if self.state.saving is None or (self.deadline is not None and time.monotonic() >= self.deadline):
-            self._stop()
-        if self.deadline is None:
-            self.deadline = time.monotonic() + self.grace_s
-            # Sent again at the deadline, to the main thread: a real signal interrupts a blocking wait there.
-            self._timer = threading.Timer(self.grace_s, signal.pthread_kill,
-                                          args=(threading.main_thread().ident, signal.SIGTERM))
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _stop(self) -> None:
-        self.stopping = True  # later signals (the deadline's, a second SIGTERM) leave the stop alone
-        if self._timer is not None:
-            self._timer.cancel()
-        raise Terminated(EXIT_TERMINATED)
-
-    def check(self) -> None:
-        """Raise a SIGTERM that was held, or raised and dropped by a library, once the save is over."""
-        if self.received:
-            self._stop()
-
-    def release(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        signal.signal(signal.SIGTERM, self._prev)
-
-
 # ------------------------------------------------------------------------------------------------
 # start-up
 
@@ -217,8 +145,6 @@ def optimizer_config(rc: RunConfig, params_dtype: torch.dtype):
     precision-aware optimizer's state dtypes by their Megatron-LM names, fp8 as uint8)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
-
     opt, model = rc.optimizer, rc.model
     dtypes = {f: getattr(torch, OPTIMIZER_DTYPES[getattr(opt, f)]) for f in OPTIMIZER_DTYPE_FIELDS}
     return OptimizerConfig(
@@ -240,8 +166,6 @@ def optimizer_config(rc: RunConfig, params_dtype: torch.dtype):
 def _build_optimizer(rc: RunConfig, config, model):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
     opt_config = optimizer_config(rc, config.params_dtype)
 
@@ -332,12 +256,10 @@ def _holds(chunk, module) -> bool:
 
 
 def _forward_step(state: _State, rc: RunConfig, data_iterator, model):
-    from .data import get_batch
-
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, mask_dtype=getattr(torch, rc.model.params_dtype_name))
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    inject = rc.run.inject_nan_at_iteration is not None and state.iteration + 1 == rc.run.inject_nan_at_iteration
+    inject = faults.inject_nan(rc, state.iteration + 1)
     return output, partial(_loss_func, loss_mask, inject and model.training)
 
 
@@ -386,43 +308,6 @@ def _aux_losses(config, num_microbatches: int, iteration: int) -> Dict[str, floa
     return losses
 
 
-def _grads_finite(model) -> bool:
-    """True when this rank's gradients are all finite (for an optimizer whose step computes no grad norm
-    to check, ``compat.optimizer.check_grads_in_step``).
-
-    As megatron DDP's own NaN check: the norm of each gradient buffer (NaN/Inf anywhere makes it
-    non-finite), so no buffer-sized boolean tensor is allocated; the norms are summed on the device and
-    read once (one host sync per step: the skip-or-stop decision needs the answer on the host)."""
-    norms = []
-    for chunk in model:
-        # megatron DDP's grad buffers (a plain module's ``buffers`` is its method, not a list)
-        buffers = [b for name in ("buffers", "expert_parallel_buffers")
-                   if isinstance(getattr(chunk, name, None), list) for b in getattr(chunk, name)]
-        if buffers:
-            norms += [b.grad_data.norm(p=2) for b in buffers]
-        else:
-            for p in chunk.parameters():
-                g = getattr(p, "main_grad", None)
-                g = p.grad if g is None else g
-                if g is not None:
-                    norms.append(g.norm(p=2))
-    if not norms:
-        return True
-    return bool(torch.isfinite(torch.stack([n.float() for n in norms]).sum()))
-
-
-def _params_finite(model) -> bool:
-    """True when every rank's parameters are finite (checked before a checkpoint is written)."""
-    bad = any(not bool(torch.isfinite(p).all()) for chunk in model for p in chunk.parameters())
-    return not _any_rank(bad)
-
-
-def _any_rank(flag: bool) -> bool:
-    """True if ``flag`` is set on any rank (the collective runs on the world group's device)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    return bool(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
-
-
 def _empty_cuda_cache(rc: RunConfig, level: int) -> None:
     """--empty-unused-memory-level: hand the CUDA caching allocator's unused blocks back (as Megatron-LM,
     level 1 after the backward and each evaluation step, level 2 also after the optimizer step)."""
@@ -445,38 +330,24 @@ def _train_step(rc: RunConfig, state, model, optimizer, scheduler, train_iter, t
     )
     _empty_cuda_cache(rc, 1)
     loss = _reduce_losses(losses_reduced)
-    loss_finite = loss is not None and math.isfinite(loss)
-    check = rc.distributed.check_for_nan_in_loss_and_grad
-    if check and not loss_finite:
-        return _nan_step(rc, state, "loss", loss)
-    if check and not rc.model.fp16 and not grads_checked_in_step(optimizer) and _any_rank(not _grads_finite(model)):
-        return _nan_step(rc, state, "gradients", loss)
+    nonfinite = faults.nonfinite_before_step(rc, loss, model, optimizer)
+    if nonfinite is not None:
+        return faults.nan_step(rc, state.iteration, nonfinite, loss)
     try:
         update_successful, grad_norm, state.num_zeros_in_grad = optimizer.step()
     except NonFiniteGrads:  # raised by the step's own grad norm, before its update (check_grads_in_step)
-        return _nan_step(rc, state, "gradients", loss)
+        return faults.nan_step(rc, state.iteration, "gradients", loss)
     if update_successful:
         # The scheduler counts samples (Megatron-LM): this step's global batch.
         scheduler.step(increment=num_microbatches * rc.schedule.micro_batch_size * rc.layout.dp)
     _empty_cuda_cache(rc, 2)
     grad_norm = float(grad_norm) if grad_norm is not None else None
-    return loss, grad_norm, update_successful, not loss_finite
-
-
-def _nan_step(rc: RunConfig, state: _State, what: str, loss):
-    """A step whose loss or gradients hold NaN/Inf, not applied: NanDetected, or with --nan-action skip the
-    step's (loss, grad norm, applied, NaN) as _train_step returns them."""
-    if rc.run.nan_action != "skip":
-        raise NanDetected(f"NaN/Inf in the {what} at iteration {state.iteration + 1} "
-                          "(--check-for-nan-in-loss-and-grad)")
-    return loss, None, False, True
+    return loss, grad_norm, update_successful, loss is None or not math.isfinite(loss)
 
 
 @torch.no_grad()
 def evaluate(rc: RunConfig, model, valid_dataset, table_modules) -> Optional[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from .data import close_iterators, valid_iterators
 
     if valid_dataset is None or rc.schedule.eval_iters == 0:
         return None
@@ -511,8 +382,6 @@ def _will_load_checkpoint(rc: RunConfig) -> bool:
     every rank: another rank's could differ (--load created at this moment by rank 0's TensorBoard or
     wandb writer, a tracker a node's filesystem cache does not show yet), and a rank that initialised
     alone would wait for the others in the statistics' all-reduces."""
-    from megatron_lev.parallel.collectives import broadcast_object
-
     found = None
     if torch.distributed.get_rank() == 0:
         found = False
@@ -558,7 +427,7 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         report_error(str(e), show=rank_is0())
         return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:  # in _run's start-up (model, checkpoint load, data): the loop reports its own
-        report_error(f"interrupted (Ctrl-C) during start-up, before training started; {_last_checkpoint(rc)[1]}",
+        report_error(f"interrupted (Ctrl-C) during start-up, before training started; {faults.last_checkpoint(rc)[1]}",
                      show=rank_is0())
         return EXIT_INTERRUPTED
     except checkpoint.CheckpointSaveError as e:
@@ -577,16 +446,12 @@ class _StartupError(Exception):
 
 
 def _startup_errors():
-    from megatron_lev.data.datasets import DatasetValidationError
-
     return (ConfigError, checkpoint.CheckpointError, DatasetValidationError)
 
 
 def _setup_configs(argv):
     """The run's configuration (the flags parsed and validated, the tokenizer's vocabulary and fingerprint
     in it), the tokenizer and the typed model configs (TransformerConfig, LevModelConfig)."""
-    from .data import build_tokenizer_from_args
-
     try:
         rc = parse_run_config(argv)
         # Newer checkpoints in --save are judged once the ranks can share reading them (_run), unless only
@@ -632,37 +497,14 @@ class _Run:
     flops: Any = None
     """FLOPs of one iteration, by global batch size."""
     peak: Optional[float] = None
-    handler: Optional[SignalHandler] = None
-    stop_on_sigterm: Optional[_StopOnSigterm] = None
+    stops: Optional[faults.Stops] = None
+    """SIGTERM, --exit-duration-in-mins, --exit-interval (installed with the data, released at the end)."""
     logging_level: Optional[int] = None
     """The root logger's level before --logging-level (restored at the end)."""
 
 
-def dump_memory_snapshot(path: str) -> None:
-    """--record-memory-history's snapshot, written beside ``path`` and renamed: a reader (or a stop
-    mid-write) never sees a truncated pickle, and a failed write keeps the previous snapshot."""
-    from megatron_lev._procutil import atomic_path
-
-    with atomic_path(path) as tmp:
-        torch.cuda.memory._dump_snapshot(tmp)
-
-
-@contextlib.contextmanager
-def _memory_history(rc: RunConfig):
-    """--record-memory-history on the --profile-ranks for the whole run: started before the model is built
-    (so that the snapshots hold every allocation, as Megatron-LM), stopped however the run ends."""
-    on = rc.run.record_memory_history and torch.distributed.get_rank() in rc.run.profile_ranks
-    if on:
-        torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000, trace_alloc_record_context=True)
-    try:
-        yield
-    finally:
-        if on:
-            torch.cuda.memory._record_memory_history(enabled=None)
-
-
 def _run(rc: RunConfig, tokenizer, config, model_config) -> int:
-    with _memory_history(rc):
+    with profiling.memory_history(rc):
         return _run_recorded(rc, tokenizer, config, model_config)
 
 
@@ -678,32 +520,15 @@ def _run_recorded(rc: RunConfig, tokenizer, config, model_config) -> int:
     _start_data(run, state, tokenizer)
     try:
         return _train(run, state)
-    except KeyboardInterrupt:
-        report_error(_interrupted(rc, state), show=rank_is0())
-        return EXIT_INTERRUPTED
-    except Terminated:
-        report_error(_terminated(rc, state), show=rank_is0())
-        return EXIT_TERMINATED
-    except Exception as e:
-        lost = _lost_rank(e)
-        if lost is None:
+    except (KeyboardInterrupt, Terminated, Exception) as e:
+        code = faults.stop_code(e, rc, state, run.stops)  # Ctrl-C, SIGTERM, a lost rank: one line
+        if code is None:
             raise
-        sigterm = run.stop_on_sigterm
-        if sigterm is not None:
-            sigterm.stopping = True  # torchrun's SIGTERM to the survivors follows
-            if sigterm.received:  # held during a save that the other ranks, stopping too, left unfinished
-                report_error(_terminated(rc, state), show=rank_is0())
-                return EXIT_TERMINATED
-        report_error(f"lost another rank ({lost}) at iteration {state.iteration}{_cut_save(rc, state)}; "
-                     f"{_last_checkpoint(rc)[1]}", show=rank_is0())
-        return EXIT_RANK_LOST
+        return code
     finally:
-        from .data import close_iterators
-
         close_iterators(run.train_iter)
-        for handler in (run.handler, run.stop_on_sigterm):
-            if handler is not None:
-                handler.release()
+        if run.stops is not None:
+            run.stops.release()
         if run.logging_level is not None:
             logging.getLogger().setLevel(run.logging_level)
         run.logger.close()
@@ -728,55 +553,9 @@ def _release_hooks(config, model) -> None:
             accs.clear()
 
 
-def _last_checkpoint(rc: RunConfig) -> Tuple[Optional[int], str]:
-    """(iteration, words) of the checkpoint a rerun resumes from, read from the tracker now."""
-    root = rc.checkpointing.save or rc.checkpointing.load
-    try:
-        last = checkpoint.read_tracker(root) if root and os.path.isdir(root) else None
-    except checkpoint.CheckpointError:
-        last = None
-    if last is None:
-        return None, "no checkpoint was saved"
-    return last, (f"the last checkpoint is iteration {last} ({checkpoint.checkpoint_dir(root, last)}; resume with "
-                  f"--load {root})")
-
-
-def _interrupted(rc: RunConfig, state: _State) -> str:
-    """The line for Ctrl-C: where training stood and the checkpoint a rerun resumes from."""
-    return f"interrupted at iteration {state.iteration}; {_last_checkpoint(rc)[1]}"
-
-
-def _cut_save(rc: RunConfig, state: _State) -> str:
-    """Words for the save a stop cut short (never loaded: the tracker, written last, does not name it)."""
-    if state.saving is None or state.saving == _last_checkpoint(rc)[0]:
-        return ""
-    return (f", during the save of iteration {state.saving} (incomplete, not loaded: "
-            f"{checkpoint.checkpoint_dir(rc.checkpointing.save, state.saving)})")
-
-
-def _terminated(rc: RunConfig, state: _State) -> str:
-    """The line for SIGTERM without --exit-signal-handler: where training stood, the save it cut short
-    and the checkpoint a rerun resumes from."""
-    return (f"terminated by SIGTERM at iteration {state.iteration}{_cut_save(rc, state)}; "
-            f"{_last_checkpoint(rc)[1]}; pass --exit-signal-handler to save a checkpoint before stopping")
-
-
-# How gloo and NCCL report a peer process that went away (killed, crashed) in a collective.
-_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe",
-              "remote process exited", "socket closed")
-
-
-def _lost_rank(error: BaseException) -> Optional[str]:
-    """The words of a collective's error that say another rank went away, else None."""
-    text = str(error).lower()
-    return next((w for w in _LOST_PEER if w in text), None)
-
-
 def _start(rc: RunConfig, config, model_config) -> _Run:
     """Logger, seeds, model chunks (with the parameter report), DDP, optimizer and schedule hooks."""
     from megatron.core import parallel_state as ps
-
-    from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 
     t_start = time.time()
     if rc.run.profile and not rc.run.use_pytorch_profiler and not torch.cuda.is_available():
@@ -790,8 +569,6 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
             logging.getLogger().setLevel(logging_level)
         raise
     if torch.cuda.is_available():
-        from megatron_lev.compat.versions import fallback_notice
-
         notice = fallback_notice()
         if notice is not None:
             logger.log(notice)
@@ -822,10 +599,6 @@ def _start_logger(rc: RunConfig) -> TrainingLogger:
     alone: their failure (wandb without a login on the node, a folder made read-only since the start-up
     checks) stops every rank with its line, instead of rank 0 alone while the others wait for it in the
     model's first collectives."""
-    from megatron_lev.parallel.collectives import broadcast_object
-
-    from .logger import LogWriterError
-
     logger, error = None, None
     try:
         logger = TrainingLogger(rc.logging, save=rc.checkpointing.save)
@@ -873,25 +646,20 @@ def _load(run: _Run, state: _State) -> None:
 
 
 def _start_data(run: _Run, state: _State, tokenizer) -> None:
-    """Datasets and the training iterator (from the consumed samples), FLOPs figures, signal handler."""
-    from . import data as data_mod
-    from .flops import flops_per_iteration, peak_tflops_per_device
-
+    """Datasets and the training iterator (from the consumed samples), FLOPs figures, the stop conditions."""
     rc = run.rc
     try:
-        train_ds, run.valid_ds, _test_ds = data_mod.build_datasets(run.rc, tokenizer)
+        train_ds, run.valid_ds, _test_ds = build_datasets(run.rc, tokenizer)
     except _startup_errors() as e:
         raise _StartupError(str(e).strip().splitlines()[0]) from None
-    run.train_iter = data_mod.train_iterators(train_ds, state.consumed_train_samples, run.rc)
+    run.train_iter = train_iterators(train_ds, state.consumed_train_samples, run.rc)
     _check_batches_ahead(rc, state)
     run.batches.update(state.consumed_train_samples, consistency_check=False)
     run.flops = _Memo(lambda gbs: flops_per_iteration(
         run.config, run.model_config, global_batch_size=gbs, seq_length=rc.data.seq_length,
         data_parallel_size=rc.layout.dp))
     run.peak = peak_tflops_per_device(rc.logging.peak_tflops_per_device)
-    run.handler = SignalHandler() if rc.run.exit_signal_handler else None
-    if not rc.run.exit_signal_handler and threading.current_thread() is threading.main_thread():
-        run.stop_on_sigterm = _StopOnSigterm(state)
+    run.stops = faults.Stops(rc, state, run.t_start, run.logger.log)
     run.logger.log(
         f"[after start-up] {time.time() - run.t_start:.1f} s; training from iteration {state.iteration} "
         f"to {rc.schedule.train_iters} ({run.batches.get()} micro-batches of {rc.schedule.micro_batch_size} per "
@@ -935,7 +703,7 @@ def _check_batches_ahead(rc: RunConfig, state: _State) -> None:
 def _save(run: _Run, state: _State, iteration: int) -> bool:
     """Write a checkpoint; refuse (False, one error line) when the parameters are not finite."""
     ck = run.rc.checkpointing
-    if not _params_finite(run.model):
+    if not faults.params_finite(run.model):
         msg = (f"NaN/Inf in the parameters at iteration {iteration}; no checkpoint written (the latest "
                f"stays {state.last_saved if state.last_saved is not None else 'none'}); lower --lr or keep the "
                "NaN check on")
@@ -943,7 +711,7 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
         report_error(msg, show=rank_is0())
         return False
     state.saving = iteration
-    with _ctrl_c_held(), _params_gathered(run):
+    with faults.ctrl_c_held(), _params_gathered(run):
         checkpoint.save_checkpoint(
             ck.save, iteration, run.model, run.optimizer, run.scheduler,
             consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,
@@ -976,33 +744,9 @@ def _params_gathered(run: _Run):
                 chunk.enable_forward_pre_hook()
 
 
-@contextlib.contextmanager
-def _ctrl_c_held():
-    """Hold a Ctrl-C (SIGINT) that arrives during the block and raise it at its end.
-
-    dist_checkpointing forks its writer processes during a save: an interrupt delivered while Python runs
-    the fork hooks is printed and dropped there (training would go on), and one delivered mid-write would
-    leave a partial checkpoint. Held, it stops the run right after the save completes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received and previous is signal.default_int_handler:
-        raise KeyboardInterrupt
-
-
 def _run_eval(run: _Run, state: _State, prefix: str) -> None:
-    manual_gc = run.rc.run.manual_gc and run.rc.run.manual_gc_eval
-    if manual_gc:
-        gc.collect()
-    loss = evaluate(run.rc, run.model, run.valid_ds, run.table_modules)
-    if manual_gc:
-        gc.collect(generation=0)  # what the evaluation created and dropped (Megatron-LM)
+    with profiling.gc_around_evaluation(run.rc):
+        loss = evaluate(run.rc, run.model, run.valid_ds, run.table_modules)
     if loss is None:
         return
     logger = run.logger
@@ -1083,90 +827,21 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
         num_zeros=num_zeros, params_norm=params_norm))
     logger.scalars(state.iteration, {"tokens-per-second": tokens_s, "throughput-tflops-per-device": tflops,
                                      "iteration-time": per_iter if rc.logging.log_timers_to_tensorboard else None})
-    if rc.run.record_memory_history and torch.distributed.get_rank() in rc.run.profile_ranks:
-        base, ext = os.path.splitext(rc.run.memory_snapshot_path)
-        dump_memory_snapshot(f"{base}_{torch.distributed.get_rank()}{ext}")
+    profiling.snapshot_memory(rc)
     interval.start, interval.iters, interval.samples, interval.flops, interval.losses = time.time(), 0, 0, 0.0, []
     interval.aux_losses = {}
 
 
-class _Profiler:
-    """Megatron-LM's --profile on the --profile-ranks: torch.profiler (--use-pytorch-profiler; its
-    schedule waits until --profile-step-start, records to --profile-step-end, and writes a trace
-    under --tensorboard-dir), else nsys ranges (cudaProfilerStart/Stop around NVTX ranges)."""
-
-    def __init__(self, rc: RunConfig) -> None:
-        self.rc = rc
-        self.prof = None
-        self.nvtx = None
-        self.on = rc.run.profile and torch.distributed.get_rank() in rc.run.profile_ranks
-        if self.on and rc.run.use_pytorch_profiler:
-            start, end = rc.run.profile_step_start, rc.run.profile_step_end
-            self.prof = torch.profiler.profile(
-                schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
-                                                 active=end - start, repeat=1),
-                on_trace_ready=torch.profiler.tensorboard_trace_handler(rc.logging.tensorboard_dir),
-                # No Python stacks: on the CPU path they make a two-step trace a gigabyte.
-                record_shapes=True, with_stack=False)
-            self.prof.start()
-
-    def before_step(self, iteration: int) -> None:
-        if not self.on:
-            return
-        if self.prof is not None:
-            self.prof.step()
-        elif iteration == self.rc.run.profile_step_start:
-            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
-            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
-            self.nvtx.__enter__()
-
-    def after_step(self, iteration: int) -> None:
-        if self.on and iteration == self.rc.run.profile_step_end:
-            self.stop()
-
-    def stop(self) -> None:
-        """Ends the profile (a run that stops before --profile-step-end writes what it recorded)."""
-        if self.prof is not None:
-            self.prof.stop()
-            self.prof = None
-        elif self.nvtx is not None:
-            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
-            self.nvtx.__exit__(None, None, None)
-            self.nvtx = None
-        self.on = False
-
-
-def _should_stop(run: _Run, state: _State) -> bool:
-    """SIGTERM on any rank, --exit-duration-in-mins passed on any rank, or an --exit-interval iteration."""
-    rc, log = run.rc, run.logger.log
-    stop = False
-    if run.handler is not None and run.handler.any_rank_received():
-        log(f"exiting on SIGTERM at iteration {state.iteration}")
-        stop = True
-    if rc.run.exit_duration_in_mins is not None:
-        if _any_rank((time.time() - run.t_start) / 60.0 > rc.run.exit_duration_in_mins):
-            log(f"exiting after {rc.run.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
-            stop = True
-    if rc.run.exit_interval and state.iteration % rc.run.exit_interval == 0:
-        log(f"exiting at iteration {state.iteration} (--exit-interval)")
-        stop = True
-    return stop
-
-
 def _train(run: _Run, state: _State) -> int:
-    """The iterations up to --train-iters (or only the evaluation with --skip-train); the exit code."""
-    rc = run.rc
-    if rc.run.manual_gc:
-        # Collections at the same points on every rank instead of at allocation thresholds (Megatron-LM).
-        gc.disable()
-        gc.collect()
-    profiler = _Profiler(rc)
-    try:
-        return _train_loop(run, state, profiler)
-    finally:
-        profiler.stop()
-        if rc.run.manual_gc:
-            gc.enable()
+    """The iterations up to --train-iters (or only the evaluation with --skip-train); the exit code.
+
+    The loop runs inside its instrumentation (manual GC, the profiler), which ends however the loop does. A
+    NaN/Inf that stops a step is reported here; Ctrl-C, SIGTERM and a lost rank by ``_run_recorded``."""
+    with profiling.manual_gc(run.rc) as collector, profiling.Profiler(run.rc) as profiler:
+        try:
+            return _train_loop(run, state, profiler, collector)
+        except NanDetected as e:
+            return faults.stop_on_nan(run.rc, state, e, run.logger.log, partial(_save, run, state))
 
 
 def _next_batch(run: _Run, state: _State, interval: _Interval) -> Optional[int]:
@@ -1184,9 +859,32 @@ def _next_batch(run: _Run, state: _State, interval: _Interval) -> Optional[int]:
     return run.batches.get()
 
 
-def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
-    rc = run.rc
-    sched, ck = rc.schedule, rc.checkpointing
+def _count_step(run: _Run, state: _State, interval: _Interval, num_microbatches: int, loss, ok: bool,
+                got_nan: bool) -> int:
+    """Advance the counters (saved with checkpoints) and the log interval past the step just taken; its
+    global batch size."""
+    global_batch = num_microbatches * run.rc.schedule.micro_batch_size * run.rc.layout.dp
+    # Every step, as Megatron-LM's training_log: the routers' trackers hold this step's losses.
+    for name, value in _aux_losses(run.config, num_microbatches, state.iteration + 1).items():
+        interval.aux_losses.setdefault(name, []).append(value)
+    state.iteration += 1
+    state.consumed_train_samples += global_batch
+    if not ok:
+        state.skipped_iterations += 1
+    if got_nan:
+        state.nan_iterations += 1
+    interval.iters += 1
+    interval.samples += global_batch
+    interval.flops += run.flops[global_batch]
+    if loss is not None and math.isfinite(loss):
+        interval.losses.append(loss)
+    return global_batch
+
+
+def _train_loop(run: _Run, state: _State, profiler: profiling.Profiler, collector: profiling.ManualGC) -> int:
+    """Each iteration: the step, its record and log line, then evaluation, checkpoint and the stop
+    conditions (``run.stops``: SIGTERM, --exit-interval, --exit-duration-in-mins) at their intervals."""
+    rc, sched, ck = run.rc, run.rc.schedule, run.rc.checkpointing
     reset_aux_loss_trackers()
     interval = _Interval(start=time.time())
     for chunk in run.model:
@@ -1196,45 +894,21 @@ def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
         num_microbatches = _next_batch(run, state, interval)
         if num_microbatches is None:
             return EXIT_NAN
-        global_batch = num_microbatches * sched.micro_batch_size * rc.layout.dp
-        try:
-            loss, grad_norm, ok, got_nan = _train_step(rc, state, run.model, run.optimizer, run.scheduler,
-                                                       run.train_iter, run.table_modules, num_microbatches)
-        except NanDetected as e:
-            run.logger.log(f"ERROR: {e}; stopping")
-            report_error(str(e), show=rank_is0())
-            if rc.run.nan_action == "save-and-stop" and ck.save and state.last_saved != state.iteration:
-                # The failed step was not applied: this is the state after the last good iteration.
-                _save(run, state, state.iteration)
-            return EXIT_NAN
-        # Every step, as Megatron-LM's training_log: the routers' trackers hold this step's losses.
-        for name, value in _aux_losses(run.config, num_microbatches, state.iteration + 1).items():
-            interval.aux_losses.setdefault(name, []).append(value)
-        state.iteration += 1
-        state.consumed_train_samples += global_batch
-        if not ok:
-            state.skipped_iterations += 1
-        if got_nan:
-            state.nan_iterations += 1
-        interval.iters += 1
-        interval.samples += global_batch
-        interval.flops += run.flops[global_batch]
-        if loss is not None and math.isfinite(loss):
-            interval.losses.append(loss)
+        loss, grad_norm, ok, got_nan = _train_step(rc, state, run.model, run.optimizer, run.scheduler,
+                                                   run.train_iter, run.table_modules, num_microbatches)
+        global_batch = _count_step(run, state, interval, num_microbatches, loss, ok, got_nan)
         _log_iteration(run, state, interval, loss, grad_norm, ok, got_nan, global_batch)
         profiler.after_step(state.iteration)
-        if rc.run.manual_gc and rc.run.manual_gc_interval and state.iteration % rc.run.manual_gc_interval == 0:
-            gc.collect()
+        collector.after_step(state.iteration)
         t_side = time.time()  # evaluation and checkpointing are kept out of the per-iteration time
         if sched.eval_interval and state.iteration % sched.eval_interval == 0 and state.iteration < sched.train_iters:
             _run_eval(run, state, f"iteration {state.iteration}")
-        stop = _should_stop(run, state)
+        stop = run.stops.due(state.iteration)
         if ck.save and (stop or (ck.save_interval and state.iteration % ck.save_interval == 0)):
             if not _save(run, state, state.iteration):
                 return EXIT_NAN
         interval.start += time.time() - t_side
-        if run.stop_on_sigterm is not None:
-            run.stop_on_sigterm.check()
+        run.stops.raise_held()
         if stop:
             break
     if sched.skip_train or state.iteration >= sched.train_iters:
@@ -1243,7 +917,3 @@ def _train_loop(run: _Run, state: _State, profiler: _Profiler) -> int:
             if not _save(run, state, state.iteration):
                 return EXIT_NAN
     return 0
-
-
-def rank_is0() -> bool:
-    return torch.distributed.get_rank() == 0

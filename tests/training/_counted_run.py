@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megatron_lev.training import loop, pretrain  # noqa: E402
+from megatron_lev.training import loop, pretrain, profiling  # noqa: E402
 
 
 class _CountingGC:
@@ -39,7 +39,7 @@ class _CountingGC:
 
 def main(result: str, runs) -> int:
     out = []
-    real_gc, real_empty, real_step = loop.gc, torch.cuda.empty_cache, loop._train_step
+    real_gc, real_empty, real_step = profiling.gc, torch.cuda.empty_cache, loop._train_step
     for argv in runs:
         counts = {"gc_disable": 0, "gc_collect": 0, "gc_collect_gen0": 0, "empty_cache": 0, "root_level": None}
 
@@ -51,11 +51,11 @@ def main(result: str, runs) -> int:
             counts["root_level"] = logging.getLogger().level
             return real_step(*a, **kw)
 
-        loop.gc, torch.cuda.empty_cache, loop._train_step = _CountingGC(real_gc, counts), empty_cache, step
+        profiling.gc, torch.cuda.empty_cache, loop._train_step = _CountingGC(real_gc, counts), empty_cache, step
         try:
             counts["code"] = pretrain(argv.split())
         finally:
-            loop.gc, torch.cuda.empty_cache, loop._train_step = real_gc, real_empty, real_step
+            profiling.gc, torch.cuda.empty_cache, loop._train_step = real_gc, real_empty, real_step
         counts["level_after"] = logging.getLogger().level
         out.append(counts)
     Path(result).write_text(json.dumps(out))

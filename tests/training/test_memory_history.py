@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_lev.training import loop
+from megatron_lev.training import profiling
 
 
 def _dump(path):
@@ -25,12 +25,12 @@ def _failing_dump(path):
 def test_a_failed_snapshot_write_leaves_the_previous_snapshot_and_no_partial_file(tmp_path, monkeypatch):
     path = tmp_path / "snapshot_0.pickle"
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", _dump)
-    loop.dump_memory_snapshot(str(path))
+    profiling.dump_memory_snapshot(str(path))
     assert pickle.loads(path.read_bytes()) == {"iteration": 10}
 
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", _failing_dump)
     with pytest.raises(OSError):
-        loop.dump_memory_snapshot(str(path))
+        profiling.dump_memory_snapshot(str(path))
     assert os.listdir(tmp_path) == ["snapshot_0.pickle"]
     assert pickle.loads(path.read_bytes()) == {"iteration": 10}
 
@@ -43,7 +43,7 @@ def test_the_recording_stops_however_the_run_ends(monkeypatch, rank, recorded):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
     rc = SimpleNamespace(run=SimpleNamespace(record_memory_history=True, profile_ranks=[0]))
     with pytest.raises(RuntimeError):
-        with loop._memory_history(rc):
+        with profiling.memory_history(rc):
             assert calls == ([True] if recorded else [])
             raise RuntimeError("the model's build failed")
     assert calls == ([True, None] if recorded else [])

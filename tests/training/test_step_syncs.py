@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_lev.training import loop
+from megatron_lev.training import faults, loop
 from tests.host_syncs import HostSyncs
 
 
@@ -39,7 +39,7 @@ def test_grads_finite_reads_one_number(bad):
         b[1234] = bad
     model = [_chunk(a), _chunk(b)]
     with HostSyncs() as s, _LargestBool() as big:
-        finite = loop._grads_finite(model)
+        finite = faults.grads_finite(model)
     assert finite is (bad is None)
     assert s.events == ["_local_scalar_dense"]
     assert big.largest <= 1
@@ -48,7 +48,7 @@ def test_grads_finite_reads_one_number(bad):
 def test_grads_finite_without_buffers_reads_the_parameters():
     p = torch.nn.Parameter(torch.zeros(4))
     p.main_grad = torch.tensor([0.0, float("nan"), 0.0, 0.0])
-    assert loop._grads_finite([torch.nn.Linear(2, 2), types.SimpleNamespace(
+    assert faults.grads_finite([torch.nn.Linear(2, 2), types.SimpleNamespace(
         parameters=lambda: [p])]) is False
 
 

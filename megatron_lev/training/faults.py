@@ -1,0 +1,354 @@
+"""What stops a training run, and the one line each stop prints.
+
+The loop (``loop._train_loop``) holds the happy path; everything that ends a run early lives here, in
+three pieces the loop calls in a few lines:
+
+- the **NaN/Inf check** (``--check-for-nan-in-loss-and-grad``, ``--nan-action``,
+  ``--inject-nan-at-iteration``): :func:`nonfinite_before_step` is asked once per step between the
+  backward and the optimizer step, :func:`nan_step` turns its answer into a skipped step or
+  :class:`NanDetected`, which the loop's caller turns into one line and exit code :data:`EXIT_NAN`;
+- :class:`Stops`, built once at start-up and released at the end: the SIGTERM handlers
+  (``--exit-signal-handler``: stop after saving, at the end of an iteration; without it:
+  :class:`StopOnSigterm`) and the exit conditions (``--exit-duration-in-mins``, ``--exit-interval``),
+  asked once per iteration (:meth:`Stops.due`, :meth:`Stops.raise_held`);
+- :func:`stop_code`: the exit code and one-line report of a run that Ctrl-C, SIGTERM or a lost rank
+  stopped mid-training (:func:`ctrl_c_held` keeps Ctrl-C out of a checkpoint being written).
+
+Skipping a step and stopping at the end of an iteration are decided alike on every rank: the loss is
+checked after its reduction over the ranks, the gradient flag, the --exit-signal-handler flag and the
+elapsed time are reduced over the world group (:func:`any_rank`, a host sync only on the steps where
+they are asked). Only SIGTERM without --exit-signal-handler stops each rank where it stands (the
+launchers signal every rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
+
+import torch
+
+from megatron_lev import checkpoint
+from megatron_lev._procutil import EXIT_INTERRUPTED
+from megatron_lev.compat.optimizer import grads_checked_in_step
+from megatron_lev.distributed import report_error
+from megatron_lev.parallel.collectives import all_reduce_
+
+if TYPE_CHECKING:
+    from megatron_lev.arguments import RunConfig
+
+EXIT_CONFIG_ERROR = 2
+EXIT_NAN = 3
+EXIT_SAVE_FAILED = 4
+EXIT_RANK_LOST = 5
+EXIT_TERMINATED = 143  # 128 + SIGTERM: what a shell reports for a process that SIGTERM ended
+
+
+def rank_is0() -> bool:
+    return torch.distributed.get_rank() == 0
+
+
+def any_rank(flag: bool) -> bool:
+    """True if ``flag`` is set on any rank (the collective runs on the world group's device)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    return bool(all_reduce_(t, op=torch.distributed.ReduceOp.MAX).item())
+
+
+# ------------------------------------------------------------------------------------------------
+# NaN/Inf
+
+
+class NanDetected(RuntimeError):
+    pass
+
+
+def inject_nan(rc: "RunConfig", iteration: int) -> bool:
+    """Whether step ``iteration``'s loss is made NaN (the test hook --inject-nan-at-iteration)."""
+    return rc.run.inject_nan_at_iteration is not None and iteration == rc.run.inject_nan_at_iteration
+
+
+def grads_finite(model) -> bool:
+    """True when this rank's gradients are all finite (for an optimizer whose step computes no grad norm
+    to check, ``compat.optimizer.check_grads_in_step``).
+
+    As megatron DDP's own NaN check: the norm of each gradient buffer (NaN/Inf anywhere makes it
+    non-finite), so no buffer-sized boolean tensor is allocated; the norms are summed on the device and
+    read once (one host sync per step: the skip-or-stop decision needs the answer on the host)."""
+    norms = []
+    for chunk in model:
+        # megatron DDP's grad buffers (a plain module's ``buffers`` is its method, not a list)
+        buffers = [b for name in ("buffers", "expert_parallel_buffers")
+                   if isinstance(getattr(chunk, name, None), list) for b in getattr(chunk, name)]
+        if buffers:
+            norms += [b.grad_data.norm(p=2) for b in buffers]
+        else:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                g = p.grad if g is None else g
+                if g is not None:
+                    norms.append(g.norm(p=2))
+    if not norms:
+        return True
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms]).sum()))
+
+
+def params_finite(model) -> bool:
+    """True when every rank's parameters are finite (checked before a checkpoint is written)."""
+    bad = any(not bool(torch.isfinite(p).all()) for chunk in model for p in chunk.parameters())
+    return not any_rank(bad)
+
+
+def nonfinite_before_step(rc: "RunConfig", loss: Optional[float], model, optimizer) -> Optional[str]:
+    """--check-for-nan-in-loss-and-grad between the backward and the optimizer step: "loss" or "gradients"
+    when that holds NaN/Inf (None: go on with the step).
+
+    The gradients are checked here only where the step itself does not (an optimizer step that computes
+    the grad norm raises ``NonFiniteGrads`` before its update, ``compat.optimizer.check_grads_in_step``),
+    and not in fp16, whose loss scaler skips such steps itself. A collective on every rank alike."""
+    if not rc.distributed.check_for_nan_in_loss_and_grad:
+        return None
+    if loss is None or not math.isfinite(loss):
+        return "loss"
+    if not rc.model.fp16 and not grads_checked_in_step(optimizer) and any_rank(not grads_finite(model)):
+        return "gradients"
+    return None
+
+
+def nan_step(rc: "RunConfig", iteration: int, what: str, loss):
+    """Step ``iteration + 1``, whose loss or gradients hold NaN/Inf, not applied: NanDetected, or with
+    --nan-action skip the step's (loss, grad norm, applied, NaN) as the loop's step returns them."""
+    if rc.run.nan_action != "skip":
+        raise NanDetected(f"NaN/Inf in the {what} at iteration {iteration + 1} "
+                          "(--check-for-nan-in-loss-and-grad)")
+    return loss, None, False, True
+
+
+def stop_on_nan(rc: "RunConfig", state, error: NanDetected, log: Callable[[str], None],
+                save: Callable[[int], object]) -> int:
+    """A run that :class:`NanDetected` stopped: its line (log and stderr), with --nan-action save-and-stop
+    ``save(iteration)`` of the state after the last good iteration (the failed step was not applied) unless
+    that is saved already; EXIT_NAN."""
+    log(f"ERROR: {error}; stopping")
+    report_error(str(error), show=rank_is0())
+    if rc.run.nan_action == "save-and-stop" and rc.checkpointing.save and state.last_saved != state.iteration:
+        save(state.iteration)
+    return EXIT_NAN
+
+
+# ------------------------------------------------------------------------------------------------
+# signals and exit conditions
+
+
+class SignalHandler:
+    """Remembers a SIGTERM; the loop checks it (across ranks) at the end of each iteration."""
+
+    def __init__(self, sig=signal.SIGTERM) -> None:
+        self.sig = sig
+        self.received = False
+        self._prev = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def any_rank_received(self) -> bool:
+        return any_rank(self.received)  # on the world group's device (NCCL reduces no CPU tensor)
+
+    def release(self) -> None:
+        signal.signal(self.sig, self._prev)
+
+
+class Terminated(SystemExit):
+    """SIGTERM arrived without --exit-signal-handler (a SystemExit: code 143 should it ever go uncaught)."""
+
+
+class StopOnSigterm:
+    """SIGTERM without --exit-signal-handler stops the run where it stands, in one line.
+
+    Megatron-LM dies silently there; torchrun sends SIGTERM to the surviving ranks when one dies, Slurm to
+    all at the end of a job. Between saves the handler raises :class:`Terminated` in the main thread. During
+    a save it is held: a save that completes is kept and the run stops right after it; a save that is
+    still running ``grace_s`` later is cut short (both launchers kill 30 s after their SIGTERM), leaving
+    that checkpoint incomplete while the tracker, written last, still names the previous one. Holding also
+    keeps the raise out of the fork hooks of dist_checkpointing's writers, which would drop it.
+
+    ``state`` is the loop's state: its ``saving`` names the iteration being saved (None between saves)."""
+
+    def __init__(self, state, grace_s: float = 15.0) -> None:
+        self.state = state
+        self.grace_s = grace_s
+        self.received = False
+        self.deadline: Optional[float] = None
+        self._timer: Optional[threading.Timer] = None
+        self.stopping = False
+        """The run is already stopping on another failure, whose line a SIGTERM must not cut off."""
+        self._prev = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        if self.stopping:
+            return
+        if self.state.saving is None or (self.deadline is not None and time.monotonic() >= self.deadline):
+            self._stop()
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace_s
+            # Sent again at the deadline, to the main thread: a real signal interrupts a blocking wait there.
+            self._timer = threading.Timer(self.grace_s, signal.pthread_kill,
+                                          args=(threading.main_thread().ident, signal.SIGTERM))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _stop(self) -> None:
+        self.stopping = True  # later signals (the deadline's, a second SIGTERM) leave the stop alone
+        if self._timer is not None:
+            self._timer.cancel()
+        raise Terminated(EXIT_TERMINATED)
+
+    def check(self) -> None:
+        """Raise a SIGTERM that was held, or raised and dropped by a library, once the save is over."""
+        if self.received:
+            self._stop()
+
+    def release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        signal.signal(signal.SIGTERM, self._prev)
+
+
+class Stops:
+    """The run's stop conditions between iterations, installed at start-up until :meth:`release`.
+
+    SIGTERM: with --exit-signal-handler a :class:`SignalHandler` (the loop saves and stops at the end of
+    the iteration that sees it on any rank), else a :class:`StopOnSigterm` (main thread only: Python
+    installs signal handlers there alone). --exit-duration-in-mins and --exit-interval are asked with the
+    SIGTERM flag in :meth:`due`, which every rank calls at the same point of each iteration."""
+
+    def __init__(self, rc: "RunConfig", state, t_start: float, log: Callable[[str], None]) -> None:
+        self.rc, self.t_start, self.log = rc, t_start, log
+        self.handler = SignalHandler() if rc.run.exit_signal_handler else None
+        self.sigterm: Optional[StopOnSigterm] = None
+        if not rc.run.exit_signal_handler and threading.current_thread() is threading.main_thread():
+            self.sigterm = StopOnSigterm(state)
+
+    def due(self, iteration: int) -> bool:
+        """Collective. SIGTERM on any rank, --exit-duration-in-mins passed on any rank, or an --exit-interval
+        iteration (each logged)."""
+        rc, log = self.rc, self.log
+        stop = False
+        if self.handler is not None and self.handler.any_rank_received():
+            log(f"exiting on SIGTERM at iteration {iteration}")
+            stop = True
+        if rc.run.exit_duration_in_mins is not None:
+            if any_rank((time.time() - self.t_start) / 60.0 > rc.run.exit_duration_in_mins):
+                log(f"exiting after {rc.run.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+                stop = True
+        if rc.run.exit_interval and iteration % rc.run.exit_interval == 0:
+            log(f"exiting at iteration {iteration} (--exit-interval)")
+            stop = True
+        return stop
+
+    def raise_held(self) -> None:
+        """Without --exit-signal-handler: stop on a SIGTERM that a save held (:meth:`StopOnSigterm.check`)."""
+        if self.sigterm is not None:
+            self.sigterm.check()
+
+    def release(self) -> None:
+        for handler in (self.handler, self.sigterm):
+            if handler is not None:
+                handler.release()
+
+
+@contextlib.contextmanager
+def ctrl_c_held():
+    """Hold a Ctrl-C (SIGINT) that arrives during the block and raise it at its end.
+
+    dist_checkpointing forks its writer processes during a save: an interrupt delivered while Python runs
+    the fork hooks is printed and dropped there (training would go on), and one delivered mid-write would
+    leave a partial checkpoint. Held, it stops the run right after the save completes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received and previous is signal.default_int_handler:
+        raise KeyboardInterrupt
+
+
+# ------------------------------------------------------------------------------------------------
+# the one-line reports
+
+
+def last_checkpoint(rc: "RunConfig") -> Tuple[Optional[int], str]:
+    """(iteration, words) of the checkpoint a rerun resumes from, read from the tracker now."""
+    root = rc.checkpointing.save or rc.checkpointing.load
+    try:
+        last = checkpoint.read_tracker(root) if root and os.path.isdir(root) else None
+    except checkpoint.CheckpointError:
+        last = None
+    if last is None:
+        return None, "no checkpoint was saved"
+    return last, (f"the last checkpoint is iteration {last} ({checkpoint.checkpoint_dir(root, last)}; resume with "
+                  f"--load {root})")
+
+
+def interrupted(rc: "RunConfig", state) -> str:
+    """The line for Ctrl-C: where training stood and the checkpoint a rerun resumes from."""
+    return f"interrupted at iteration {state.iteration}; {last_checkpoint(rc)[1]}"
+
+
+def cut_save(rc: "RunConfig", state) -> str:
+    """Words for the save a stop cut short (never loaded: the tracker, written last, does not name it)."""
+    if state.saving is None or state.saving == last_checkpoint(rc)[0]:
+        return ""
+    return (f", during the save of iteration {state.saving} (incomplete, not loaded: "
+            f"{checkpoint.checkpoint_dir(rc.checkpointing.save, state.saving)})")
+
+
+def terminated(rc: "RunConfig", state) -> str:
+    """The line for SIGTERM without --exit-signal-handler: where training stood, the save it cut short
+    and the checkpoint a rerun resumes from."""
+    return (f"terminated by SIGTERM at iteration {state.iteration}{cut_save(rc, state)}; "
+            f"{last_checkpoint(rc)[1]}; pass --exit-signal-handler to save a checkpoint before stopping")
+
+
+# How gloo and NCCL report a peer process that went away (killed, crashed) in a collective.
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe",
+              "remote process exited", "socket closed")
+
+
+def lost_rank(error: BaseException) -> Optional[str]:
+    """The words of a collective's error that say another rank went away, else None."""
+    text = str(error).lower()
+    return next((w for w in _LOST_PEER if w in text), None)
+
+
+def stop_code(error: BaseException, rc: "RunConfig", state, stops: Optional[Stops]) -> Optional[int]:
+    """The exit code of a run that ``error`` stopped during training, after its one line on rank 0: Ctrl-C
+    (EXIT_INTERRUPTED), SIGTERM without --exit-signal-handler (EXIT_TERMINATED), another rank lost in a
+    collective (EXIT_RANK_LOST). None: ``error`` is no such stop (the caller re-raises it)."""
+    if isinstance(error, KeyboardInterrupt):
+        report_error(interrupted(rc, state), show=rank_is0())
+        return EXIT_INTERRUPTED
+    if isinstance(error, Terminated):
+        report_error(terminated(rc, state), show=rank_is0())
+        return EXIT_TERMINATED
+    lost = lost_rank(error) if isinstance(error, Exception) else None
+    if lost is None:
+        return None
+    sigterm = stops.sigterm if stops is not None else None
+    if sigterm is not None:
+        sigterm.stopping = True  # torchrun's SIGTERM to the survivors follows
+        if sigterm.received:  # held during a save that the other ranks, stopping too, left unfinished
+            report_error(terminated(rc, state), show=rank_is0())
+            return EXIT_TERMINATED
+    report_error(f"lost another rank ({lost}) at iteration {state.iteration}{cut_save(rc, state)}; "
+                 f"{last_checkpoint(rc)[1]}", show=rank_is0())
+    return EXIT_RANK_LOST

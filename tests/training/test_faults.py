@@ -1,0 +1,76 @@
+"""The stop conditions the loop asks at the end of each iteration, and the NaN stop's save, in-process
+(the runs of test_pretrain.py and tests/reliability/ cover the rest end to end). The cross-rank reduction
+is stood in for by the flag itself: one rank."""
+
+from __future__ import annotations
+
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_lev.training import faults
+
+
+def _rc(*, exit_interval=None, exit_duration_in_mins=None, exit_signal_handler=False, nan_action="save-and-stop",
+        save=None):
+    return SimpleNamespace(
+        run=SimpleNamespace(exit_interval=exit_interval, exit_duration_in_mins=exit_duration_in_mins,
+                            exit_signal_handler=exit_signal_handler, nan_action=nan_action),
+        checkpointing=SimpleNamespace(save=save))
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    monkeypatch.setattr(faults, "any_rank", lambda flag: flag)
+    monkeypatch.setattr(faults, "rank_is0", lambda: True)
+
+
+def _due(rc, iteration, running_s):
+    """(stop, lines) of ``Stops.due`` at ``iteration``, ``running_s`` seconds after the run's start."""
+    lines = []
+    stops = faults.Stops(rc, SimpleNamespace(saving=None), time.time() - running_s, lines.append)
+    try:
+        return stops.due(iteration), lines
+    finally:
+        stops.release()
+
+
+def test_exit_duration_and_exit_interval(one_rank):
+    rc = _rc(exit_duration_in_mins=2.0)
+    assert _due(rc, 7, running_s=100) == (False, [])
+    assert _due(rc, 7, running_s=130) == (True, ["exiting after 2.0 minutes (--exit-duration-in-mins)"])
+    rc = _rc(exit_interval=4)
+    assert _due(rc, 7, running_s=0) == (False, [])
+    assert _due(rc, 8, running_s=0) == (True, ["exiting at iteration 8 (--exit-interval)"])
+
+
+def test_exit_signal_handler_stops_at_the_iteration_that_sees_sigterm(one_rank):
+    previous = signal.getsignal(signal.SIGTERM)
+    lines = []
+    stops = faults.Stops(_rc(exit_signal_handler=True), SimpleNamespace(saving=None), 0.0, lines.append)
+    try:
+        assert stops.sigterm is None and not stops.due(3)
+        signal.raise_signal(signal.SIGTERM)  # remembered, not raised: the loop saves first
+        assert stops.due(4) and lines == ["exiting on SIGTERM at iteration 4"]
+        stops.raise_held()  # nothing held without StopOnSigterm
+    finally:
+        stops.release()
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+@pytest.mark.parametrize("action, save, last_saved, saved", [
+    ("save-and-stop", "/ck", 2, [3]),  # the state after the last good iteration
+    ("save-and-stop", "/ck", 3, []),   # already saved
+    ("save-and-stop", None, 2, []),    # no --save
+    ("stop", "/ck", 2, []),
+])
+def test_nan_stop_saves_only_with_save_and_stop(one_rank, capsys, action, save, last_saved, saved):
+    logged, written = [], []
+    error = faults.NanDetected("NaN/Inf in the loss at iteration 4 (--check-for-nan-in-loss-and-grad)")
+    code = faults.stop_on_nan(_rc(nan_action=action, save=save), SimpleNamespace(iteration=3, last_saved=last_saved),
+                              error, logged.append, written.append)
+    assert code == faults.EXIT_NAN == 3 and written == saved
+    assert logged == [f"ERROR: {error}; stopping"]
+    assert [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()] == [f"error: {error}"]
