@@ -134,6 +134,8 @@ def settings_for_loading(transformer_impl: Optional[str]) -> Dict[str, Any]:
     note of megatron-core's ``prepare_model_for_fp8_inference``). The weights FP8 training saves are
     the bf16/fp32 ones, so the model evaluates in its ``--bf16``/``--fp16`` precision.
     """
+    if transformer_impl is not None and not isinstance(transformer_impl, str):
+        raise TypeError(f"settings_for_loading takes the saved --transformer-impl, not {type(transformer_impl).__name__}")
     impl = transformer_impl or "auto"
     if impl == "transformer_engine" and not (te_available() and torch.cuda.is_available()):
         impl = "auto"

@@ -14,7 +14,8 @@ return, an error, Ctrl-C), and yields what the loop calls per step:
   --profile-step-start .. --profile-step-end window.
 
 All of them act on the --profile-ranks only (manual GC on every rank) and never on a tensor: no device
-work and no host sync is added to a step.
+work and no host sync is added to a step outside the profile window (opening and closing it, the profiler
+flushes and writes its trace on the profiled ranks, which the others then wait for at their next collective).
 """
 
 from __future__ import annotations
@@ -88,15 +89,17 @@ class ManualGC:
 def manual_gc(rc: "RunConfig") -> Iterator[ManualGC]:
     """--manual-gc around the training loop: Python's collector off and one full collection first, so that
     collections happen at the same points on every rank instead of at allocation thresholds (a rank paused
-    in a collection holds up the others at the next collective; Megatron-LM). Re-enabled at the end."""
-    on = rc.run.manual_gc
-    if on:
-        gc.disable()
-        gc.collect()
+    in a collection holds up the others at the next collective; Megatron-LM). At the end the collector is
+    as it was before, however the loop ended (Ctrl-C in that first collection included): a process may run
+    several trainings."""
+    on, was_enabled = rc.run.manual_gc, gc.isenabled()
     try:
+        if on:
+            gc.disable()
+            gc.collect()
         yield ManualGC(rc)
     finally:
-        if on:
+        if on and was_enabled:
             gc.enable()
 
 

@@ -74,3 +74,34 @@ def test_nan_stop_saves_only_with_save_and_stop(one_rank, capsys, action, save, 
     assert code == faults.EXIT_NAN == 3 and written == saved
     assert logged == [f"ERROR: {error}; stopping"]
     assert [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()] == [f"error: {error}"]
+
+
+def test_manual_gc_leaves_the_collector_as_it_found_it(monkeypatch):
+    """A process may run several trainings: --manual-gc turns Python's collector back on at the end, however
+    the loop ended (Ctrl-C in its first full collection included), and leaves a collector that was off, off."""
+    import gc
+
+    from megatron_lev.training import profiling
+
+    rc = SimpleNamespace(run=SimpleNamespace(manual_gc=True, manual_gc_interval=0))
+    assert gc.isenabled()
+    with profiling.manual_gc(rc):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profiling.gc, "collect", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with profiling.manual_gc(rc):
+            pass
+    assert gc.isenabled()
+    monkeypatch.undo()
+    gc.disable()
+    try:
+        with profiling.manual_gc(rc):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
