@@ -32,6 +32,9 @@ class _CountingGC:
     def enable(self):
         self.real.enable()
 
+    def isenabled(self):
+        return self.real.isenabled()
+
     def collect(self, generation=2):
         self.counts["gc_collect_gen0" if generation == 0 else "gc_collect"] += 1
         return self.real.collect(generation)
