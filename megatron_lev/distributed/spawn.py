@@ -110,10 +110,14 @@ class LaunchState:
     started. Passed as the rank's first argument, it is applied while the rank's arguments are read, before
     the module of the rank's function is imported (a forked rank would otherwise import it in the server's
     environment, of the moment the server started). Variables the launcher does not have are removed; what
-    the rank's own imports set afterwards stays."""
+    the rank's own imports set afterwards stays. ``hide_cuda``: CUDA is hidden in that environment already,
+    so no import of the rank's function module (one may ask torch whether CUDA is there, which initialises
+    the driver) sees a GPU."""
 
-    def __init__(self, ctx, env: Optional[dict] = None, cwd: Optional[str] = None):
+    def __init__(self, ctx, env: Optional[dict] = None, cwd: Optional[str] = None, hide_cuda: bool = False):
         self.env = dict(os.environ if env is None else env)
+        if hide_cuda:
+            self.env["CUDA_VISIBLE_DEVICES"] = ""
         self.cwd = os.getcwd() if cwd is None else cwd
         self.forked = ctx.get_start_method() == "forkserver"
 
@@ -205,7 +209,7 @@ def spawn_ranks(
     os.close(fd)
     os.remove(store_file)  # the file store creates it
     procs = [
-        ctx.Process(target=_rank_main, args=(LaunchState(ctx), r, world_size, store_file, (tp, pp, vpp), seed, fn,
+        ctx.Process(target=_rank_main, args=(LaunchState(ctx, hide_cuda=hide_cuda), r, world_size, store_file, (tp, pp, vpp), seed, fn,
                                              tuple(args), kwargs or {}, out_q, collective_timeout,
                                              tuple(passthrough), hide_cuda, quiet))
         for r in range(world_size)

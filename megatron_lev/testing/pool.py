@@ -102,7 +102,7 @@ class RankPool:
         self._procs = [
             # Not daemonic: a job may start processes of its own (dist_checkpointing's writers).
             ctx.Process(target=_pool_rank,
-                        args=(spawn_mod.LaunchState(ctx), r, self.world_size, self._store_file, self._tasks[r],
+                        args=(spawn_mod.LaunchState(ctx, hide_cuda=self.hide_cuda), r, self.world_size, self._store_file, self._tasks[r],
                               self._out_q, self.collective_timeout, self.quiet, self.hide_cuda))
             for r in range(self.world_size)
         ]

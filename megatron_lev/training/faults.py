@@ -64,7 +64,7 @@ def any_rank(flag: bool) -> bool:
 
 
 class NanDetected(RuntimeError):
-    pass
+    """A NaN/Inf loss or gradient under --nan-action stop or save-and-stop (the message names the iteration)."""
 
 
 def inject_nan(rc: "RunConfig", iteration: int) -> bool:

@@ -19,6 +19,8 @@ import torch
 from megatron_lev.distributed import spawn_ranks
 
 REPO = Path(__file__).resolve().parents[2]
+# What this module's import saw: in a forked rank, the environment its launcher state gave it.
+_CUDA_AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() > 0, reason="ranks that may use CUDA are spawned")
 
 
@@ -31,6 +33,7 @@ def _what_the_rank_sees():
     ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(signal_number), 0, 0, 0)  # PR_GET_PDEATHSIG
     return {"parent": os.getppid(), "value": os.environ.get("SPAWN_TEST_VALUE"), "cwd": os.getcwd(),
             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "rank": os.environ["RANK"],
+            "cuda_at_import": _CUDA_AT_IMPORT,
             "server_only": "PYTORCH_NVML_BASED_CUDA_CHECK" in os.environ,
             "imported": "megatron.core.models.gpt.gpt_model" in sys.modules,
             "cuda_initialised": torch.cuda.is_initialized(), "death_signal": signal_number.value,
@@ -49,6 +52,7 @@ def test_forked_ranks_take_the_launchers_environment_and_folder_of_the_moment(tm
     assert [s["value"] for s in seen] == ["set after the server started"] * 2
     assert [s["cwd"] for s in seen] == [str(tmp_path)] * 2 and [s["rank"] for s in seen] == ["0", "1"]
     assert [s["cuda"] for s in seen] == ["", ""] and not any(s["server_only"] for s in seen)
+    assert [s["cuda_at_import"] for s in seen] == ["", ""]  # hidden before the function's module was imported
     assert [(s["death_signal"], s["server_pipe"]) for s in seen] == [(signal.SIGKILL, None)] * 2
 
 
