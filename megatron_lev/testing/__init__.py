@@ -1,8 +1,9 @@
 """Helpers for testing megatron-lev on CPU ranks (gloo): ``run_distributed`` and its rank pool, and
-``run_cli`` (a script's command-line run without the start-up imports)."""
+``run_cli`` and ``run_torchrun`` (a script's command-line run, on one rank or on several, without the
+start-up imports)."""
 
-from .cli import run_cli
+from .cli import run_cli, run_torchrun
 from .distributed import DistributedFailure, run_distributed
 from .pool import RankPool, close_pools, get_pool
 
-__all__ = ["DistributedFailure", "RankPool", "close_pools", "get_pool", "run_cli", "run_distributed"]
+__all__ = ["DistributedFailure", "RankPool", "close_pools", "get_pool", "run_cli", "run_distributed", "run_torchrun"]

@@ -14,6 +14,10 @@ threads waited for, then the exit handlers). What a fork cannot
 give is a fresh interpreter's start-up (what is imported then, a sitecustomize or PYTHONHASHSEED of the
 run's environment): a test of start-up itself, of signals sent to a process group or of a launcher
 (torchrun) starts a real process. Where CUDA is available the run is a real process too.
+
+``run_torchrun(script, args, nproc=N)`` is ``torchrun --nproc-per-node N script *args`` for a test whose
+subject is the script, not the launcher: its N ranks are forked the same way (a launch paid the launcher's
+imports and every rank's).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["run_cli"]
+__all__ = ["run_cli", "run_torchrun"]
 
 
 def _apply_interpreter_env(env: Mapping[str, str]) -> None:
@@ -48,7 +53,7 @@ def _cli_main(_state, script: str, argv: Sequence[str], env: Mapping[str, str], 
     import traceback
 
     for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        f = os.open(path, os.O_WRONLY | os.O_APPEND)  # the ranks of a run_torchrun share them
         os.dup2(f, fd)
         os.close(f)
     # Block-buffered text streams over the descriptors, as a new interpreter writing to pipes has.
@@ -115,3 +120,69 @@ def run_cli(script: str, args: Sequence[object] = (), *, env: Optional[Mapping[s
 def _read(path: str) -> str:
     with open(path, encoding="utf-8", errors="replace") as f:
         return f.read()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str, args: Sequence[object] = (), *, nproc: int, env: Optional[Mapping[str, str]] = None,
+                 cwd: Optional[str] = None, timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc script *args`` on this machine, its ranks forked as :func:`run_cli`
+    forks its one process. Each rank has the variables torchrun gives its workers (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 unless
+    set), and all of them write to one stdout and one stderr, as torchrun's workers do by default. When a
+    rank fails, the others are killed, as torchrun's agent does, and the exit code is 1. What it is not:
+    torchrun's agent (no TORCHELASTIC_* variables, restarts, error files or signal forwarding); a test of
+    those starts torchrun. Where CUDA is available, torchrun itself runs."""
+    import torch
+
+    from megatron_lev.distributed.spawn import LaunchState, rank_context
+
+    script, argv = str(script), [str(a) for a in args]
+    env = dict(os.environ if env is None else env)
+    cwd = os.getcwd() if cwd is None else str(cwd)
+    port = _free_port()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                str(port), script, *argv]
+    if torch.cuda.device_count() > 0:  # NVML: no CUDA context in this process
+        return subprocess.run(launcher, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    from multiprocessing.connection import wait
+
+    ctx = rank_context(hide_cuda=True)
+    with tempfile.TemporaryDirectory(prefix="megatron_lev_torchrun_") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out, err):
+            open(path, "w").close()
+        procs = []
+        for rank in range(nproc):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            rank_env.setdefault("OMP_NUM_THREADS", "1")
+            procs.append(ctx.Process(target=_cli_main, args=(LaunchState(ctx, rank_env, cwd), script, argv, rank_env,
+                                                             out, err)))
+        for p in procs:
+            p.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        running = list(procs)
+        try:
+            while running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(launcher, timeout, output=_read(out), stderr=_read(err))
+                ready = wait([p.sentinel for p in running], timeout=left)
+                ended = [p for p in running if p.sentinel in ready]
+                running = [p for p in running if p not in ended]
+                if any(p.join() or p.exitcode for p in ended):
+                    break  # one failed: the others are stopped below
+        finally:
+            for p in running:
+                p.kill()
+                p.join()
+        code = 1 if any(p.exitcode for p in procs) else 0
+        return subprocess.CompletedProcess(launcher, code, _read(out), _read(err))

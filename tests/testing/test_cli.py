@@ -1,6 +1,8 @@
 """``run_cli``: a script run in a process forked from the rank server gives what ``subprocess.run`` of a new
 interpreter gives: exit code, output (from the file descriptors), argv, environment, working directory,
-warnings filters, the wait for non-daemon threads and the exit handlers; and a timeout kills it."""
+warnings filters, the wait for non-daemon threads and the exit handlers; and a timeout kills it.
+``run_torchrun``: its ranks have torchrun's variables, join one gloo group and share one output; a failed
+rank ends the others and the job's exit code is 1, as under torchrun."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import textwrap
 
 import pytest
 
-from megatron_lev.testing.cli import run_cli
+from megatron_lev.testing.cli import run_cli, run_torchrun
 
 SCRIPT = textwrap.dedent('''
     import atexit, os, sys, threading, time, warnings
@@ -65,3 +67,31 @@ def test_errors_and_timeouts(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired) as e:
         run_cli(slow, timeout=2)
     assert e.value.output == "started\n"
+
+
+RANKS = textwrap.dedent('''
+    import os, sys, time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")
+    print("rank", dist.get_rank(), "of", dist.get_world_size(), [os.environ[n] for n in names], flush=True)
+    dist.barrier()
+    if sys.argv[1] == "fail" and dist.get_rank() == 1:
+        sys.exit("error: rank 1 gives up")
+    dist.barrier()  # the other ranks wait here for a rank that is gone
+    print("done", dist.get_rank(), flush=True)
+''')
+
+
+def test_run_torchrun_gives_the_ranks_torchruns_variables_and_stops_them_when_one_fails(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = run_torchrun(script, ["ok"], nproc=3, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(3):
+        assert f"rank {rank} of 3 {[str(rank), str(rank), '3', '3', '1']}" in r.stdout
+        assert f"done {rank}" in r.stdout
+    r = run_torchrun(script, ["fail"], nproc=3, env=env, timeout=120)  # without the stop: 30 minutes of gloo
+    assert r.returncode == 1 and "error: rank 1 gives up" in r.stderr
+    assert "done" not in r.stdout and r.stdout.count("rank ") == 3

@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node N tests/training/_multi_run.py PLAN.json RESULT.json
 
+(the tests run it with ``megatron_lev.testing.run_torchrun``, whose ranks skip the imports too).
+
 PLAN.json is a list of steps, run one after the other in the job's process group:
 
 * {"name": ..., "argv": [...]}: a ``pretrain`` run, optionally with "copy_checkpoint": [src, iteration,
@@ -24,8 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -38,7 +38,9 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the checkout's megatron_lev, and tests/ for the functions steps name
 
+from megatron_lev.testing.cli import run_torchrun  # noqa: E402
 from megatron_lev.training import pretrain  # noqa: E402
+
 MARKER = "=== multi-run:"
 
 
@@ -115,15 +117,10 @@ class PlanRun(NamedTuple):
     results: Optional[List[Any]] = None  # a "call" step's return value on each rank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_plan(nproc: int, plan: List[dict], workdir: Path, timeout: float = 900) -> Dict[str, PlanRun]:
-    """Run ``plan`` in one ``nproc``-rank torchrun job; the job itself must succeed (each run's exit
-    code is returned for its test to check)."""
+    """Run ``plan`` in one ``nproc``-rank job, as torchrun would run it (``megatron_lev.testing.run_torchrun``:
+    the ranks are forked from the process that imported torch and megatron-core once); the job itself must
+    succeed (each run's exit code is returned for its test to check)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     plan_file, result_file = workdir / "plan.json", workdir / "codes.json"
@@ -131,9 +128,8 @@ def launch_plan(nproc: int, plan: List[dict], workdir: Path, timeout: float = 90
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), str(Path(__file__).resolve()), str(plan_file), str(result_file)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(REPO))
+    r = run_torchrun(Path(__file__).resolve(), [plan_file, result_file], nproc=nproc, env=env, timeout=timeout,
+                     cwd=str(REPO))
     assert r.returncode == 0, f"STDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}"
     codes = json.loads(result_file.read_text())
     outs: Dict[str, List[str]] = {}

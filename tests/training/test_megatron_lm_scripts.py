@@ -2,8 +2,8 @@
 lev`` added, the sizes scaled down, and nothing else changed but the flags listed below with their reasons.
 
 The scripts' argv is test data (``data/megatron_lm_examples.json``: the words bash passes to
-``pretrain_gpt.py``, taken from NVIDIA/Megatron-LM at the commit named there). One 2-rank torchrun job
-(TP=2, gloo) trains both for 3 iterations; the checks read the per-iteration metrics and the resolved
+``pretrain_gpt.py``, taken from NVIDIA/Megatron-LM at the commit named there). One 2-rank job, run as
+torchrun runs it (TP=2, gloo), trains both for 3 iterations; the checks read the per-iteration metrics and the resolved
 ``config.yaml`` saved with the checkpoint, so each of the scripts' flags is seen to have taken effect.
 """
 

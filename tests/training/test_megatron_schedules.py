@@ -12,7 +12,7 @@
   ``--empty-unused-memory-level`` and ``--logging-level`` do what they do in Megatron-LM;
 - the flags that do not apply are refused in one line.
 
-The two-rank runs share one torchrun job (tests/training/_multi_run.py); the counted one-process runs
+The two-rank runs share one job (tests/training/_multi_run.py, run as torchrun runs it); the counted one-process runs
 share one process (tests/training/_counted_run.py).
 """
 

@@ -1,5 +1,5 @@
 """A LEV mixture-of-experts model from the command line, with the flags of Megatron-LM's Mixtral script,
-on 4 gloo ranks in one torchrun launch: TP=2 x EP=2 and PP=2 (MoE layers on both stages) equal the
+on 4 gloo ranks in one job (run as torchrun runs it): TP=2 x EP=2 and PP=2 (MoE layers on both stages) equal the
 TP=1/EP=1 run of the same model and global batch in losses and gradient norms; a run stopped at
 iteration 2 and resumed at EP=2 is bit-exact; MTP logs its loss and its checkpoint evaluates (main head);
 the load-balancing loss is in the metrics file and on the log line."""

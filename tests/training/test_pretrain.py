@@ -4,8 +4,9 @@ leaves the previous checkpoint as the latest; a checkpoint written at PP=2 loads
 check fires on an injected NaN (stop after saving, or skip); SIGTERM saves and exits cleanly.
 
 The corpus is the sample corpus's valid.jsonl.zst tokenised with the test BPE in GPT-2 format.
-Each launch costs ~10 s of imports, so the two-rank runs share one torchrun job
-(tests/training/_multi_run.py) and every run is reused by several checks.
+The two-rank runs share one job (tests/training/_multi_run.py, its ranks forked by ``run_torchrun``
+from a process that imported torch once); the killed and signalled runs are torchrun's own; every run
+is reused by several checks.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ LEV_MODES = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads"
 @pytest.fixture(scope="module")
 def two_rank_runs(corpus, tmp_path_factory):
     """Every two-rank run of this module's checks. The run whose rank is killed in the middle of a save
-    has a launch of its own (the kill ends the job); the others share one torchrun job (one launch's
-    imports instead of six), each in its own folder under ``root``:
+    has a launch of its own (the kill ends the job); the others share one job (one launch instead of
+    seven), each in its own folder under ``root``:
     tp2-ref (TP=2, uninterrupted), tp2-resumed (from the killed run's checkpoint), pp2-a (PP=2
     interleaved, saves at 4 and 8), pp2-b (resumed from a copy of pp2-a's iteration 4), lev-unique,
     lev-table and lev-linear-ce."""

@@ -1,6 +1,6 @@
 """The production path on CPU ranks: what the GPU path shares with the CPU path, checked where CPU can.
 
-One 4-rank torchrun job (TP=2 x DP=2, gloo) runs, in one process group:
+One 4-rank job (TP=2 x DP=2, gloo; tests/training/_multi_run.py, run as torchrun runs it) runs, in one process group:
 - each shipped ``examples/pile/configs/*.yaml`` as a user runs it (bf16, LEV unique mode, distributed
   optimizer, overlapped grad reduce), with only the sizes scaled down (layers, widths, vocabulary,
   batch, iterations), and the same run with ``--no-overlap-grad-reduce``: losses and grad norms equal;
