@@ -2,8 +2,9 @@
 ``run_cli`` and ``run_torchrun`` (a script's command-line run, on one rank or on several, without the
 start-up imports)."""
 
-from .cli import run_cli, run_torchrun
+from .cli import free_port, run_cli, run_torchrun
 from .distributed import DistributedFailure, run_distributed
 from .pool import RankPool, close_pools, get_pool
 
-__all__ = ["DistributedFailure", "RankPool", "close_pools", "get_pool", "run_cli", "run_distributed", "run_torchrun"]
+__all__ = ["DistributedFailure", "RankPool", "close_pools", "free_port", "get_pool", "run_cli", "run_distributed",
+           "run_torchrun"]

@@ -29,7 +29,7 @@ import tempfile
 import time
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["run_cli", "run_torchrun"]
+__all__ = ["free_port", "run_cli", "run_torchrun"]
 
 
 def _apply_interpreter_env(env: Mapping[str, str]) -> None:
@@ -122,7 +122,8 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 at the moment of the call (for MASTER_PORT)."""
     import socket
 
     with socket.socket() as s:
@@ -146,7 +147,7 @@ def run_torchrun(script: str, args: Sequence[object] = (), *, nproc: int, env: O
     script, argv = str(script), [str(a) for a in args]
     env = dict(os.environ if env is None else env)
     cwd = os.getcwd() if cwd is None else str(cwd)
-    port = _free_port()
+    port = free_port()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                 str(port), script, *argv]
     if torch.cuda.device_count() > 0:  # NVML: no CUDA context in this process

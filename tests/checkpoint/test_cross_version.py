@@ -12,13 +12,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_lev.compat.versions import megatron_core_version
-from tests.training._multi_run import _free_port
+from megatron_lev.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 OLD, NEXT = REPO / ".venv" / "bin" / "python", REPO / ".venv-next" / "bin" / "python"
@@ -58,7 +57,7 @@ def _run(python: Path, args, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(REPO / "pretrain_lev.py")] + ARGS + list(args)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=str(REPO))
     if check and r.returncode != 0:

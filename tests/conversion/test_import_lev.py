@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lev.testing.cli import run_cli
+from megatron_lev.testing.cli import free_port, run_cli
 
 # Its tests share multi-process jobs (~71 s for the module on 2 cores): not in make test-fast.
 pytestmark = pytest.mark.slow
@@ -35,14 +35,6 @@ CONVERT = str(REPO / "tools" / "convert_checkpoint.py")
 EVALUATE = str(REPO / "tools" / "evaluate.py")
 V, D = 500, 64
 LEV = dict(seed_dim=16, rank=8, num_heads=2, num_knots=8)
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():
@@ -206,7 +198,7 @@ def test_lev_checkpoint_trains_and_evaluates_at_tp2(models, derived, tmp_path):
     (tmp_path / "valid.jsonl").write_text("".join(
         json.dumps({"text": " ".join(map(str, rng.integers(0, V - 1, 40)))}) + "\n" for _ in range(4)))
     def run():
-        return ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+        return ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
 
     train = subprocess.Popen(
         [sys.executable, *run(), PRETRAIN, "--config", str(cfg_path), "--load", str(root / "lev"),

@@ -10,23 +10,16 @@ process).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_lev.testing.cli import run_cli
+from megatron_lev.testing.cli import free_port, run_cli
 from tests.conftest import built_once
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env():

@@ -24,13 +24,14 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from megatron_lev.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PILE_DIR = REPO / "examples" / "pile"
@@ -76,12 +77,6 @@ case "$1 ${2:-}" in
   *) echo "scontrol stand-in: unsupported: $*" >&2; exit 1 ;;
 esac
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_jsonl_zst(path: Path, docs) -> None:
@@ -236,7 +231,7 @@ def test_missing_inputs_fail_with_one_line(tree, tmp_path):
 
 def _train_env(tree, preprocessed, ckpt_root, metrics, extra=""):
     return dict(tree["env"], PILE_DATA=str(preprocessed["out"]), GPUS_PER_NODE="1", CKPT_ROOT=str(ckpt_root),
-                MASTER_PORT=str(_free_port()), EXTRA=f"{TINY} --metrics-file {metrics} {extra}".strip())
+                MASTER_PORT=str(free_port()), EXTRA=f"{TINY} --metrics-file {metrics} {extra}".strip())
 
 
 def _metrics(path: Path):

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lev.testing import free_port
 from tests.reliability.test_training_faults import TAG, TRACKER, signal_mid_run, tagged_processes, tiny_args, \
     wait_for_text
-from tests.training.test_pretrain import PRETRAIN, REPO, _env, _free_port, launch, metrics
+from tests.training.test_pretrain import PRETRAIN, REPO, _env, launch, metrics
 
 # Its tests share multi-process jobs (~65 s for the module on 2 cores): not in make test-fast.
 pytestmark = pytest.mark.slow
@@ -48,7 +49,7 @@ class _Launch:
     def __init__(self, args, log):
         self.tag, self.log = uuid.uuid4().hex, log
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(_free_port()), PRETRAIN] + args
+               str(free_port()), PRETRAIN] + args
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(_env(), **{TAG: self.tag}),
                                          cwd=str(REPO), start_new_session=True)

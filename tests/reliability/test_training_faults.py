@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.test_pretrain import PRETRAIN, REPO, _env, _free_port, launch, metrics, run_single
+from megatron_lev.testing import free_port
+from tests.training.test_pretrain import PRETRAIN, REPO, _env, launch, metrics, run_single
 
 # Its tests share multi-process jobs (~89 s for the module on 2 cores): not in make test-fast.
 pytestmark = pytest.mark.slow
@@ -74,7 +75,7 @@ def kill_launcher_group(args, log, wait_text):
     tag = uuid.uuid4().hex
     env = dict(_env(), **{TAG: tag})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), PRETRAIN] + args
+           str(free_port()), PRETRAIN] + args
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
                                 start_new_session=True)

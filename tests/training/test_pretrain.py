@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.testing.cli import run_cli
+from megatron_lev.testing.cli import free_port, run_cli
 from tests.training._multi_run import launch_plan
 
 # Its tests share multi-process jobs (~54 s for the module on 2 cores): not in make test-fast.
@@ -40,7 +40,7 @@ def _env():
 
 def launch(nproc, args, timeout=300, check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), PRETRAIN] + args
+           "--master-port", str(free_port()), PRETRAIN] + args
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=str(REPO))
     if check and r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}")
@@ -50,14 +50,6 @@ def launch(nproc, args, timeout=300, check=True):
 def run_single(args, timeout=300):
     """One process without torchrun (the exit code is the script's own)."""
     return run_cli(PRETRAIN, args, env=_env(), timeout=timeout, cwd=str(REPO))
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics(path, kind="train"):
