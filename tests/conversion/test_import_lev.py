@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lev.testing.cli import free_port, run_cli
+from megatron_lev.testing.cli import run_cli, run_torchrun
 
 # Its tests share multi-process jobs (~71 s for the module on 2 cores): not in make test-fast.
 pytestmark = pytest.mark.slow
@@ -197,25 +196,19 @@ def test_lev_checkpoint_trains_and_evaluates_at_tp2(models, derived, tmp_path):
     rng = np.random.default_rng(1)
     (tmp_path / "valid.jsonl").write_text("".join(
         json.dumps({"text": " ".join(map(str, rng.integers(0, V - 1, 40)))}) + "\n" for _ in range(4)))
-    def run():
-        return ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-
-    train = subprocess.Popen(
-        [sys.executable, *run(), PRETRAIN, "--config", str(cfg_path), "--load", str(root / "lev"),
-         "--save", str(tmp_path / "cont"), "--mock-data", "--lr", "1e-3", "--train-iters", "2",
-         "--micro-batch-size", "2", "--seq-length", "32", "--eval-iters", "0", "--log-interval", "1",
-         "--metrics-file", str(tmp_path / "m.jsonl")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(REPO))
-    ev = subprocess.Popen(
-        [sys.executable, *run(), EVALUATE, "--load", str(root / "lev"), "--tensor-model-parallel-size", "2",
-         "--valid-data", f"toy={tmp_path / 'valid.jsonl'}", "--seq-length", "32", "--output-dir",
-         str(tmp_path / "eval"), "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(REPO))
-    t_out, t_err = train.communicate(timeout=900)
-    e_out, e_err = ev.communicate(timeout=900)
-    assert train.returncode == 0, t_err[-4000:]
-    assert ev.returncode == 0, e_err[-4000:]
-    assert "successfully loaded checkpoint" in t_out and "at iteration 0" in t_out
+    # Training and evaluation side by side, each a 2-rank job as torchrun runs it (the launcher is not the subject).
+    train_args = ["--config", cfg_path, "--load", root / "lev", "--save", tmp_path / "cont", "--mock-data", "--lr",
+                  "1e-3", "--train-iters", "2", "--micro-batch-size", "2", "--seq-length", "32", "--eval-iters", "0",
+                  "--log-interval", "1", "--metrics-file", tmp_path / "m.jsonl"]
+    eval_args = ["--load", root / "lev", "--tensor-model-parallel-size", "2", "--valid-data",
+                 f"toy={tmp_path / 'valid.jsonl'}", "--seq-length", "32", "--output-dir", tmp_path / "eval", "--no-progress"]
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run_torchrun, script, args, nproc=2, env=_env(), cwd=str(REPO), timeout=900)
+                for script, args in ((PRETRAIN, train_args), (EVALUATE, eval_args))]
+        train, ev = (j.result() for j in jobs)
+    assert train.returncode == 0, train.stderr[-4000:]
+    assert ev.returncode == 0, ev.stderr[-4000:]
+    assert "successfully loaded checkpoint" in train.stdout and "at iteration 0" in train.stdout
     rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     losses = [x["lm loss"] for x in rows if x["kind"] == "train"]
     assert len(losses) == 2 and all(np.isfinite(losses))
