@@ -192,9 +192,18 @@ class SavedModel:
 
     @classmethod
     def from_saved_args(cls, saved: Mapping[str, Any]) -> "SavedModel":
-        """The view of ``saved`` (flat saved arguments of any version)."""
+        """The view of ``saved`` (flat saved arguments of any version); ConfigError (one line, naming the
+        setting) where a count is not a whole number."""
         def number(name: str) -> Optional[int]:
-            return int(saved[name]) if saved.get(name) else None
+            value = saved.get(name)
+            if not value:
+                return None
+            whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, float) and value.is_integer()) or (isinstance(value, str) and value.strip().isdigit())
+            if not whole:
+                raise ConfigError(f"the saved {name} is {value!r}, not a whole number: the checkpoint's config.yaml "
+                                  f"was edited or damaged; put back the value the run was trained with")
+            return int(value)
 
         return cls(seq_length=number("seq_length"), padded_vocab_size=number("padded_vocab_size"),
                    mtp_num_layers=number("mtp_num_layers"))

@@ -95,7 +95,10 @@ def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 
     from megatron_lev.lev.config import ConfigError
 
     cfg, iteration, path = checkpoint_config(load_dir, iteration)
-    saved = SavedModel.from_saved_args(cfg)
+    try:
+        saved = SavedModel.from_saved_args(cfg)
+    except ConfigError as e:
+        raise EvalSetupError(f"{path}: {e}") from None
     args = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
     if saved.mtp_num_layers and log is not None:
         log(f"  {path}: trained with --mtp-num-layers {saved.mtp_num_layers}; the main head is scored "

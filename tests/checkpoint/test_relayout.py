@@ -1,10 +1,11 @@
-"""The saved arguments of a checkpoint moved to another layout by one function (``relayout``)."""
+"""The saved arguments of a checkpoint moved to another layout by one function (``relayout``), and read
+as ``SavedModel``."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_lev.checkpoint import relayout
+from megatron_lev.checkpoint import SavedModel, relayout
 from megatron_lev.lev.config import ConfigError
 
 
@@ -47,3 +48,12 @@ def test_relayout_refuses_a_layout_in_the_layouts_own_words():
         assert str(got.value) == str(want.value)
     a = relayout(saved, tp=1, pp=2, vpp=1, world_size=4)
     assert (a["virtual_pipeline_model_parallel_size"], a["data_parallel_size"]) == (None, 2)
+
+
+def test_saved_model_reads_counts_and_refuses_one_that_is_not_a_whole_number_in_one_line():
+    saved = SavedModel.from_saved_args({"seq_length": "32", "padded_vocab_size": 384.0, "mtp_num_layers": 0})
+    assert saved == SavedModel(seq_length=32, padded_vocab_size=384, mtp_num_layers=None)
+    for bad in ("abc", 32.5, True):  # before: a bare "invalid literal for int()", or 32 and 1 taken silently
+        with pytest.raises(ConfigError, match=r"^the saved seq_length is .*, not a whole number: .*config.yaml") as e:
+            SavedModel.from_saved_args({"seq_length": bad})
+        assert "\n" not in str(e.value)
