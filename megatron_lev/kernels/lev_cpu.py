@@ -22,42 +22,57 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import numpy as np
 import torch
 
 
-def available() -> bool:
-    """numba is installed (an optional accelerator); it is imported on the first kernel call."""
-    return importlib.util.find_spec("numba") is not None
-
-
-_kernels = None  # the compiled kernels' module, imported by _match_torch_threads
+_kernels = None  # the compiled kernels' module, imported by _load
+_broken: str = ""  # why numba, though installed, did not import (the kernel is off then)
 # The pool size this module put in the environment, so that a process started from this one tells it from
 # a NUMBA_NUM_THREADS its user set.
 _SIZED_BY_US = "MEGATRON_LEV_NUMBA_NUM_THREADS"
 
 
-def _match_torch_threads():
-    """Import the kernels with numba's pool sized to torch's intra-op pool (OMP_NUM_THREADS /
-    torch.set_num_threads), compute on as many threads as torch does, and return the kernels' module.
+def available() -> bool:
+    """numba is installed and imports (it is imported here, the first time, as :func:`_load` says). One
+    that is installed but fails to import (a numba older than the NumPy beside it) turns the kernel off with
+    a one-line warning, as Triton's is turned off where it cannot build: ``--lev-basis auto`` runs the eager
+    basis."""
+    global _broken
+    if _kernels is not None:
+        return True
+    if _broken or importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        _load()
+        return True
+    except ImportError as e:
+        _broken = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"warning: LEV's fused CPU kernel is off: numba is installed but does not import ({_broken}); "
+                  "--lev-basis auto runs the eager basis", file=sys.stderr, flush=True)
+        return False
+
+
+def _load():
+    """The kernels' module, numba imported with its pool sized to torch's intra-op pool (OMP_NUM_THREADS /
+    torch.set_num_threads).
 
     Numba's OpenMP pool is fixed at ``import numba`` from ``NUMBA_NUM_THREADS`` (one thread per core
     unless set), and a pool thread the kernels leave unused still busy-waits after each call, taking a
     core from this process's torch threads and from the other ranks on the machine. So numba is imported
-    on the first kernel call, when the process's thread count is settled (a torchrun rank's
-    OMP_NUM_THREADS, a local rank's share of the cores), with ``NUMBA_NUM_THREADS`` set to it. A value
-    set by the user is kept; one this module set in a parent process (a launcher, a test session, which
-    pass their environment on) is not. Measured on 2 cores: the quickstart's 2-rank LEV run, 1,302 ms per
-    iteration with numba's default pool, 552 ms with pools sized like torch's (tied: 548 ms); a 4-rank
-    TP=2 LEV run, 130 ms per iteration with one-thread pools, 2,000 ms with the two-thread pools its ranks
-    got from an inherited ``NUMBA_NUM_THREADS=2``. A later torch.set_num_threads is followed up to the
-    pool's size (a pool cannot grow or shrink once numba is imported).
+    only when the kernels are registered or first called, when the process's thread count is settled (a
+    torchrun rank's OMP_NUM_THREADS, a local rank's share of the cores), with ``NUMBA_NUM_THREADS`` set to
+    it. A value set by the user is kept; one this module set in a parent process (a launcher, a test
+    session, which pass their environment on) is not. Measured on 2 cores: the quickstart's 2-rank LEV
+    run, 1,302 ms per iteration with numba's default pool, 552 ms with pools sized like torch's (tied:
+    548 ms); a 4-rank TP=2 LEV run, 130 ms per iteration with one-thread pools, 2,000 ms with the
+    two-thread pools its ranks got from an inherited ``NUMBA_NUM_THREADS=2``.
     """
     global _kernels
     if _kernels is None:
-        import sys
-
         if "numba" not in sys.modules:  # imported by other code first, numba keeps the size it found
             ours = os.environ.get(_SIZED_BY_US)
             if "NUMBA_NUM_THREADS" not in os.environ or os.environ["NUMBA_NUM_THREADS"] == ours:
@@ -67,12 +82,19 @@ def _match_torch_threads():
         from . import _lev_cpu_numba
 
         _kernels = _lev_cpu_numba
+    return _kernels
+
+
+def _match_torch_threads():
+    """The kernels' module, computing on as many threads as torch does now, up to the pool's size (a pool
+    cannot grow or shrink once numba is imported)."""
+    kernels = _load()
     import numba
 
     want = max(1, min(numba.config.NUMBA_NUM_THREADS, torch.get_num_threads()))
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
-    return _kernels
+    return kernels
 
 
 def forward(xt: np.ndarray, S: np.ndarray):

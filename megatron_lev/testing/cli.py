@@ -179,7 +179,9 @@ def run_torchrun(script: str, args: Sequence[object] = (), *, nproc: int, env: O
                 ready = wait([p.sentinel for p in running], timeout=left)
                 ended = [p for p in running if p.sentinel in ready]
                 running = [p for p in running if p not in ended]
-                if any(p.join() or p.exitcode for p in ended):
+                for p in ended:
+                    p.join()
+                if any(p.exitcode for p in ended):
                     break  # one failed: the others are stopped below
         finally:
             for p in running:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -164,3 +166,35 @@ def test_numba_pool_is_sized_in_each_process_from_its_own_threads(tmp_path, give
     imported_early, size, used = json.loads(r.stdout.strip().splitlines()[-1])
     assert not imported_early  # the training stack leaves numba to the first kernel call
     assert (size, used) == (pool, 1)
+
+
+_BROKEN_PROBE = """
+import sys
+import torch
+from megatron_lev.kernels import lev_cpu, register_default_kernels
+from megatron_lev.lev import LEVConfig, LEVEmbedding
+from megatron_lev.lev.functional import has_fused_product
+
+register_default_kernels()
+layer = LEVEmbedding(300, 16, LEVConfig(seed_dim=8, num_knots=5, rank=4, num_heads=2))  # basis "auto"
+layer(torch.randint(0, 300, (3, 7))).square().sum().backward()
+print(lev_cpu.available(), has_fused_product("cpu"), layer.config.basis)
+"""
+
+
+def test_a_numba_that_does_not_import_turns_the_kernel_off_in_one_warning(tmp_path):
+    """A numba older than the NumPy beside it raises ImportError at import. Before, ``available()`` only
+    asked whether numba was installed, and the first LEV forward failed with that traceback; now the
+    kernel is off with one warning line and basis "auto" computes the eager form."""
+    from megatron_lev.testing import run_cli
+
+    (tmp_path / "numba").mkdir()  # found first: run_cli puts the script's folder first on sys.path
+    (tmp_path / "numba" / "__init__.py").write_text('raise ImportError("Numba needs NumPy 2.2 or less")\n')
+    script = tmp_path / "probe.py"
+    script.write_text(_BROKEN_PROBE)
+    r = run_cli(script, [], env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "False False auto"
+    warnings = [ln for ln in r.stderr.splitlines() if "fused CPU kernel" in ln]
+    assert warnings == ["warning: LEV's fused CPU kernel is off: numba is installed but does not import (Numba "
+                        "needs NumPy 2.2 or less); --lev-basis auto runs the eager basis"], r.stderr[-3000:]
