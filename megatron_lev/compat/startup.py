@@ -69,10 +69,19 @@ class _DeferringLoader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of ``megatron.core``'s own import, once; inert from then on.
+
+    It stays in ``sys.meta_path``: removing it while another thread walks that list (an import of its
+    own) would make the walk skip a finder, and that import fail with a ModuleNotFoundError.
+    """
+
+    def __init__(self) -> None:
+        self._done = False
+
     def find_spec(self, name, path=None, target=None):
-        if name != _TARGET:
+        if name != _TARGET or self._done:
             return None
-        sys.meta_path.remove(self)  # one import: the package's own
+        self._done = True  # one import: the package's own
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _DeferringLoader(spec.loader)

@@ -26,9 +26,19 @@ class BackgroundImport:
 
     Start it only when no ``fork`` follows while the import may still run (a forked child would
     inherit module locks held by the importing thread).
+
+    setuptools is imported here, in the caller's thread, before the thread starts: torch imports it
+    on the way (``torch.utils.cpp_extension``), and its ``_distutils_hack`` inserts a finder at the
+    head of ``sys.meta_path`` and removes it again. A removal while the caller's thread walks
+    ``sys.meta_path`` for an import of its own makes that walk skip a finder, and the import fails
+    with a ModuleNotFoundError for a module that is installed (seen: ``zstandard`` in the reader).
     """
 
     def __init__(self, name: str = INDEXED_DATASET_MODULE) -> None:
+        try:
+            importlib.import_module("setuptools")  # here, not in the thread: see the class docstring
+        except ImportError:
+            pass
         self.name = name
         self._module: Optional[ModuleType] = None
         self._error: Optional[BaseException] = None

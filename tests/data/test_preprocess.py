@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from megatron_lev.data import PreprocessConfig, preprocess, read_index_info
 from megatron_lev.jsonl import iter_json_docs
 from megatron_lev.tokenizer import build_tokenizer
-from tests.data.conftest import cli_flags, run_tool
+from tests.data.conftest import REPO_ROOT, cli_flags, run_tool
 
 
 def _read_docs(prefix):
@@ -144,6 +146,38 @@ def test_background_import_reraises():
 
     with pytest.raises(ModuleNotFoundError, match="no_such_module_for_lev"):
         BackgroundImport("no_such_module_for_lev").module()
+
+
+_META_PATH_PROBE = r"""
+import sys, threading
+removals = []
+class Watched(list):
+    def _log(self, what):
+        if threading.current_thread() is not threading.main_thread():
+            removals.append(what)
+    def remove(self, x):
+        self._log(f"remove {type(x).__name__}"); return list.remove(self, x)
+    def pop(self, *a):
+        self._log("pop"); return list.pop(self, *a)
+    def __delitem__(self, k):
+        self._log("del"); return list.__delitem__(self, k)
+    def __setitem__(self, k, v):
+        self._log("setitem"); return list.__setitem__(self, k, v)
+sys.meta_path = Watched(sys.meta_path)
+from megatron_lev.data import BackgroundImport
+assert "setuptools" not in sys.modules
+BackgroundImport().module()
+print("removals in the import thread:", removals)
+"""
+
+
+def test_background_import_leaves_sys_meta_path_alone_while_the_caller_imports():
+    """A finder removed from sys.meta_path by the import thread can make an import in the caller's thread
+    skip the path finder (the reader's ``import zstandard`` failed so); the import thread only adds."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _META_PATH_PROBE], capture_output=True,
+                          text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "removals in the import thread: []" in proc.stdout, proc.stdout
 
 
 BAD_LINES = [
