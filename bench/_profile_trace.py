@@ -19,7 +19,9 @@ Shares are of the mean step (``ProfilerStep#`` spans): each category's busy time
 ``idle``, the step time no item covers. Host syncs per step: the CUDA runtime calls that block the
 host until the device catches up (``SYNC_CALLS``); ``scalar_reads_per_step`` counts
 ``aten::_local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``): a host sync each on a CUDA
-tensor, and the only figure a CPU trace has.
+tensor, and the only figure a CPU trace has. ``syncs_by_place`` and ``scalar_reads_by_place`` say where
+they come from: the innermost named range around each (the training loop's ``megatron_lev.*`` spans,
+``Optimizer.step#...``, an autograd node's backward) and the innermost operator, per step.
 """
 
 from __future__ import annotations
@@ -106,6 +108,37 @@ def _enclosing(ops: List[Dict[str, Any]], points: List[float]) -> List[List[Dict
     return out
 
 
+_AUTOGRAD = "autograd::engine::evaluate_function: "
+
+
+def _place(stack: Sequence[Dict[str, Any]]) -> str:
+    """``range / operator`` of an enclosing stack (outermost first): the innermost named range (a
+    ``record_function`` span other than the step's, or an autograd node) and the innermost operator."""
+    region, op = None, None
+    for e in reversed(stack):
+        name = str(e.get("name", ""))
+        if op is None and e.get("cat") == "cpu_op" and not name.startswith(_AUTOGRAD):
+            op = name
+        if region is None and ((e.get("cat") == "user_annotation" and not name.startswith("ProfilerStep#"))
+                               or name.startswith(_AUTOGRAD)):
+            region = name.replace(_AUTOGRAD, "backward of ")
+    return f"{region or 'outside any range'} / {op or '-'}"
+
+
+def _places(ops_by_tid: Dict[Any, List[Dict[str, Any]]], events: List[Dict[str, Any]], n: int,
+            inside: bool) -> List[Dict[str, Any]]:
+    """Where ``events`` happen, per step, most first. ``inside``: an event is itself an operator of the lists
+    (its own span is left out of its place)."""
+    by_tid: Dict[Any, List[Dict[str, Any]]] = collections.defaultdict(list)
+    for e in events:
+        by_tid[(e.get("pid"), e.get("tid"))].append(e)
+    places = collections.Counter()
+    for tid, evs in by_tid.items():
+        for e, stack in zip(evs, _enclosing(ops_by_tid.get(tid, []), [e["ts"] for e in evs])):
+            places[_place([o for o in stack if o is not e] if inside else stack)] += 1
+    return [{"place": k, "per_step": v / n} for k, v in places.most_common(12)]
+
+
 def _union_length(intervals: List[tuple]) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
@@ -162,13 +195,20 @@ def summarize(trace: Union[str, Path, Dict[str, Any]]) -> Dict[str, Any]:
     n = len(steps)
     covered = _union_length([(a, b) for _, a, b, _ in items]) / n
     ms = {c: busy[c] / n / 1e3 for c in CATEGORIES}
-    syncs = sum(1 for e in runtime if e.get("name") in SYNC_CALLS)
-    scalar = sum(1 for e in cpu_ops if e.get("name") == "aten::_local_scalar_dense")
+    sync_events = [e for e in runtime if e.get("name") in SYNC_CALLS]
+    scalar_events = [e for e in cpu_ops if e.get("name") == "aten::_local_scalar_dense"]
+    syncs, scalar = len(sync_events), len(scalar_events)
+    ranges = collections.defaultdict(list)  # tid -> its operators and named ranges, for the places
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            ranges[(e.get("pid"), e.get("tid"))].append(e)
     return {
         "timeline": timeline, "steps": n, "step_ms": step_us / 1e3,
         "ms_per_step": {**ms, "idle": max(0.0, step_us - covered) / 1e3},
         "share": {**{c: ms[c] * 1e3 / step_us for c in CATEGORIES}, "idle": max(0.0, step_us - covered) / step_us},
         "host_syncs_per_step": syncs / n if runtime else None,
         "scalar_reads_per_step": scalar / n,
+        "syncs_by_place": _places(ranges, sync_events, n, inside=False),
+        "scalar_reads_by_place": _places(ranges, scalar_events, n, inside=True),
         "top": [{"category": c, "name": name, "ms_per_step": t / n / 1e3} for (c, name), t in top.most_common(12)],
     }

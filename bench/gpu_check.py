@@ -887,6 +887,10 @@ def _md_profile(f):
           f"Host syncs per step (CUDA runtime): {_n(f['host_syncs_per_step'])}; scalar reads per step "
           f"(aten::_local_scalar_dense): {_n(f['scalar_reads_per_step'])}.", "", "Largest items:", ""]
     L += [f"- {t['category']}: `{t['name']}` {t['ms_per_step']:.3f} ms/step" for t in f.get("top", [])[:8]]
+    for key, what in (("syncs_by_place", "Host syncs"), ("scalar_reads_by_place", "Scalar reads")):
+        if f.get(key):
+            L += ["", f"{what} per step by place (named range / operator):", ""]
+            L += [f"- `{p['place']}`: {p['per_step']:g}" for p in f[key][:8]]
     return L
 
 

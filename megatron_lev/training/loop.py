@@ -323,18 +323,21 @@ def _train_step(rc: RunConfig, state, model, optimizer, scheduler, train_iter, t
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     # LEV table mode: the table is built by the step's first forward and consumed in finalize.
-    losses_reduced = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, state, rc), data_iterator=train_iter, model=model,
-        num_microbatches=num_microbatches, seq_length=rc.data.seq_length,
-        micro_batch_size=rc.schedule.micro_batch_size, decoder_seq_length=rc.data.seq_length, forward_only=False,
-    )
+    with profiling.span("forward_backward"):
+        losses_reduced = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, state, rc), data_iterator=train_iter, model=model,
+            num_microbatches=num_microbatches, seq_length=rc.data.seq_length,
+            micro_batch_size=rc.schedule.micro_batch_size, decoder_seq_length=rc.data.seq_length, forward_only=False,
+        )
     _empty_cuda_cache(rc, 1)
-    loss = _reduce_losses(losses_reduced)
-    nonfinite = faults.nonfinite_before_step(rc, loss, model, optimizer)
+    with profiling.span("loss"):
+        loss = _reduce_losses(losses_reduced)
+        nonfinite = faults.nonfinite_before_step(rc, loss, model, optimizer)
     if nonfinite is not None:
         return faults.nan_step(rc, state.iteration, nonfinite, loss)
     try:
-        update_successful, grad_norm, state.num_zeros_in_grad = optimizer.step()
+        with profiling.span("optimizer"):
+            update_successful, grad_norm, state.num_zeros_in_grad = optimizer.step()
     except NonFiniteGrads:  # raised by the step's own grad norm, before its update (check_grads_in_step)
         return faults.nan_step(rc, state.iteration, "gradients", loss)
     if update_successful:
@@ -891,13 +894,16 @@ def _train_loop(run: _Run, state: _State, profiler: profiling.Profiler, collecto
         chunk.train()
     while not sched.skip_train and state.iteration < sched.train_iters:
         profiler.before_step(state.iteration)
-        num_microbatches = _next_batch(run, state, interval)
+        with profiling.span("batch"):
+            num_microbatches = _next_batch(run, state, interval)
         if num_microbatches is None:
             return EXIT_NAN
-        loss, grad_norm, ok, got_nan = _train_step(rc, state, run.model, run.optimizer, run.scheduler,
-                                                   run.train_iter, run.table_modules, num_microbatches)
-        global_batch = _count_step(run, state, interval, num_microbatches, loss, ok, got_nan)
-        _log_iteration(run, state, interval, loss, grad_norm, ok, got_nan, global_batch)
+        with profiling.span("step"):
+            loss, grad_norm, ok, got_nan = _train_step(rc, state, run.model, run.optimizer, run.scheduler,
+                                                       run.train_iter, run.table_modules, num_microbatches)
+        with profiling.span("log"):
+            global_batch = _count_step(run, state, interval, num_microbatches, loss, ok, got_nan)
+            _log_iteration(run, state, interval, loss, grad_norm, ok, got_nan, global_batch)
         profiler.after_step(state.iteration)
         collector.after_step(state.iteration)
         t_side = time.time()  # evaluation and checkpointing are kept out of the per-iteration time

@@ -409,8 +409,14 @@ def test_the_trace_summary_splits_a_step_into_lev_kernels_lev_gemms_and_the_rest
         ev.append(_x("aten::_scaled_dot_product_flash_attention", "cpu_op", t + 300, 20))
         ev.append(_x("cudaLaunchKernel", "cuda_runtime", t + 305, 5, correlation=10 * step + 4))
         ev.append(_x("pytorch_flash::flash_fwd_kernel", "kernel", t + 630, 100, tid=7, correlation=10 * step + 4))
+        ev.append(_x("megatron_lev.log", "user_annotation", t + 790, 60))  # the loop's span
+        ev.append(_x("aten::item", "cpu_op", t + 795, 40))
         ev.append(_x("aten::_local_scalar_dense", "cpu_op", t + 800, 30))
         ev += [_x("cudaStreamSynchronize", "cuda_runtime", t + 805 + i, 1) for i in range(3)]
+        # a sync in the backward, on the autograd thread
+        ev.append(_x("autograd::engine::evaluate_function: IndexBackward0", "cpu_op", t + 850, 20, tid=2))
+        ev.append(_x("aten::nonzero", "cpu_op", t + 852, 10, tid=2))
+        ev.append(_x("cudaMemcpy", "cuda_runtime", t + 855, 1, tid=2))
     path = tmp_path / "host_1.pt.trace.json"
     path.write_text(json.dumps({"traceEvents": ev}))
     assert pt.find_trace(tmp_path) == str(path)
@@ -420,7 +426,10 @@ def test_the_trace_summary_splits_a_step_into_lev_kernels_lev_gemms_and_the_rest
     assert ms["lev_gemm"] == pytest.approx(0.1) and ms["other"] == pytest.approx(0.3)
     assert ms["lev_triton"] == pytest.approx(0.2) and ms["attention"] == pytest.approx(0.1)
     assert ms["idle"] == pytest.approx(0.3) and f["share"]["lev_triton"] == pytest.approx(0.2)
-    assert f["host_syncs_per_step"] == 3 and f["scalar_reads_per_step"] == 1
+    assert f["host_syncs_per_step"] == 4 and f["scalar_reads_per_step"] == 1
+    assert f["syncs_by_place"] == [{"place": "megatron_lev.log / aten::_local_scalar_dense", "per_step": 3},
+                                   {"place": "backward of IndexBackward0 / aten::nonzero", "per_step": 1}]
+    assert f["scalar_reads_by_place"] == [{"place": "megatron_lev.log / aten::item", "per_step": 1}]
     with pytest.raises(ValueError, match="no ProfilerStep# spans"):
         pt.summarize({"traceEvents": ev[1:2]})
 
