@@ -141,3 +141,34 @@ def check_grads_in_step(optimizer, config) -> bool:
 def grads_checked_in_step(optimizer) -> bool:
     """Whether :func:`check_grads_in_step` is installed on ``optimizer``."""
     return getattr(getattr(optimizer, "prepare_grads", None), "checks_grads", False)
+
+
+def device_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor=False, *args):
+    """The L2 norm over ``tensor_lists`` as ``amp_C.multi_tensor_l2norm`` returns it, ``(norm as a 1-element
+    fp32 tensor, None)``, computed on the tensors' device without reading anything on the host.
+
+    megatron-core's stand-in where neither Transformer Engine nor Apex is installed,
+    ``megatron.core.utils.local_multi_tensor_l2_norm``, builds ``torch.tensor`` from the per-tensor norms: one
+    device-to-host copy a gradient tensor and one more for the total, each a host sync (160 a step at
+    gpu-400m on an H100). ``per_tensor`` norms are not returned (megatron's grad norm asks for none)."""
+    tensors = [t for ts in tensor_lists for t in ts]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    norms = torch._foreach_norm(tensors)
+    total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+    return total.reshape(1), None
+
+
+def keep_grad_norm_on_device() -> bool:
+    """Give megatron-core's grad norm :func:`device_multi_tensor_l2_norm` where it would use its host-reading
+    stand-in (no Transformer Engine, no Apex); True when it does. TE's and Apex's fused kernels are kept."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    impl = getattr(clip_grads, "l2_norm_impl", None)
+    if impl is device_multi_tensor_l2_norm:
+        return True
+    if impl is not getattr(utils, "local_multi_tensor_l2_norm", None):
+        return False
+    clip_grads.l2_norm_impl = device_multi_tensor_l2_norm
+    return True

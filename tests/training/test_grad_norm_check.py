@@ -104,6 +104,9 @@ def _check_setting(setting: str):
     assert ok and not got_nan and grad_norm is not None and grad_norm > 0, (setting, grad_norm, ok)
     run.state.iteration += 1
     out["norm_reads"] = reads.elements
+    from megatron.core.optimizer import clip_grads
+
+    out["l2_norm_impl"] = clip_grads.l2_norm_impl.__name__
     out["grad_elements"] = sum(b.grad_data.numel() for chunk in run.model for b in chunk.buffers)
 
     run.poison = True
@@ -133,6 +136,7 @@ def test_gradients_are_read_once_and_a_nan_on_one_rank_stops_or_skips_every_rank
         r = results[setting]
         # One pass over the gradients (megatron's grad norm): the NaN check reads none of its own.
         assert r["norm_reads"] <= 1.05 * r["grad_elements"], (rank, setting, r["norm_reads"], r["grad_elements"])
+        assert r["l2_norm_impl"] == "device_multi_tensor_l2_norm", r  # no TE or Apex here: the loop's stand-in
         assert r["stop"] == "NaN/Inf in the gradients at iteration 2 (--check-for-nan-in-loss-and-grad)", (rank, r)
         assert r["skip"] == (None, False, True), (rank, r)
         assert r["stop_unchanged"] and r["skip_unchanged"], (rank, setting)
@@ -292,3 +296,44 @@ def test_a_nan_only_in_a_replicated_gradient_on_tensor_parallel_rank_1_poisons_t
     check_grads_in_step(chained, _DENSE)
     with pytest.raises(NonFiniteGrads):
         chained.get_grad_norm()
+
+
+# ------------------------------------------------------------------- the grad norm without TE or Apex
+
+
+def test_the_grad_norm_stand_in_matches_megatrons_and_reads_nothing_on_the_host(monkeypatch, request):
+    """megatron's stand-in for the fused L2 norm (no TE, no Apex) reads each gradient's norm on the host: a
+    host sync per gradient tensor on a GPU. The loop's replacement computes the same norm on the device:
+    on the meta device, where any host read fails, it runs and megatron's does not."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_lev import compat
+    from megatron_lev.compat.optimizer import device_multi_tensor_l2_norm, keep_grad_norm_on_device
+
+    if not compat.is_applied() and compat.apply():  # megatron's stand-in puts its result on "cuda": the CPU here
+        request.addfinalizer(compat.remove)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(7, 5, generator=g), torch.randn(300, generator=g).bfloat16(), torch.randn(1, generator=g)]
+    flag = torch.zeros(1, dtype=torch.int)
+    want, _ = utils.local_multi_tensor_l2_norm(2048, flag, [grads], False)
+    got, none = device_multi_tensor_l2_norm(2048, flag, [grads], False)
+    assert none is None and got.shape == (1,) and got.dtype == torch.float32
+    assert torch.allclose(got, want.to(got.device), rtol=1e-6)
+    empty, _ = device_multi_tensor_l2_norm(2048, flag, [[]], False)
+    assert empty.tolist() == [0.0]
+
+    meta = [t.to("meta") for t in grads]
+    assert device_multi_tensor_l2_norm(2048, flag.to("meta"), [meta], False)[0].device.type == "meta"
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):  # its host reads
+        utils.local_multi_tensor_l2_norm(2048, flag, [meta], False)
+
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
+    assert keep_grad_norm_on_device() and clip_grads.l2_norm_impl is device_multi_tensor_l2_norm
+    assert keep_grad_norm_on_device()  # once
+
+    def fused(*args):  # Transformer Engine's or Apex's kernel: kept
+        raise AssertionError
+
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", fused)
+    assert not keep_grad_norm_on_device() and clip_grads.l2_norm_impl is fused
