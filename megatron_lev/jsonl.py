@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import importlib
 import io
 import json
 import os
@@ -96,6 +97,13 @@ def expand_inputs(patterns: Sequence[str]) -> List[str]:
                 seen.add(key)
                 out.append(m)
     return out
+
+
+def import_codecs(paths: Sequence[str]) -> None:
+    """Import now the decompressor that ``paths`` need (``zstandard`` for .zst), not at their first read: a
+    caller about to import in another thread does so first (``data.indexed.BackgroundImport``)."""
+    if any(p.endswith((".zst", ".zstd")) for p in paths):
+        importlib.import_module("zstandard")
 
 
 @contextmanager

@@ -150,12 +150,16 @@ def device_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor=
     megatron-core's stand-in where neither Transformer Engine nor Apex is installed,
     ``megatron.core.utils.local_multi_tensor_l2_norm``, builds ``torch.tensor`` from the per-tensor norms: one
     device-to-host copy a gradient tensor and one more for the total, each a host sync (160 a step at
-    gpu-400m on an H100). ``per_tensor`` norms are not returned (megatron's grad norm asks for none)."""
+    gpu-400m on an H100). Norms are taken in fp32 whatever the gradients' dtype (as amp_C's), on the first
+    tensor's device. ``per_tensor`` norms are refused: megatron's grad norm asks for none."""
+    if per_tensor:
+        raise NotImplementedError("device_multi_tensor_l2_norm: per-tensor norms are not computed")
     tensors = [t for ts in tensor_lists for t in ts]
     if not tensors:
         return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
-    norms = torch._foreach_norm(tensors)
-    total = torch.linalg.vector_norm(torch.stack([n.to(torch.float32) for n in norms]))
+    device = tensors[0].device
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
     return total.reshape(1), None
 
 

@@ -91,6 +91,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 def defer_megatron_compiles() -> None:
     """Defer megatron-core's import-time ``torch.compile`` decorations (see the module docstring). Call it
     before ``megatron.core`` is imported; a no-op once it is (or when already called). Imports nothing."""
-    if _TARGET in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
+    if _TARGET in sys.modules or any(isinstance(f, _Finder) and not f._done for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _Finder())

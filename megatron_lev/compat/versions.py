@@ -108,7 +108,8 @@ def fallback_notice() -> Optional[str]:
     if importlib.util.find_spec("transformer_engine") is not None or importlib.util.find_spec("apex") is not None:
         return None
     return ("note: Transformer Engine and Apex are not installed: megatron-core uses its torch fallbacks (Adam, "
-            "grad clipping, multi-tensor ops, norms), slower on GPU, and FP8 is unavailable; "
+            "grad clipping, multi-tensor ops, norms; megatron-lev keeps the grad norm on the device), slower on GPU, "
+            "and FP8 is unavailable; "
             "pip install transformer-engine[pytorch] for the fused kernels")
 
 

@@ -49,7 +49,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_lev.data.indexed import BackgroundImport
-from megatron_lev.jsonl import TruncatedInputError, expand_inputs, iter_lines
+from megatron_lev.jsonl import TruncatedInputError, expand_inputs, import_codecs, iter_lines
 from megatron_lev.tokenizer import TokenizerSpec, tokenizer_fingerprint
 from megatron_lev.tokenizer.fingerprint import sidecar_path, write_sidecar
 
@@ -536,6 +536,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
             initializer=_worker_init,
             initargs=(spec, opts),
         )
+        import_codecs(files)  # before megatron-core's import starts in its thread
         importer = BackgroundImport()
         batches = _iter_batches(files, cfg, stats)
         results = _ordered_results(pool, batches, window=4 * cfg.workers)

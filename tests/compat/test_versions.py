@@ -161,3 +161,26 @@ def test_deferred_compile_compiles_once_at_the_first_call_with_the_options():
     assert add(1, 2) == ("compiled", 3) and add(2, 2) == ("compiled", 4)
     assert mul(2, 3) == ("compiled", 6)
     assert calls == [("add", {}), ("mul", {"dynamic": False})]
+
+
+def test_the_deferring_finder_stays_inert_after_its_import_and_a_new_call_arms_a_new_one(monkeypatch):
+    """It never leaves sys.meta_path (a removal while another thread walks the list makes that walk skip a
+    finder); once used it finds nothing, and defer_megatron_compiles arms a fresh one for a re-import."""
+    import sys
+
+    from megatron_lev.compat import startup
+
+    import megatron
+
+    used = startup._Finder()
+    spec = used.find_spec("megatron.core", megatron.__path__)
+    assert isinstance(spec.loader, startup._DeferringLoader)
+    assert used.find_spec("megatron.core", megatron.__path__) is None
+    monkeypatch.setattr(sys, "meta_path", [used, *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "megatron.core", raising=False)
+    finders = lambda: sum(isinstance(f, startup._Finder) for f in sys.meta_path)  # noqa: E731
+    before = finders()
+    startup.defer_megatron_compiles()
+    assert sys.meta_path[1] is used and isinstance(sys.meta_path[0], startup._Finder) and not sys.meta_path[0]._done
+    startup.defer_megatron_compiles()  # armed: no second one
+    assert finders() == before + 1

@@ -151,19 +151,19 @@ def test_background_import_reraises():
 _META_PATH_PROBE = r"""
 import sys, threading
 removals = []
-class Watched(list):
-    def _log(self, what):
-        if threading.current_thread() is not threading.main_thread():
-            removals.append(what)
-    def remove(self, x):
-        self._log(f"remove {type(x).__name__}"); return list.remove(self, x)
-    def pop(self, *a):
-        self._log("pop"); return list.pop(self, *a)
-    def __delitem__(self, k):
-        self._log("del"); return list.__delitem__(self, k)
-    def __setitem__(self, k, v):
-        self._log("setitem"); return list.__setitem__(self, k, v)
-sys.meta_path = Watched(sys.meta_path)
+def watched(name):
+    class Watched(list):
+        pass
+    # Every list method that can move an entry to a lower index than a walk of the list has reached
+    for method in ("remove", "pop", "__delitem__", "__setitem__", "clear", "sort", "reverse"):
+        def logged(self, *a, _m=method, _f=getattr(list, method)):
+            if threading.current_thread() is not threading.main_thread():
+                removals.append(f"{name}.{_m}")
+            return _f(self, *a)
+        setattr(Watched, method, logged)
+    return Watched
+sys.meta_path = watched("sys.meta_path")(sys.meta_path)
+sys.path = watched("sys.path")(sys.path)
 from megatron_lev.data import BackgroundImport
 assert "setuptools" not in sys.modules
 BackgroundImport().module()
