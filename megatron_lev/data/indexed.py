@@ -38,7 +38,7 @@ class BackgroundImport:
         try:
             importlib.import_module("setuptools")  # here, not in the thread: see the class docstring
         except ImportError:
-            pass
+            pass  # no setuptools: no import of it can run in the thread either
         self.name = name
         self._module: Optional[ModuleType] = None
         self._error: Optional[BaseException] = None

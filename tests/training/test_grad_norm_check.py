@@ -329,7 +329,7 @@ def test_the_grad_norm_stand_in_matches_megatrons_and_reads_nothing_on_the_host(
 
     meta = [t.to("meta") for t in grads]
     assert device_multi_tensor_l2_norm(2048, flag.to("meta"), [meta], False)[0].device.type == "meta"
-    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):  # its host reads
+    with pytest.raises(RuntimeError, match=r"item\(\) cannot be called on meta"):  # its host reads
         utils.local_multi_tensor_l2_norm(2048, flag, [meta], False)
 
     monkeypatch.setattr(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
