@@ -5,12 +5,15 @@ does not know.
 
 A flag is every ``--name`` in the script (each counted once). "accepted": pretrain_lev.py has the flag;
 "refused in one line": megatron_lm.py refuses it naming the feature; "refused as unknown": neither.
-Flags inside an ``nsys`` command and words that are no flag names (``--M-M-M-M``, a layer pattern's
-value) are not counted. Prints a Markdown table; then, with ``--stops``, where each script stops: the
+The options of the commands that wrap a launch (``nsys profile``, ``srun``, ``salloc``, ``sbatch``,
+``mpirun``; a command continued over lines with ``\`` read as one line) and words that are no flag names
+(``--M-M-M-M``, a layer pattern's value: a flag name has a lower-case letter) are not counted; ``#SBATCH``
+lines are comments. Prints a Markdown table; then, with ``--stops``, where each script stops: the
 script is run by bash with its launcher replaced by a function that prints its arguments (``torchrun``,
 ``python -m torch.distributed.run|launch``, either behind ``uv run``, and ``srun`` in sbatch scripts; in a
-scratch directory holding an empty ``pretrain_gpt.py``; its positional arguments ``--script-args``,
-default none), the argv it passes is parsed with ``--input-embedding lev`` added at the launch's world
+scratch directory holding an empty ``pretrain_gpt.py``; its arguments ``--script-args "A B --flag V"``,
+one shell-quoted string, default none; ``sbatch`` runs the script it is given, its ``--wrap`` command or
+the script on its standard input, a here-document, with the same replacements; ``sh -c`` runs in bash), the argv it passes is parsed with ``--input-embedding lev`` added at the launch's world
 size (``--nproc-per-node`` x ``--nnodes``; for ``srun`` or no launcher option, TP x PP x CP), and each
 one-line error is listed, the flag it names dropped and the parse repeated. ``--env NAME=VALUE`` sets the
 script's environment (``SLURM_NNODES=4`` for a four-node launch); ``--assume-cuda-te`` parses as on a machine
@@ -25,6 +28,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -42,18 +46,21 @@ _LAUNCHER = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--
              "--rdzv-backend", "--rdzv-endpoint"}
 
 
-# nsys's own options on a line, up to the launcher or script they profile.
-_NSYS = re.compile(r"\bnsys\s+profile\b.*?(?=\btorchrun\b|\bpython3?\b|\S+\.py\b|$)")
-# A flag name: lower case, digits, - and _ (Megatron-LM's spelling); a word such as --M-M-M* is a value.
-_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*(?![\w*+|-])")
+# The options of a command that wraps the launch (a profiler, a Slurm or MPI launcher), up to the command
+# it runs: a launcher, an interpreter, a script, a shell, or another wrapper.
+_WRAPPER = re.compile(r"\b(?:nsys\s+profile|srun|salloc|sbatch|mpirun)\b.*?"
+                      r"(?=\btorchrun\b|\bpython3?\b|\S+\.(?:py|sh)\b|\b(?:ba)?sh\b|\bnsys\b|\buv\b|$)")
+# A flag name: letters, digits, - and _ with at least one lower-case letter (Megatron-LM's spelling, and its
+# older --DDP-impl); a word such as --M-M-M* or --M-M-M-M is a layer pattern's value.
+_FLAG = re.compile(r"(?<![\w-])--(?=[A-Za-z0-9_-]*[a-z])[A-Za-z][A-Za-z0-9_-]*(?![\w*+|-])")
 
 
 def script_flags(text: str):
-    """The ``--flag`` names of a shell script, in order of first appearance (comments and nsys's
-    options dropped)."""
+    """The ``--flag`` names of a shell script, in order of first appearance (comments and the wrapping
+    commands' options dropped)."""
     seen = []
-    for line in text.splitlines():
-        line = _NSYS.sub(" ", line.split("#", 1)[0])
+    for line in re.sub(r"\\\n", " ", text).splitlines():
+        line = _WRAPPER.sub(" ", re.sub(r"(^|\s)#.*", r"\1", line))  # a comment starts a word
         for flag in _FLAG.findall(line):
             if flag not in seen and flag.replace("_", "-") not in _LAUNCHER:
                 seen.append(flag)
@@ -73,12 +80,20 @@ def tally(flags):
 _SHIMS = r"""
 __print() {{ {py} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@"; }}
 torchrun() {{ __print "$@"; }}
-python() {{ case "$1 $2" in "-m torch.distributed.run"|"-m torch.distributed.launch") shift 2; __print "$@";;
+python() {{ while [[ "$1" == -[uOBsSEI]* ]]; do shift; done
+  case "$1 $2" in "-m torch.distributed.run"|"-m torch.distributed.launch") shift 2; __print "$@";;
   *) if [[ "$1" == *.py ]]; then __print "$@"; else command python "$@"; fi;; esac; }}
 python3() {{ python "$@"; }}
 uv() {{ if [ "$1" = run ]; then shift; while [[ "$1" == -* ]]; do shift; done; "$@"; else command uv "$@"; fi; }}
-srun() {{ while [[ "$1" == -* ]]; do case "$1" in -[NnctpAJoe]) shift 2;; *) shift;; esac; done; "$@"; }}
-export -f __print torchrun python python3 uv srun
+# A long option without "=" takes the next word unless that word is the command (srun --exclusive python ...).
+__cmd() {{ case "$1" in python*|torchrun|bash|sh|uv|nsys|*.py|*.sh) return 0;; *) return 1;; esac; }}
+srun() {{ while [[ "$1" == -* ]]; do case "$1" in -[NnctpAJoe]) shift 2;; --*=*) shift;;
+  --*) if __cmd "$2"; then shift; else shift 2; fi;; *) shift;; esac; done; "$@"; }}
+sbatch() {{ local wrap=; while [[ "$1" == -* ]]; do case "$1" in --wrap=*) wrap=${{1#--wrap=}}; shift;;
+  --wrap) wrap=$2; shift 2;; -[NnctpAJoedw]) shift 2;; *) shift;; esac; done
+  if [ -n "$wrap" ]; then bash -c "$wrap"; elif [ $# -gt 0 ]; then bash "$@"; else bash -s; fi; }}
+sh() {{ bash "$@"; }}
+export -f __print __cmd torchrun python python3 uv srun sbatch sh
 """
 
 
@@ -172,10 +187,11 @@ def stops(argv, world_size=None, assume_cuda_te: bool = False):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("scripts", nargs="+")
     p.add_argument("--stops", action="store_true", help="also run each script (bash) and list where parsing stops")
-    p.add_argument("--script-args", nargs="*", default=[], help="with --stops: the scripts' positional arguments")
+    p.add_argument("--script-args", default="", metavar="'A B --flag V'",
+                   help="with --stops: the scripts' arguments, one shell-quoted string (flags and values included)")
     p.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
                    help="with --stops: the scripts' environment (e.g. SLURM_NNODES=4)")
     p.add_argument("--assume-cuda-te", action="store_true",
@@ -196,7 +212,7 @@ def main(argv=None) -> int:
         for path in args.scripts:
             print(f"\n`{Path(path).name}` stops on:")
             try:
-                launcher, argv = launch(path, args.script_args, env)
+                launcher, argv = launch(path, shlex.split(args.script_args), env)
             except ValueError as e:
                 print(f"- cannot tell: {e}")
                 continue

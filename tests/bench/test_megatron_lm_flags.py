@@ -98,3 +98,42 @@ def test_llama3_fp8_and_mixtral_stop_only_at_cuda_and_transformer_engine(mf, tmp
     assert mf.main([str(path), "--stops", "--assume-cuda-te"]) == 0
     out = capsys.readouterr().out
     assert "stops on:\n- nothing: it parses" in out and "refused" not in out.split("stops on:")[1], out
+
+
+def test_wrapping_commands_options_are_not_counted_over_continued_lines_and_capitalised_flags_are(mf):
+    text = ('#SBATCH --nodes=2 --exclusive\n'
+            'srun -l \\\n     --container-image "nvcr.io#nvidia/pytorch:24.01-py3" \\\n'
+            '     --container-mounts "/a:/a" \\\n     --output=log.txt sh -c "${CMD}"\n'
+            'mpirun --allow-run-as-root -np 8 python pretrain_gpt.py --DDP-impl local \\\n'
+            '    --num-layers 2  # --not-this\n')
+    assert mf.script_flags(text) == ["--DDP-impl", "--num-layers"]
+
+
+def test_sbatch_here_documents_scripts_and_wrap_commands_are_followed(mf, tmp_path):
+    heredoc = tmp_path / "heredoc.sh"
+    heredoc.write_text(f"#!/bin/bash\nsbatch --nodes=2 -J run <<EOF\n#!/bin/bash\n#SBATCH -t 1:00:00\n"
+                       f"srun -N 2 --ntasks-per-node=8 python -u {TAIL}\nEOF\n")
+    words, argv = mf.launch(str(heredoc))
+    assert argv[:2] == ["--tensor-model-parallel-size", "2"] and argv[-2:] == ["--num-experts", "4"]
+    inner = tmp_path / "SRUN.sh"
+    inner.write_text(f'CMD="python -u {TAIL}"\nsrun -l --container-image "x#y" --output=o.log sh -c "${{CMD}}"\n')
+    outer = tmp_path / "SBATCH.sh"
+    outer.write_text(f"sbatch -p part -A acct --nodes=4 {inner}\nexit 0\n")
+    assert mf.launch(str(outer))[1][-2:] == ["--num-experts", "4"]
+    wrapped = tmp_path / "wrap.sh"
+    wrapped.write_text(f"sbatch --nodes=1 --wrap='torchrun --nproc_per_node 8 {TAIL}'\n")
+    words, argv = mf.launch(str(wrapped))
+    assert mf.launcher_world_size(words) == 8 and argv[-2:] == ["--num-experts", "4"]
+
+
+def test_script_args_pass_flags_with_their_values_and_help_is_whole(mf, tmp_path, capsys):
+    script = tmp_path / "args.sh"
+    script.write_text('torchrun --nproc_per_node 8 pretrain_gpt.py "$@"\n')
+    argv = TAIL.split()[1:]
+    assert mf.launch(str(script), argv)[1] == argv
+    assert mf.main([str(script), "--stops", "--script-args", " ".join(argv)]) == 0
+    assert "stops on:\n- nothing: it parses" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        mf.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "accepts, refuses by name, or does not know." in help_text, help_text
