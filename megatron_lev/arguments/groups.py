@@ -76,8 +76,9 @@ class DataConfig:
     """tokenizer.json (or its folder), SentencePiece .model or .tiktoken rank file (--tokenizer-model)."""
 
     vocab_size: Optional[int]
-    """Ids of the NullTokenizer, or of a TikTokenizer in Megatron-LM's v1/v2 layout (--vocab-size); the
-    embedding's rows are ``model.padded_vocab_size``."""
+    """Ids of the NullTokenizer, or of a TikTokenizer in Megatron-LM's v1/v2 layout (--vocab-size); beside a
+    tokenizer with files, the model's vocabulary (at least the tokenizer's ids). The embedding's rows are
+    ``model.padded_vocab_size``."""
 
     tiktoken_pattern: str
     """Pre-tokenisation pattern of a TikTokenizer (--tiktoken-pattern)."""

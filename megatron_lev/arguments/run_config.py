@@ -375,8 +375,14 @@ class RunConfig:
         """This configuration with what ``tokenizer`` decides: the embedding's rows (its vocabulary padded to
         --make-vocab-size-divisible-by x TP) and the fingerprint checkpoints and datasets are checked against."""
         from megatron_lev.tokenizer import padded_vocab_size, tokenizer_fingerprint
+        from megatron_lev.tokenizer.tokenizers import model_vocab_size
 
-        rows = padded_vocab_size(tokenizer.vocab_size, self.model.make_vocab_size_divisible_by, self.layout.tp)
+        try:
+            vocab = model_vocab_size(tokenizer, self.data.tokenizer_type, self.data.vocab_size,
+                                     self.data.tiktoken_pattern)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        rows = padded_vocab_size(vocab, self.model.make_vocab_size_divisible_by, self.layout.tp)
         return dataclasses.replace(
             self, model=dataclasses.replace(self.model, padded_vocab_size=rows),
             data=dataclasses.replace(self.data, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)))

@@ -14,7 +14,7 @@ from megatron_lev.distributed.layout import ParallelLayout
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models.config import check_mtp_stage, check_parallel_settings
 from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, \
-    SENTENCEPIECE_TYPES, vocab_size_refusal
+    SENTENCEPIECE_TYPES, hub_cached_tokenizer
 
 from .checkpointing import check_output_dirs
 from .data import check_document_flags
@@ -236,15 +236,20 @@ def _validate_tokenizer_files(args) -> None:
             if (t == "HuggingFaceTokenizer" and name == "tokenizer_model"
                     and re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith(".")
                     and not path.endswith((".json", ".model", ".tiktoken", ".txt"))):
-                # Megatron-LM would download a hub id; runs here read local files only (nodes are often offline)
-                raise ConfigError(f"{flag} {path}: no such file; it looks like a Hugging Face hub id, and a local "
-                                  f"path is needed: on a machine online, `huggingface-cli download {path} "
-                                  "--include 'tokenizer*' --local-dir DIR`, then pass --tokenizer-model DIR")
+                # Megatron-LM would download a hub id; runs here read local files only (nodes are often offline),
+                # from the Hugging Face cache where a download put them.
+                cached, cache = hub_cached_tokenizer(path)
+                if cached:
+                    setattr(args, name, cached)
+                    continue
+                raise ConfigError(f"{flag} {path}: no such file; it looks like a Hugging Face hub id, and no local "
+                                  f"copy is in the Hugging Face cache {cache} (HF_HUB_CACHE or HF_HOME): on a machine "
+                                  f"online, `huggingface-cli download {path} --include 'tokenizer*'` fills that cache, "
+                                  "or add --local-dir DIR and pass --tokenizer-model DIR")
             raise ConfigError(f"{flag} {path}: no such file")
     megatron_tiktoken = t == "TikTokenizer" and args.tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS
-    refusal = vocab_size_refusal(t, args.vocab_size, args.tiktoken_pattern)
-    if refusal:
-        raise ConfigError(refusal)
+    # --vocab-size beside a tokenizer with files is the model's vocabulary (at least the tokenizer's ids: checked
+    # when the tokenizer is built, RunConfig.with_tokenizer).
     if (t == "TikTokenizer" and not megatron_tiktoken
             and args.tiktoken_num_special_tokens != MEGATRON_NUM_SPECIAL_TOKENS):
         raise ConfigError(f"--tiktoken-num-special-tokens applies to --tiktoken-pattern v1/v2 (Megatron-LM's id "

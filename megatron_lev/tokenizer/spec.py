@@ -36,7 +36,8 @@ class TokenizerSpec:
 
     vocab_size: Optional[int] = field(default=None, metadata={"min": 2})
     """Ids of the NullTokenizer (its EOD is one more); with a TikTokenizer in Megatron-LM's v1/v2 layout, its
-    ids in all, special tokens included (the file is cut to fit; default: the whole file, at most 2**17)."""
+    ids in all, special tokens included (the file is cut to fit; default: the whole file, at most 2**17); beside
+    another tokenizer with files, in training, the model's vocabulary (at least the tokenizer's ids)."""
 
     tiktoken_pattern: str = field(default="o200k", metadata={"choices": tuple(sorted(TIKTOKEN_PATTERNS))})
     """Pre-tokenisation pattern of a TikTokenizer: OpenAI's gpt2/r50k/cl100k/o200k over a .tiktoken file, or

@@ -52,16 +52,44 @@ MEGATRON_NUM_SPECIAL_TOKENS = 1000
 MEGATRON_TIKTOKEN_MAX_VOCAB = 2**17
 
 
+def vocab_size_sets_tokenizer(tokenizer_type: str, tiktoken_pattern: Optional[str]) -> bool:
+    """Whether ``--vocab-size`` makes the tokenizer's ids: NullTokenizer, and a TikTokenizer in Megatron-LM's id
+    layout (``--tiktoken-pattern v1/v2``), which cuts its file there. Other tokenizers take theirs from files."""
+    return tokenizer_type == "NullTokenizer" or (tokenizer_type == "TikTokenizer"
+                                                 and tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS)
+
+
 def vocab_size_refusal(tokenizer_type: str, vocab_size: Optional[int],
                        tiktoken_pattern: Optional[str]) -> Optional[str]:
-    """Why ``--vocab-size`` does not apply to this tokenizer (one line), or None where it does: NullTokenizer,
-    and a TikTokenizer in Megatron-LM's id layout (``--tiktoken-pattern v1/v2``), which cuts its file there."""
-    if vocab_size is None or tokenizer_type == "NullTokenizer":
-        return None
-    if tokenizer_type == "TikTokenizer" and tiktoken_pattern in MEGATRON_TIKTOKEN_PATTERNS:
+    """Why ``--vocab-size`` does not apply to this tokenizer where no model is built (preprocessing; one line),
+    or None where it does (see :func:`vocab_size_sets_tokenizer`)."""
+    if vocab_size is None or vocab_size_sets_tokenizer(tokenizer_type, tiktoken_pattern):
         return None
     return (f"--vocab-size {vocab_size} applies to NullTokenizer (and TikTokenizer with --tiktoken-pattern v1/v2) "
             f"only; {tokenizer_type} takes its vocabulary from its files: drop --vocab-size")
+
+
+def model_vocab_size(tokenizer: "LevTokenizer", tokenizer_type: str, vocab_size: Optional[int],
+                     tiktoken_pattern: Optional[str]) -> int:
+    """The model's vocabulary before padding: the tokenizer's ids, or a ``--vocab-size`` given beside a
+    tokenizer with files (Megatron-LM's Llama-3 scripts pass ``--vocab-size 128256`` with its tokenizer.json),
+    which must hold every id the tokenizer emits (ValueError, one line, if smaller)."""
+    if vocab_size is None or vocab_size_sets_tokenizer(tokenizer_type, tiktoken_pattern):
+        return tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"--vocab-size {vocab_size} is smaller than the {tokenizer_type}'s {tokenizer.vocab_size} "
+                         f"ids: give at least {tokenizer.vocab_size}, or drop --vocab-size")
+    return vocab_size
+
+
+def hub_cached_tokenizer(repo_id: str) -> tuple:
+    """(path, cache): the ``tokenizer.json`` of Hugging Face hub id ``repo_id`` in the local Hugging Face cache
+    (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``: where ``huggingface-cli download``
+    puts it), its ``main`` revision, or None; and that cache folder. Nothing is downloaded."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "tokenizer.json", cache_dir=constants.HF_HUB_CACHE)
+    return (found if isinstance(found, str) else None), constants.HF_HUB_CACHE
 
 
 def _pattern_regex(pattern: str) -> str:

@@ -557,6 +557,18 @@ def _release_hooks(config, model) -> None:
             accs.clear()
 
 
+def _vocab_size_notice(rc: RunConfig) -> Optional[str]:
+    """The line that says a --vocab-size given beside a tokenizer with files sizes the model's vocabulary."""
+    from megatron_lev.tokenizer.tokenizers import vocab_size_sets_tokenizer
+
+    d = rc.data
+    if d.vocab_size is None or vocab_size_sets_tokenizer(d.tokenizer_type, d.tiktoken_pattern):
+        return None
+    ids = (d.tokenizer_fingerprint or {}).get("vocab_size", "its")
+    return (f" > --vocab-size {d.vocab_size} beside the {d.tokenizer_type} ({ids} ids): the model's vocabulary is "
+            f"{d.vocab_size}, {rc.model.padded_vocab_size} rows once padded")
+
+
 def _start(rc: RunConfig, config, model_config) -> _Run:
     """Logger, seeds, model chunks (with the parameter report), DDP, optimizer and schedule hooks."""
     from megatron.core import parallel_state as ps
@@ -576,6 +588,9 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
         notice = fallback_notice()
         if notice is not None:
             logger.log(notice)
+    notice = _vocab_size_notice(rc)
+    if notice:
+        logger.log(notice)
     cfg = resolved_config(rc.flat())
     if not rc.logging.quiet_config:
         logger.log(format_config(cfg))

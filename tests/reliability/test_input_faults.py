@@ -634,21 +634,36 @@ def test_disk_full_while_preprocessing_is_one_line_and_leaves_nothing(tmp_path, 
 # ------------------------------------------------------------------------------------ smaller cases
 
 
-def test_vocab_size_with_a_tokenizer_that_has_files_is_refused(tmp_path, capsys):
+def test_vocab_size_beside_a_tokenizer_with_files_sizes_the_model_in_training_and_is_refused_in_preprocessing(
+        tmp_path, capsys):
+    from megatron_lev.arguments import parse_run_config
     from megatron_lev.lev.config import ConfigError
-    from megatron_lev.arguments import parse_args
+    from megatron_lev.tokenizer import build_tokenizer
+    from megatron_lev.training.loop import _vocab_size_notice
 
     tik = _tiktoken_file(tmp_path / "t.tiktoken", b"ab")
-    flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik, "--vocab-size", "1000"]
-    with pytest.raises(SystemExit) as e:
-        preprocess_main(["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o"), *flags])
+    flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", tik, "--tiktoken-pattern", "gpt2"]
+    with pytest.raises(SystemExit) as e:  # preprocessing builds no model: --vocab-size has nothing to size
+        preprocess_main(["--input", str(tmp_path / "x.jsonl"), "--output-prefix", str(tmp_path / "o"), *flags,
+                         "--vocab-size", "1000"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert err[0] == ("error: --vocab-size 1000 applies to NullTokenizer (and TikTokenizer with --tiktoken-pattern "
                       "v1/v2) only; TikTokenizer takes its vocabulary from its files: drop --vocab-size")
-    with pytest.raises(ConfigError, match=r"^--vocab-size 1000 applies to NullTokenizer \(and TikTokenizer with "):
-        parse_args(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
-                    "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", *flags])
+    # Training (Megatron-LM's Llama-3 scripts): the model's vocabulary, padded as usual, when it holds the ids
+    train = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+             "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data", *flags]
+    tokenizer = build_tokenizer("TikTokenizer", tokenizer_model=tik, tiktoken_pattern="gpt2")
+    rc = parse_run_config(train + ["--vocab-size", "1000"], world_size=1).with_tokenizer(tokenizer)
+    assert rc.model.padded_vocab_size == 1024 and tokenizer.vocab_size < 1000
+    assert _vocab_size_notice(rc) == (f" > --vocab-size 1000 beside the TikTokenizer ({tokenizer.vocab_size} ids): "
+                                      "the model's vocabulary is 1000, 1024 rows once padded")
+    plain = parse_run_config(train, world_size=1).with_tokenizer(tokenizer)
+    assert plain.model.padded_vocab_size == 384 and _vocab_size_notice(plain) is None
+    with pytest.raises(ConfigError, match=rf"^--vocab-size 100 is smaller than the TikTokenizer's "
+                                          rf"{tokenizer.vocab_size} ids: give at least {tokenizer.vocab_size}, or "
+                                          r"drop --vocab-size$"):
+        parse_run_config(train + ["--vocab-size", "100"], world_size=1).with_tokenizer(tokenizer)
 
 
 def test_padded_vocabulary_mismatch_does_not_name_an_internal_flag():

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from megatron_lev.arguments import parse_args
+from megatron_lev.arguments import parse_args, parse_run_config
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.tokenizer import TokenizerSpec, build_tokenizer, write_tiktoken_file
 
@@ -82,13 +82,17 @@ def test_flags_build_the_megatron_layout_and_refuse_what_does_not_apply(megatron
     tok = TokenizerSpec.from_args(args).build()
     assert (tok.vocab_size, tok.eod, tok.tokenize("a")[0] >= 500) == (1300, 2, True)
     refusals = {
-        ("--tokenizer-model", tik_path, "--tiktoken-pattern", "o200k", "--vocab-size", "1300"): "--vocab-size 1300 applies",
         ("--tokenizer-model", tik_path, "--tiktoken-num-special-tokens", "5"): "--tiktoken-num-special-tokens applies",
     }
     for extra, start in refusals.items():
         with pytest.raises(ConfigError) as e:
             parse_args(base + list(extra), world_size=1)
         assert str(e.value).startswith(start) and "\n" not in str(e.value)
+    # beside OpenAI's layout --vocab-size is the model's vocabulary, refused once the tokenizer shows it too small
+    o200k = base + ["--tokenizer-model", tik_path, "--tiktoken-pattern", "o200k", "--vocab-size", "1300"]
+    tok = TokenizerSpec.from_args(parse_args(o200k, world_size=1)).build()
+    with pytest.raises(ConfigError, match=rf"^--vocab-size 1300 is smaller than the TikTokenizer's {tok.vocab_size} "):
+        parse_run_config(o200k, world_size=1).with_tokenizer(tok)
     with pytest.raises(ConfigError, match="invalid choice: 'v3'"):
         parse_args(base + ["--tokenizer-model", json_path, "--tiktoken-pattern", "v3"], world_size=1)
 

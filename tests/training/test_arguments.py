@@ -85,7 +85,10 @@ def test_invalid_combinations_name_the_flag(extra, world, flag):
     assert flag in msg and "\n" not in msg
 
 
-def test_missing_data_and_tokenizer_files():
+def test_missing_data_and_tokenizer_files(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     no_data = [x for x in BASE if x != "--mock-data"]
     with pytest.raises(ConfigError, match="--data-path"):
         parse_args(no_data, world_size=1)
@@ -96,8 +99,17 @@ def test_missing_data_and_tokenizer_files():
     # a hub id (Megatron-LM downloads it) is named as one, with the offline way to a local path
     hf = BASE + ["--tokenizer-type", "HuggingFaceTokenizer"]
     with pytest.raises(ConfigError, match=r"--tokenizer-model some-org/some-model: no such file; it looks like a "
-                                          r"Hugging Face hub id, and a local path is needed: .*--local-dir"):
+                                          r"Hugging Face hub id, and no local copy is in the Hugging Face cache "
+                                          rf"{tmp_path / 'hub'} \(HF_HUB_CACHE or HF_HOME\): .*--local-dir"):
         parse_args(hf + ["--tokenizer-model", "some-org/some-model"], world_size=1)
+    # where `huggingface-cli download` put it, the cached copy of the main revision is used
+    repo = tmp_path / "hub" / "models--some-org--some-model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "tokenizer.json").write_text("{}")
+    a = parse_args(hf + ["--tokenizer-model", "some-org/some-model"], world_size=1)
+    assert a.tokenizer_model == str(repo / "snapshots" / "abc123" / "tokenizer.json")
     with pytest.raises(ConfigError, match=r"--tokenizer-model missing/tok.json: no such file$"):
         parse_args(hf + ["--tokenizer-model", "missing/tok.json"], world_size=1)
 
