@@ -333,6 +333,10 @@ class CheckpointingConfig:
     exit_on_missing_checkpoint: bool = False
     """Stop when --load holds no checkpoint."""
 
+    ckpt_fully_parallel_load: bool = False
+    """on --load, each data-parallel replica reads its share of the checkpoint and the replicas exchange the
+    rest (megatron-core's FullyParallelLoadStrategyWrapper), instead of every replica reading all of it"""
+
     ckpt_step: Optional[int] = field(default=None, metadata={"min": 0})
     """load iter_N of --load instead of the one latest_checkpointed_iteration.txt names"""
 

@@ -27,6 +27,11 @@ NO_OPS = {
                         "chosen by --attention-backend",
     "--auto-detect-ckpt-format": "checkpoints here are read in the one format written (torch_dist), found by "
                                  "itself; a --load directory in another format is refused in one line",
+    "--use-dist-ckpt": "deprecated in Megatron-LM: checkpoints are megatron-core dist_checkpointing (torch_dist), "
+                       "the only format here",
+    "--ckpt-fully-parallel-save": "deprecated in Megatron-LM, where it is the default: every save here is fully "
+                                  "parallel (each data-parallel replica writes its share, megatron-core's "
+                                  "FullyParallelSaveStrategyWrapper)",
     "--no-position-embedding": "deprecated in Megatron-LM, which accepts it only with --position-embedding-type "
                                "rope, where there is no learned position table to disable; refused with any other "
                                "type (use --position-embedding-type none)",
@@ -84,6 +89,15 @@ REFUSED = {
     "--tp-comm-overlap": _TP_COMM,
     "--tp-comm-overlap-cfg": _TP_COMM,
     "--enable-experimental": "megatron-core's experimental features are not enabled here; drop the flag",
+    "--async-save": "asynchronous saving is not implemented here: a save's checksums.json and the "
+                    "latest-checkpoint tracker are written once its files are complete, so saves are synchronous; "
+                    "drop the flag",
+    "--eval-micro-batch-size": "evaluation during training runs at --micro-batch-size here (its batches come from "
+                               "the training loader's settings); drop the flag (tools/evaluate.py has "
+                               "--micro-batch-size of its own)",
+    "--use-checkpoint-args": "the model's flags are not taken from the checkpoint here: a resume compares them "
+                             "with the checkpoint's config.yaml and names each difference; pass --config "
+                             "LOAD/iter_N/config.yaml (the command line still wins) or the same flags",
     # GPT-OSS's architecture: refused until the layer specs here honour it (accepting it would train
     # another model than the one asked for)
     "--window-size": _GPT_OSS,
@@ -132,7 +146,7 @@ def add_megatron_lm_flags(p) -> None:
     """The no-op flags that no other group defines."""
     g = p.add_argument_group("accepted from Megatron-LM, no effect here")
     for flag in ("--use-mcore-models", "--no-create-attention-mask-in-dataloader", "--use-flash-attn",
-                 "--log-throughput", "--auto-detect-ckpt-format"):
+                 "--log-throughput", "--auto-detect-ckpt-format", "--use-dist-ckpt", "--ckpt-fully-parallel-save"):
         g.add_argument(flag, action=_NoOp, help=NO_OPS[flag])
     # Seen by the check below only (a leading underscore keeps it out of the resolved arguments).
     g.add_argument("--no-position-embedding", dest="_no_position_embedding", action="store_true",

@@ -43,6 +43,8 @@ TRANSFORMER_SWITCHES = (
     ("--no-rope-fusion", "apply_rope_fusion", False),
     ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", False),
     ("--disable-bf16-reduced-precision-matmul", "disable_bf16_reduced_precision_matmul", True),
+    ("--qk-layernorm", "qk_layernorm", True),
+    ("--use-cpu-initialization", "use_cpu_initialization", True),
 )
 # megatron-core's selective-recompute modules (TransformerConfig.recompute_modules).
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
@@ -58,7 +60,9 @@ TRANSFORMER_RANGES = {"fp8_margin": {"min": 0}, "fp8_amax_history_len": {"min": 
 # the input dtype unless asked; TransformerConfig says True but only its unfused attention reads it).
 _SWITCH_DEFAULTS = {"layernorm_zero_centered_gamma": False, "attention_softmax_in_fp32": False,
                     "masked_softmax_fusion": None, "bias_dropout_fusion": None, "apply_rope_fusion": None,
-                    "gradient_accumulation_fusion": None}
+                    "gradient_accumulation_fusion": None, "qk_layernorm": False,
+                    # None: megatron-core's on a GPU, the CPU where there is none (models.config)
+                    "use_cpu_initialization": None}
 
 
 def _transformer_default(name: str):

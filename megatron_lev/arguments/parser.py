@@ -70,8 +70,11 @@ def _add_negations(p: argparse.ArgumentParser) -> None:
             continue
         for opt in action.option_strings:
             if opt.startswith("--") and "_" not in opt and not opt.startswith("--no-") and f"--no-{opt[2:]}" not in taken:
+                # A default of None (resolved later) stays None for the readers of the parser's defaults, which
+                # would otherwise get store_false's True.
+                extra = {"default": None} if action.default is None else {}
                 p.add_argument(f"--no-{opt[2:]}", dest=action.dest, action="store_false",
-                               help=f"turn {opt} off (when a --config file sets it)")
+                               help=f"turn {opt} off (when a --config file sets it)", **extra)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:

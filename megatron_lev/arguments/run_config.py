@@ -246,6 +246,13 @@ class ModelRunConfig:
     disable_bf16_reduced_precision_matmul: bool
     """No reduced-precision reductions in bfloat16 matmuls (--disable-bf16-reduced-precision-matmul)."""
 
+    qk_layernorm: bool = False
+    """A norm over each head's queries and keys before attention (--qk-layernorm; the spec's norm)."""
+
+    use_cpu_initialization: Optional[bool] = None
+    """Initialise the weights on the CPU, then move them to the device (--use-cpu-initialization); None =
+    megatron-core's default (on the device), the CPU where there is no GPU."""
+
     attention_backend: str
     """The attention kernel: flash, fused, unfused, local or auto (--attention-backend)."""
 

@@ -207,6 +207,19 @@ def _save_strategy():
     return strategy
 
 
+def _load_strategy(path: str, *, fully_parallel: bool):
+    """megatron-core's load strategy for ``path``; ``fully_parallel`` (--ckpt-fully-parallel-load): each
+    data-parallel replica reads a share and the replicas exchange the rest (with one replica, as it is)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    strategy = get_default_load_sharded_strategy(path)
+    if fully_parallel and ps.get_data_parallel_world_size() > 1:
+        strategy = FullyParallelLoadStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
 def _install_write_queue() -> None:
     """Give dist_checkpointing's writer an in-process result queue.
 
@@ -863,7 +876,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     saved, match = saved_keys(path), KeyMatch()
     state = _sharded_state_dict(model, optimizer, include_optim=load_optim, include_rng=load_rng, is_loading=True,
                                 sharding_type=sharding, saved=saved, match=match)
-    strategy = get_default_load_sharded_strategy(path)
+    strategy = _load_strategy(path, fully_parallel=bool(run_args.get("ckpt_fully_parallel_load")))
     strict = run_args.get("dist_ckpt_strictness") or "assume_ok_unexpected"  # --dist-ckpt-strictness
     try:
         loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy, strict=strict)

@@ -41,7 +41,8 @@ FP8_FORMATS = ("e4m3", "hybrid")
 TRANSFORMER_FLAG_FIELDS = ("layernorm_zero_centered_gamma", "attention_softmax_in_fp32", "masked_softmax_fusion",
                            "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",
                            "attention_backend", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
-                           "disable_bf16_reduced_precision_matmul", "recompute_modules")
+                           "disable_bf16_reduced_precision_matmul", "recompute_modules", "qk_layernorm",
+                           "use_cpu_initialization")
 
 # Transformer Engine versions megatron-core 0.16.1's get_fp8_recipe needs per recipe (it raises otherwise).
 FP8_RECIPE_MIN_TE = {"delayed": "1.0", "mxfp8": "2.1.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0"}

@@ -132,8 +132,27 @@ def two_rank_runs(corpus, tmp_path_factory):
                                                        "--cross-entropy-fusion-impl", "linear",
                                                        "--linear-cross-entropy-chunk-size", "16",
                                                        "--use-distributed-optimizer",
-                                                       "--metrics-file", str(root / "lev-linear-ce.jsonl")]}]
+                                                       "--metrics-file", str(root / "lev-linear-ce.jsonl")]}] + [
+        # Two data-parallel replicas: saved at 2 of 4, resumed from a copy with --ckpt-fully-parallel-load.
+        {"name": "dp2-a", "argv": LEV_MODES[:LEV_MODES.index("--tensor-model-parallel-size")] + DP2 + [
+            "--save", str(root / "dp2_ck"), "--save-interval", "2", "--metrics-file", str(root / "dp2-a.jsonl")]},
+        {"name": "dp2-b", "copy_checkpoint": [str(root / "dp2_ck"), 2, str(root / "dp2_ck2")],
+         "argv": LEV_MODES[:LEV_MODES.index("--tensor-model-parallel-size")] + DP2 + [
+             "--load", str(root / "dp2_ck2"), "--ckpt-fully-parallel-load", "--metrics-file", str(root / "dp2-b.jsonl")]},
+        {"name": "dp2-strategy", "call": "tests.training.test_pretrain:load_strategy_kinds",
+         "args": [str(root / "dp2_ck" / "iter_0000002")]}]
     return {"root": root, "killed": killed, "after_kill": after_kill, "runs": launch_plan(2, plan, root / "job")}
+
+
+def load_strategy_kinds(path):
+    """The load strategies of a data-parallel rank with and without --ckpt-fully-parallel-load."""
+    from megatron_lev.checkpoint.sharded import _load_strategy
+
+    return tuple(type(_load_strategy(path, fully_parallel=f)).__name__ for f in (True, False))
+
+
+DP2 = ["--train-iters", "4", "--eval-iters", "0", "--use-distributed-optimizer", "--lev-seed-dim", "16",
+       "--lev-rank", "8", "--lev-heads", "2", "--lev-knots", "8"]
 
 
 def _ok(runs, *names):
@@ -287,3 +306,16 @@ def test_linear_cross_entropy_trains_like_the_logits(two_rank_runs):
     assert valid and valid.keys() == valid_ref.keys()
     for i in valid_ref:
         assert valid[i]["lm loss"] == pytest.approx(valid_ref[i]["lm loss"], rel=1e-5), i
+
+
+def test_fully_parallel_load_of_two_data_parallel_replicas_resumes_bit_exact(two_rank_runs):
+    """--ckpt-fully-parallel-load: each replica reads its share and they exchange the rest (megatron-core's
+    FullyParallelLoadStrategyWrapper over the data-parallel group); the resumed run's last iteration is the
+    uninterrupted one's, bit for bit."""
+    root = two_rank_runs["root"]
+    _ok(two_rank_runs["runs"], "dp2-a", "dp2-b")
+    kinds = two_rank_runs["runs"]["dp2-strategy"].results
+    assert kinds == [("FullyParallelLoadStrategyWrapper", "TorchDistLoadShardedStrategy")] * 2, kinds
+    a, b = (metrics(root / f"dp2-{x}.jsonl") for x in "ab")
+    assert sorted(b) == [3, 4] and all(a[i]["lm loss hex"] == b[i]["lm loss hex"] for i in (3, 4)), (a, b)
+    assert a[4]["grad norm"] == b[4]["grad norm"]
