@@ -373,6 +373,10 @@ class LoggingConfig:
     quiet_config: bool = False
     """do not print the resolved config at start-up"""
 
+    log_progress: bool = False
+    """append Megatron-LM's progress.txt lines to --save: a job's start, and after each checkpoint the job's and
+    the cumulative throughput, the floating-point operations and tokens so far"""
+
     log_params_norm: bool = False
     """the L2 norm of the parameters on the log line and to TensorBoard/wandb (params-norm)"""
 

@@ -15,7 +15,7 @@ _LOGGING_VALUES = ("log_interval", "tensorboard_dir", "tensorboard_log_interval"
                    "wandb_project", "wandb_exp_name", "wandb_save_dir", "peak_tflops_per_device", "metrics_file")
 _LOGGING_SWITCHES = tuple((field_flag(name), name, True) for name in (
     "log_params_norm", "log_num_zeros_in_grad", "log_timers_to_tensorboard", "log_validation_ppl_to_tensorboard",
-    "log_memory_to_tensorboard", "log_world_size_to_tensorboard", "quiet_config")) + (
+    "log_memory_to_tensorboard", "log_world_size_to_tensorboard", "quiet_config", "log_progress")) + (
     (("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard"), "log_loss_scale_to_tensorboard",
      False),)
 

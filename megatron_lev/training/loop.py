@@ -63,6 +63,7 @@ from .data import build_datasets, build_tokenizer_from_args, close_iterators, ge
 from .faults import EXIT_CONFIG_ERROR, EXIT_NAN, EXIT_SAVE_FAILED, NanDetected, Terminated, rank_is0
 from .flops import flops_per_iteration, peak_tflops_per_device
 from .logger import LogWriterError, TrainingLogger, memory_scalars
+from .progress import ProgressLog
 from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
 from .params_norm import params_l2_norm
 
@@ -80,9 +81,12 @@ class _State:
     """The iteration whose checkpoint is being written (None between saves)."""
     num_zeros_in_grad: Optional[float] = None
     """The last optimizer step's zero gradient entries (--log-num-zeros-in-grad; not saved)."""
+    floating_point_operations: float = 0.0
+    """Of every step so far, resumes included (Megatron-LM's num_floating_point_operations_so_far)."""
 
-    def counters(self) -> Dict[str, int]:
-        return {"skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations}
+    def counters(self) -> Dict[str, Any]:
+        return {"skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations,
+                "floating_point_operations": self.floating_point_operations}
 
     def restore(self, loaded: Dict[str, Any]) -> None:
         """Continue from a loaded checkpoint's common state."""
@@ -90,6 +94,7 @@ class _State:
         self.consumed_train_samples = int(loaded["consumed_train_samples"])
         self.skipped_iterations = int(loaded["counters"].get("skipped_iterations", 0))
         self.nan_iterations = int(loaded["counters"].get("nan_iterations", 0))
+        self.floating_point_operations = float(loaded["counters"].get("floating_point_operations", 0.0))
         self.last_saved = self.iteration if self.iteration > 0 else None
 
 
@@ -502,6 +507,8 @@ class _Run:
     """FLOPs of one iteration, by global batch size."""
     peak: Optional[float] = None
     stops: Optional[faults.Stops] = None
+    progress: Optional[ProgressLog] = None
+    """--log-progress's progress.txt (a disabled one without the flag, and on ranks other than 0)."""
     """SIGTERM, --exit-duration-in-mins, --exit-interval (installed with the data, released at the end)."""
     logging_level: Optional[int] = None
     """The root logger's level before --logging-level (restored at the end)."""
@@ -679,6 +686,9 @@ def _start_data(run: _Run, state: _State, tokenizer) -> None:
         data_parallel_size=rc.layout.dp))
     run.peak = peak_tflops_per_device(rc.logging.peak_tflops_per_device)
     run.stops = faults.Stops(rc, state, run.t_start, run.logger.log)
+    run.progress = ProgressLog(rc.checkpointing.save, rc.layout.world_size, rc.logging.log_progress and rank_is0(),
+                               run.logger.log)
+    run.progress.start(state.floating_point_operations)
     run.logger.log(
         f"[after start-up] {time.time() - run.t_start:.1f} s; training from iteration {state.iteration} "
         f"to {rc.schedule.train_iters} ({run.batches.get()} micro-batches of {rc.schedule.micro_batch_size} per "
@@ -740,6 +750,9 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
             record_checksums=not ck.no_ckpt_checksums, log=run.logger.log)
         state.last_saved = iteration
     state.saving = None
+    if run.progress is not None:
+        run.progress.saved(iteration, state.floating_point_operations,
+                           state.consumed_train_samples * run.rc.data.seq_length)
     return True
 
 
@@ -895,6 +908,7 @@ def _count_step(run: _Run, state: _State, interval: _Interval, num_microbatches:
     interval.iters += 1
     interval.samples += global_batch
     interval.flops += run.flops[global_batch]
+    state.floating_point_operations += run.flops[global_batch]
     if loss is not None and math.isfinite(loss):
         interval.losses.append(loss)
     return global_batch
