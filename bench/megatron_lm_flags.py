@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,17 +51,23 @@ _LAUNCHER = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--
 # it runs: a launcher, an interpreter, a script, a shell, or another wrapper.
 _WRAPPER = re.compile(r"\b(?:nsys\s+profile|srun|salloc|sbatch|mpirun)\b.*?"
                       r"(?=\btorchrun\b|\bpython3?\b|\S+\.(?:py|sh)\b|\b(?:ba)?sh\b|\bnsys\b|\buv\b|$)")
+# What a script prints (its usage text), up to the end of that command.
+_ECHO = re.compile(r"\b(?:echo|printf)\b[^;|&]*")
 # A flag name: letters, digits, - and _ with at least one lower-case letter (Megatron-LM's spelling, and its
-# older --DDP-impl); a word such as --M-M-M* or --M-M-M-M is a layer pattern's value.
-_FLAG = re.compile(r"(?<![\w-])--(?=[A-Za-z0-9_-]*[a-z])[A-Za-z][A-Za-z0-9_-]*(?![\w*+|-])")
+# older --DDP-impl); a word such as --M-M-M* or --M-M-M-M is a layer pattern's value, and a word before ")" or
+# "|" a pattern of the script's own option parsing (case "$1" in --checkpoint-path) ...).
+_FLAG = re.compile(r"(?<![\w-])--(?=[A-Za-z0-9_-]*[a-z])[A-Za-z][A-Za-z0-9_-]*(?![\w*+|)-])")
 
 
 def script_flags(text: str):
     """The ``--flag`` names of a shell script, in order of first appearance (comments and the wrapping
     commands' options dropped)."""
     seen = []
-    for line in re.sub(r"\\\n", " ", text).splitlines():
-        line = _WRAPPER.sub(" ", re.sub(r"(^|\s)#.*", r"\1", line))  # a comment starts a word
+    text = "\n".join(re.sub(r"(^|\s)#.*", r"\1", line) for line in text.splitlines())  # a comment starts a word
+    text = re.sub(r"\\\n", " ", text)  # continued lines
+    text = re.sub(r"=\(([^()]*)\)", lambda m: "=(" + m.group(1).replace("\n", " ") + ")", text)  # NAME=( ... )
+    for line in text.splitlines():
+        line = _ECHO.sub(" ", _WRAPPER.sub(" ", line))
         for flag in _FLAG.findall(line):
             if flag not in seen and flag.replace("_", "-") not in _LAUNCHER:
                 seen.append(flag)
@@ -99,13 +106,16 @@ export -f __print __cmd torchrun python python3 uv srun sbatch sh
 
 def launch(path: str, script_args=(), env=None):
     """(launcher words, training words): what the script (run with ``script_args``, its environment
-    updated with ``env``) passes to its launcher before the ``*.py`` entry point, and to the entry point
-    after it, as bash expands them. A script whose launch is none of the replaced ones raises ValueError
+    updated with ``env``, from a copy of its folder) passes to its launcher before the ``*.py`` entry point,
+    and to the entry point after it, as bash expands them. A script whose launch is none of the replaced ones raises ValueError
     naming it."""
     with tempfile.TemporaryDirectory() as scratch:
+        # A copy of the script's folder, so that what it sources or starts beside itself is found.
+        shutil.copytree(os.path.dirname(os.path.abspath(path)), scratch, dirs_exist_ok=True)
         Path(scratch, "pretrain_gpt.py").touch()
         shims = _SHIMS.format(py=sys.executable)
-        r = subprocess.run(["bash", "-c", f'{shims}\nsource "$0"', os.path.abspath(path), *script_args],
+        r = subprocess.run(["bash", "-c", f'{shims}\nsource "$0"', os.path.join(scratch, os.path.basename(path)),
+                            *script_args],
                            cwd=scratch, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
     for line in reversed(r.stdout.strip().splitlines()):
         try:

@@ -105,8 +105,12 @@ def test_wrapping_commands_options_are_not_counted_over_continued_lines_and_capi
             'srun -l \\\n     --container-image "nvcr.io#nvidia/pytorch:24.01-py3" \\\n'
             '     --container-mounts "/a:/a" \\\n     --output=log.txt sh -c "${CMD}"\n'
             'mpirun --allow-run-as-root -np 8 python pretrain_gpt.py --DDP-impl local \\\n'
-            '    --num-layers 2  # --not-this\n')
-    assert mf.script_flags(text) == ["--DDP-impl", "--num-layers"]
+            '    --num-layers 2  # --not-this\n'
+            'while [[ $# -gt 0 ]]; do case $1 in --checkpoint-path) CK=$2; shift 2;; --tokenizer|--tok) shift;; esac; done\n'
+            'echo "  --checkpoint-path PATH   its checkpoint"; usage() { printf "  --data DIR\\n"; }\n'
+            'PROFILE_CMD=(\n    nsys profile\n    --sample=none --cpuctxsw=none\n    # --a-comment\n'
+            '    --capture-range=cudaProfilerApi -o "$OUT"\n)\nARGS=(\n    --hidden-size 8  # its width\n)\n')
+    assert mf.script_flags(text) == ["--DDP-impl", "--num-layers", "--hidden-size"]
 
 
 def test_sbatch_here_documents_scripts_and_wrap_commands_are_followed(mf, tmp_path):
@@ -118,7 +122,9 @@ def test_sbatch_here_documents_scripts_and_wrap_commands_are_followed(mf, tmp_pa
     inner = tmp_path / "SRUN.sh"
     inner.write_text(f'CMD="python -u {TAIL}"\nsrun -l --container-image "x#y" --output=o.log sh -c "${{CMD}}"\n')
     outer = tmp_path / "SBATCH.sh"
-    outer.write_text(f"sbatch -p part -A acct --nodes=4 {inner}\nexit 0\n")
+    outer.write_text("source conf/args.sh\nsbatch -p part -A acct --nodes=4 SRUN.sh\nexit 0\n")  # beside it
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "args.sh").write_text("export UNUSED=1\n")
     assert mf.launch(str(outer))[1][-2:] == ["--num-experts", "4"]
     wrapped = tmp_path / "wrap.sh"
     wrapped.write_text(f"sbatch --nodes=1 --wrap='torchrun --nproc_per_node 8 {TAIL}'\n")
