@@ -206,6 +206,10 @@ RELEASED_ARGV = (
 ).split()
 
 
+# config.yaml's settings added since that release, as a run that does not give them writes them.
+ADDED_SINCE_RELEASE = {"wandb_entity": None}
+
+
 def test_a_released_config_yaml_reads_as_the_same_flags_parse_today():
     from megatron_lev.tokenizer import TokenizerSpec
 
@@ -214,5 +218,7 @@ def test_a_released_config_yaml_reads_as_the_same_flags_parse_today():
     now = parse_run_config(RELEASED_ARGV, world_size=2)
     assert rc == now.with_tokenizer(TokenizerSpec.from_args(now.data).build())
     assert rc.layout.tp == 2 and rc.layout.dp == 1 and rc.model.sequence_parallel and rc.model.bf16
-    # Written back, it is the released file key by key.
-    assert yaml.safe_load(config_to_yaml(resolved_config(rc.flat()))) == saved
+    # Written back, it is the released file key by key, and the settings added since at their defaults.
+    written = yaml.safe_load(config_to_yaml(resolved_config(rc.flat())))
+    assert {k: written[k] for k in saved} == saved
+    assert {k: v for k, v in written.items() if k not in saved} == ADDED_SINCE_RELEASE
