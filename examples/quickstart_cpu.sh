@@ -115,11 +115,15 @@ done
 step "evaluate the ${#ARMS[@]} checkpoints (tools/evaluate.py, TP=$NPROC) and compare them with ${ARMS[0]}"
 for arm in "${ARMS[@]}"; do
   if [ -f "$OUT/$arm/eval/results.json" ]; then echo "$arm: evaluated earlier"; continue; fi
-  "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" tools/evaluate.py --load "$OUT/$arm/ckpt" \
-    --tensor-model-parallel-size "$NPROC" --valid-data "valid=$DATA/${TOK_NAME}_valid_text_document" \
-    --token-counts "$DATA/${TOK_NAME}_train_text_token_counts.npy" --label "$arm" \
-    --output-dir "$OUT/$arm/eval" --no-progress >"$OUT/$arm/eval.log" 2>&1 \
-    || { echo "$arm: evaluation failed; see $OUT/$arm/eval.log" >&2; tail -n 20 "$OUT/$arm/eval.log" >&2; exit 1; }
+  echo "$arm: evaluating (a progress line every 10 s; the whole output in $OUT/$arm/eval.log)"
+  # Standard error is a pipe here: evaluate.py prints progress lines, not a bar.
+  if ! "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" tools/evaluate.py --load "$OUT/$arm/ckpt" \
+      --tensor-model-parallel-size "$NPROC" --valid-data "valid=$DATA/${TOK_NAME}_valid_text_document" \
+      --token-counts "$DATA/${TOK_NAME}_train_text_token_counts.npy" --label "$arm" \
+      --output-dir "$OUT/$arm/eval" --progress-interval 10 2>&1 | tee "$OUT/$arm/eval.log" \
+      | { grep --line-buffered -E "^(evaluating [0-9]|valid: )" || true; }; then
+    echo "$arm: evaluation failed; see $OUT/$arm/eval.log" >&2; tail -n 20 "$OUT/$arm/eval.log" >&2; exit 1
+  fi
 done
 RESULTS=()
 for arm in "${ARMS[@]}"; do RESULTS+=("$OUT/$arm/eval/results.json"); done

@@ -27,13 +27,14 @@ ALLOWED: Dict[str, Set[str]] = {
     "distributed": {"_procutil", "compat", "lev"},
     "models": {"distributed", "lev", "kernels", "parallel"},  # distributed: the layout a model is checked against
     "tokenizer": {"config_flags", "jsonl"},
-    "data": {"_procutil", "jsonl", "tokenizer"},
+    "data": {"_procutil", "jsonl", "progress", "tokenizer"},
     "_procutil": set(),
+    "progress": set(),
     "_rank_server": {"distributed"},  # what the server that forks local ranks imports once
     "checkpoint": {"compat", "distributed", "lev", "models", "parallel", "tokenizer"},
     "arguments": {"_procutil", "compat", "config_flags", "distributed", "lev", "models", "tokenizer"},
     "evaluation": {"_procutil", "checkpoint", "data", "distributed", "jsonl", "lev", "models", "parallel",
-                   "tokenizer"},
+                   "progress", "tokenizer"},
     "conversion": {"_procutil", "arguments", "checkpoint", "distributed", "evaluation", "kernels", "lev", "models", "parallel",
                    "tokenizer"},
     "training": {"_procutil", "arguments", "checkpoint", "compat", "data", "distributed", "lev", "models",

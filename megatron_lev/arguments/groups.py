@@ -415,13 +415,16 @@ class LoggingConfig:
     """the number of ranks to TensorBoard/wandb (world-size)"""
 
     wandb_project: Optional[str] = None
-    """wandb project; none: no wandb."""
+    """wandb project (logged from the last rank, as Megatron-LM; needs `pip install wandb`); none: no wandb."""
 
     wandb_exp_name: Optional[str] = None
     """wandb run name."""
 
     wandb_save_dir: Optional[str] = None
-    """wandb's local directory; default: --save."""
+    """wandb's local directory; default: --save's wandb/."""
+
+    wandb_entity: Optional[str] = None
+    """wandb entity (the user or team the run is logged under); default: wandb's own."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,8 @@ from .groups import CheckpointingConfig, DistributedConfig, LoggingConfig, RunCo
 # The logging flags, generated from LoggingConfig's fields (--logging-level is declared with the
 # garbage-collection and profiling flags, as in Megatron-LM's help).
 _LOGGING_VALUES = ("log_interval", "tensorboard_dir", "tensorboard_log_interval", "tensorboard_queue_size",
-                   "wandb_project", "wandb_exp_name", "wandb_save_dir", "peak_tflops_per_device", "metrics_file")
+                   "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "peak_tflops_per_device",
+                   "metrics_file")
 _LOGGING_SWITCHES = tuple((field_flag(name), name, True) for name in (
     "log_params_norm", "log_num_zeros_in_grad", "log_timers_to_tensorboard", "log_validation_ppl_to_tensorboard",
     "log_memory_to_tensorboard", "log_world_size_to_tensorboard", "quiet_config", "log_progress")) + (
@@ -59,6 +60,11 @@ _TENSORBOARD_ONLY = ("log_timers_to_tensorboard", "log_validation_ppl_to_tensorb
 
 def check_run(args) -> None:
     """Logging, garbage collection, memory and profiling flags (each needs the flag it modifies)."""
+    if not args.wandb_project:
+        given = next((n for n in ("wandb_exp_name", "wandb_save_dir", "wandb_entity") if getattr(args, n)), None)
+        if given is not None:
+            raise ConfigError(f"--{given.replace('_', '-')} needs --wandb-project (nothing is logged to wandb without "
+                              "a project)")
     if not (args.tensorboard_dir or args.wandb_project):
         given = next((n for n in _TENSORBOARD_ONLY if getattr(args, n)), None)
         if given is not None:

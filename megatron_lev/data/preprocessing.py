@@ -39,7 +39,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter, deque
@@ -50,6 +49,7 @@ import numpy as np
 
 from megatron_lev.data.indexed import BackgroundImport
 from megatron_lev.jsonl import TruncatedInputError, expand_inputs, import_codecs, iter_lines
+from megatron_lev.progress import Progress
 from megatron_lev.tokenizer import TokenizerSpec, tokenizer_fingerprint
 from megatron_lev.tokenizer.fingerprint import sidecar_path, write_sidecar
 
@@ -457,33 +457,18 @@ def _check_outputs(cfg: PreprocessConfig) -> None:
                 raise PreprocessError(f"{p} exists; pass --overwrite to replace it")
 
 
-class _Progress:
-    def __init__(self, cfg: PreprocessConfig, stats: PreprocessStats) -> None:
-        self.cfg, self.stats = cfg, stats
-        self.t0 = time.perf_counter()
-        use_bar = cfg.progress if cfg.progress is not None else sys.stderr.isatty()
-        self.bar = None
-        if use_bar:
-            from tqdm import tqdm
+def _progress(cfg: PreprocessConfig, stats: PreprocessStats) -> Progress:
+    """A tqdm bar when stderr is a terminal (``cfg.progress`` None; True: a bar, False: lines), else a line each
+    --log-interval docs."""
+    def line(docs: int, elapsed: float) -> str:
+        return f"processed {docs:,} docs ({docs / elapsed:,.0f} docs/s, {_rate(stats, elapsed)})"
 
-            self.bar = tqdm(unit="doc", dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
-        self.next_log = cfg.log_interval
+    return Progress("", unit="doc", bar=cfg.progress, every=cfg.log_interval if cfg.log_interval > 0 else None,
+                    line=line)
 
-    def update(self, docs: int) -> None:
-        s = self.stats
-        el = max(time.perf_counter() - self.t0, 1e-9)
-        rate = f"{s.bytes / 1e6 / el:.2f} MB/s, {s.tokens / el / 1e6:.2f}M tok/s"
-        if self.bar is not None:
-            self.bar.update(docs)
-            self.bar.set_postfix_str(rate, refresh=False)
-        elif self.cfg.log_interval > 0 and s.docs >= self.next_log:
-            while self.next_log <= s.docs:
-                self.next_log += self.cfg.log_interval
-            print(f"processed {s.docs:,} docs ({s.docs / el:,.0f} docs/s, {rate})", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+def _rate(stats: PreprocessStats, elapsed: float) -> str:
+    return f"{stats.bytes / 1e6 / elapsed:.2f} MB/s, {stats.tokens / elapsed / 1e6:.2f}M tok/s"
 
 
 def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
@@ -522,7 +507,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
                    fp)
         for k in cfg.json_keys
     }
-    progress = _Progress(cfg, stats)
+    progress = _progress(cfg, stats)
     pool = None
     t0 = time.perf_counter()
     try:
@@ -544,7 +529,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
         for res in results:
             _consume(res, files, cfg, stats, outputs)
             writer.add(res)
-            progress.update(res["docs"])
+            progress.update(res["docs"], postfix=_rate(stats, max(time.perf_counter() - t0, 1e-9)))
         writer.flush()
         if stats.docs == 0 and not cfg.allow_empty_output:
             raise EmptyOutputError(

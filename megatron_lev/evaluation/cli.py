@@ -49,6 +49,7 @@ from .perplexity import (
     stratify,
 )
 from .report import write_comparison, write_report
+from .scorer import PROGRESS_SECONDS
 from .tasks import (
     ALL_TASKS,
     LAMBADA_FILE,
@@ -125,8 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", required=False, help="results.json, results.md and PNGs go here")
     g.add_argument("--label", default=None, help="name of this run in comparisons")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    g.add_argument("--progress-interval", type=_seconds, default=None, metavar="SECONDS",
+                   help=f"seconds between progress lines when standard error is not a terminal (default "
+                        f"{PROGRESS_SECONDS:g}; 0: a line per batch); on a terminal a tqdm bar")
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
 
 
 def _named(items: Sequence[str], default: str) -> List[Tuple[str, str]]:
@@ -187,18 +201,22 @@ def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
                    examples: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Every requested evaluation; returns the result dictionary (see ``report``)."""
     progress = not args.no_progress
+    seconds = PROGRESS_SECONDS if args.progress_interval is None else args.progress_interval
     results: Dict[str, Any] = {"meta": meta, "perplexity": {}, "tasks": {}}
     edges = parse_edges(args.freq_edges)
     counts = load_token_counts(args.token_counts) if args.token_counts else None
     sets = _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot")
     if (sets or task_files(args)) and tokenizer is None:
         raise UsageError("no tokenizer: give --tokenizer-type and its files")
+    tasks = task_files(args)
+    announce = _announcer(len(sets) + len(tasks), progress and scorer.is_main)
     for name, path in sets:
+        announce(f"{name} (perplexity of {path})")
         t0 = time.time()
         docs = documents_from_path(path, tokenizer, key=args.json_key, limit=args.max_documents)
         res = evaluate_perplexity(scorer, docs, eod=tokenizer.eod, name=name, source=os.path.abspath(path),
                                   seq_length=args.seq_length, stride=args.stride, max_tokens=args.max_tokens,
-                                  progress=progress)
+                                  progress=progress, progress_seconds=seconds)
         entry = res.to_dict()
         if counts is not None:
             entry["frequency_buckets"] = stratify(res.nll_by_id, res.count_by_id, counts, edges)
@@ -215,18 +233,32 @@ def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
         log(f"{name}: {res.tokens} tokens, NLL {res.nll:.4f}, PPL {res.ppl:.3f}"
             + (f", bits/byte {res.bits_per_byte:.4f}" if res.bits_per_byte else ""))
     examples = examples or {}
-    for task, path in task_files(args).items():
+    for task, path in tasks.items():
+        announce(f"{task} ({path})")
         t0 = time.time()
         if task == "lambada":
-            r = evaluate_lambada(scorer, tokenizer, path, args.limit, progress, requests=examples.get(task))
+            r = evaluate_lambada(scorer, tokenizer, path, args.limit, progress, requests=examples.get(task),
+                                 progress_seconds=seconds)
         else:
             r = evaluate_multiple_choice(scorer, tokenizer, task, path, args.limit, progress,
-                                         examples=examples.get(task))
+                                         examples=examples.get(task), progress_seconds=seconds)
         r["seconds"] = round(time.time() - t0, 2)
         results["tasks"][task] = r
         log(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in r.items()
                                     if k in ("acc", "acc_norm", "ppl") and v is not None) + f" ({r['examples']} examples)")
     return results
+
+
+def _announcer(total: int, shown: bool):
+    """The line that starts each of the ``total`` evaluations (standard error, beside their progress)."""
+    done = [0]
+
+    def announce(what: str) -> None:
+        done[0] += 1
+        if shown:
+            print(f"evaluating {done[0]}/{total}: {what}", file=sys.stderr, flush=True)
+
+    return announce
 
 
 def _write_on_main(scorer, write) -> None:
@@ -483,6 +515,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(str(e))
     if args.compare:
         return _compare(args)
+    if args.progress_interval is not None and args.no_progress:
+        return _fail("--progress-interval sets the progress lines that --no-progress turns off; give one of them")
     if bool(args.load) == bool(args.hf_model):
         return _fail("give exactly one of --load DIR, --hf-model DIR (or --compare FILES)")
     if not args.output_dir:

@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .scorer import Scorer, TokenScores, logprobs_from_logits, progress_bar
+from .scorer import Scorer, TokenScores, logprobs_from_logits
 
 
 class EvalSetupError(RuntimeError):
@@ -225,8 +225,10 @@ class MegatronScorer(Scorer):
         rank = ps.get_data_parallel_rank()
         mine = list(range(rank, len(batches), dp))
         results = {}
-        for i in progress_bar(mine, progress, self.is_main):
+        for i in mine:
             results[i] = self._score_batch(batches[i])
+            if progress is not None:  # the data-parallel ranks score batches i .. i + dp - 1 side by side
+                progress.update(sum(len(b) for b in batches[i:i + dp]))
         if dp > 1:
             gathered: List[Any] = [None] * dp
             torch.distributed.all_gather_object(gathered, results, group=ps.get_data_parallel_group())

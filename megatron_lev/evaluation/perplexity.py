@@ -34,7 +34,7 @@ import numpy as np
 
 from megatron_lev.jsonl import expand_inputs, iter_lines
 
-from .scorer import Scorer, progress_bar
+from .scorer import PROGRESS_SECONDS, Scorer, scoring_progress
 
 PAPER_EDGES = (1e-7, 1e-6, 1e-5, 1e-4)
 LN2 = math.log(2.0)
@@ -225,8 +225,10 @@ class PerplexityResult:
 def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], *, eod: int, name: str = "ppl",
                         source: str = "", seq_length: Optional[int] = None, stride: Optional[int] = None,
                         max_tokens: Optional[int] = None, progress: bool = True, chunk_windows: int = 256,
-                        vocab_size: Optional[int] = None) -> PerplexityResult:
-    """Perplexity of ``scorer`` over the document stream (see the module docstring)."""
+                        vocab_size: Optional[int] = None, progress_seconds: float = PROGRESS_SECONDS
+                        ) -> PerplexityResult:
+    """Perplexity of ``scorer`` over the document stream (see the module docstring); with ``progress``, the
+    windows scored are shown as they go (a line every ``progress_seconds`` when stderr is not a terminal)."""
     seq_length = int(seq_length or scorer.max_length)
     if seq_length > scorer.max_length:
         raise ValueError(f"seq_length {seq_length} is longer than the model's {scorer.max_length}")
@@ -238,9 +240,9 @@ def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], 
     nll_sum = 0.0
     tokens = 0
     windows = iter_windows(docs, seq_length, stride, eod, max_tokens, stats)
-    bar = progress_bar(_chunks(windows, chunk_windows), name if progress else None, scorer.is_main, unit="chunk")
-    for chunk in bar:
-        scores = scorer.score([w for w, _ in chunk])
+    shown = scoring_progress(scorer, name, unit="window", enabled=progress, seconds=progress_seconds)
+    for chunk in _chunks(windows, chunk_windows):
+        scores = scorer.score([w for w, _ in chunk], progress=shown)
         for (w, skip), sc in zip(chunk, scores):
             tgt = w[1 + skip:]
             nll = -sc.logprobs[skip:]
@@ -253,6 +255,7 @@ def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], 
             np.add.at(count_by_id, tgt, 1)
             nll_sum += float(nll.sum())
             tokens += int(tgt.size)
+    shown.close()
     return PerplexityResult(name=name, source=source, tokens=tokens, documents=stats.get("documents", 0),
                             bytes=stats.get("bytes", 0), nll_sum=nll_sum, seq_length=seq_length, stride=stride,
                             nll_by_id=nll_by_id, count_by_id=count_by_id)

@@ -23,6 +23,11 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron_lev.progress import Progress
+
+PROGRESS_SECONDS = 10.0
+"""Seconds between the progress lines of an evaluation whose standard error is not a terminal."""
+
 
 @dataclass
 class TokenScores:
@@ -49,8 +54,9 @@ class Scorer:
     is_main: bool = True
     description: str = "scorer"
 
-    def score(self, sequences: Sequence[Sequence[int]], progress: Optional[str] = None) -> List[TokenScores]:
-        """Per-token log-probs and greedy flags of each sequence (input order).
+    def score(self, sequences: Sequence[Sequence[int]], progress: Optional[Progress] = None) -> List[TokenScores]:
+        """Per-token log-probs and greedy flags of each sequence (input order); ``progress`` counts the
+        sequences scored.
 
         Each sequence needs at least 2 and at most ``max_length + 1`` tokens.
         """
@@ -70,9 +76,11 @@ class Scorer:
         return out  # type: ignore[return-value]
 
     # -- for subclasses
-    def _score_batches(self, batches: List[List[np.ndarray]], progress: Optional[str]) -> Iterable[List[TokenScores]]:
-        for batch in progress_bar(batches, progress, self.is_main):
+    def _score_batches(self, batches: List[List[np.ndarray]], progress: Optional[Progress]) -> Iterable[List[TokenScores]]:
+        for batch in batches:
             yield self._score_batch(batch)
+            if progress is not None:
+                progress.update(len(batch))
 
     def _score_batch(self, batch: List[np.ndarray]) -> List[TokenScores]:
         tokens, lengths = pad_batch(batch)
@@ -120,10 +128,8 @@ class LogitsScorer(Scorer):
         return lp.double().cpu().numpy(), greedy.cpu().numpy()
 
 
-def progress_bar(iterable, desc: Optional[str], enabled: bool = True, total: Optional[int] = None, unit: str = "batch"):
-    """tqdm on the main process when ``desc`` is given, the bare iterable otherwise."""
-    if not desc or not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, desc=desc, total=total, unit=unit, dynamic_ncols=True, leave=False)
+def scoring_progress(scorer: Scorer, desc: str, *, total: Optional[int] = None, unit: str = "request",
+                     enabled: bool = True, seconds: float = PROGRESS_SECONDS) -> Progress:
+    """The progress of an evaluation's scoring, shown by the main process: a bar on a terminal, else a line
+    every ``seconds`` (0: every batch)."""
+    return Progress(desc, total=total, unit=unit, seconds=seconds, leave=False, enabled=enabled and scorer.is_main)

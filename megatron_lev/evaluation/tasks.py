@@ -44,8 +44,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron_lev.progress import Progress
+
 from .perplexity import DataFormatError, iter_json_objects
-from .scorer import Scorer
+from .scorer import PROGRESS_SECONDS, Scorer, scoring_progress
 
 # ------------------------------------------------------------------------------------------------
 # reading task files
@@ -201,9 +203,10 @@ def encode_pair(tokenizer, context: str, continuation: str) -> Tuple[List[int], 
     return ctx, whole[len(ctx):]
 
 
-def loglikelihood(scorer: Scorer, tokenizer, requests: Sequence[Tuple[str, str]], progress: Optional[str] = None
+def loglikelihood(scorer: Scorer, tokenizer, requests: Sequence[Tuple[str, str]], progress: Optional[Progress] = None
                   ) -> List[Tuple[float, bool]]:
-    """(sum of log-probs of the continuation, every continuation token is the argmax) per request."""
+    """(sum of log-probs of the continuation, every continuation token is the argmax) per request; ``progress``
+    counts the requests scored."""
     seqs, conts = [], []
     for ctx, cont in requests:
         c_enc, k_enc = encode_pair(tokenizer, ctx, cont)
@@ -218,9 +221,11 @@ def loglikelihood(scorer: Scorer, tokenizer, requests: Sequence[Tuple[str, str]]
 
 
 def evaluate_lambada(scorer: Scorer, tokenizer, path: str, limit: Optional[int] = None,
-                     progress: bool = True, requests: Optional[List[Tuple[str, str]]] = None) -> Dict[str, Any]:
+                     progress: bool = True, requests: Optional[List[Tuple[str, str]]] = None,
+                     progress_seconds: float = PROGRESS_SECONDS) -> Dict[str, Any]:
     reqs = requests if requests is not None else load_lambada(path, limit)
-    res = loglikelihood(scorer, tokenizer, reqs, progress="lambada" if progress else None)
+    with scoring_progress(scorer, "lambada", total=len(reqs), enabled=progress, seconds=progress_seconds) as shown:
+        res = loglikelihood(scorer, tokenizer, reqs, progress=shown)
     lls = np.array([r[0] for r in res])
     acc = np.array([r[1] for r in res], dtype=np.float64)
     return {"examples": len(reqs), "acc": float(acc.mean()), "acc_stderr": _stderr(acc),
@@ -228,13 +233,15 @@ def evaluate_lambada(scorer: Scorer, tokenizer, path: str, limit: Optional[int] 
 
 
 def evaluate_multiple_choice(scorer: Scorer, tokenizer, task: str, path: str, limit: Optional[int] = None,
-                             progress: bool = True, examples: Optional[List[MCExample]] = None) -> Dict[str, Any]:
+                             progress: bool = True, examples: Optional[List[MCExample]] = None,
+                             progress_seconds: float = PROGRESS_SECONDS) -> Dict[str, Any]:
     examples = examples if examples is not None else load_mc_examples(task, path, limit)
     reqs, spans = [], []
     for ex in examples:
         spans.append((len(reqs), len(ex.continuations)))
         reqs += list(zip(ex.contexts, ex.continuations))
-    res = loglikelihood(scorer, tokenizer, reqs, progress=task if progress else None)
+    with scoring_progress(scorer, task, total=len(reqs), enabled=progress, seconds=progress_seconds) as shown:
+        res = loglikelihood(scorer, tokenizer, reqs, progress=shown)
     metrics = MC_TASKS[task][2] if task in MC_TASKS else ("acc", "acc_norm", "acc_bytes")
     hits: Dict[str, List[float]] = {m: [] for m in metrics}
     for ex, (start, n) in zip(examples, spans):

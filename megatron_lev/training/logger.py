@@ -1,8 +1,11 @@
-"""Rank-0 output: Megatron-LM's log lines, TensorBoard, wandb (optional) and a JSON-lines metrics file.
+"""The run's output: Megatron-LM's log lines, TensorBoard and a JSON-lines metrics file from rank 0, wandb
+(optional) from the last rank, as Megatron-LM logs it.
 
 The training line keeps Megatron-LM's field names and order, so scripts that parse Megatron logs
 (``iteration N/ M``, ``lm loss: X``, ``grad norm: X``...) keep working; this project's extra fields
-(consumed tokens, tokens/s, TFLOP/s, MFU, memory) come after Megatron's.
+(consumed tokens, tokens/s, TFLOP/s, MFU, memory) come after Megatron's. The scalars go to TensorBoard and
+wandb under Megatron-LM's tags (``megatron/training/training.py``), so its dashboards work unchanged; where
+this project's own tag differs, both are written.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ if TYPE_CHECKING:
 
 def is_rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def is_last_rank() -> bool:
+    return not torch.distributed.is_initialized() or \
+        torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
 def print_rank0(*msg: Any) -> None:
@@ -58,7 +66,17 @@ def memory_scalars() -> Dict[str, float]:
 
 
 class LogWriterError(RuntimeError):
-    """A writer of rank 0 (TensorBoard, wandb, the metrics file) cannot start; one line naming its flag."""
+    """A writer (TensorBoard, wandb, the metrics file) cannot start; one line naming its flag."""
+
+
+# This project's tags under Megatron-LM's names, written beside them.
+MEGATRON_LM_TAGS = {"validation/lm loss": "lm loss validation", "validation/lm loss ppl": "lm loss validation ppl",
+                    "throughput-tflops-per-device": "throughput"}
+# The tags Megatron-LM also writes against the consumed samples, as "<tag> vs samples" (TensorBoard only;
+# wandb gets "samples vs steps" instead).
+VS_SAMPLES = frozenset({"lm loss", "learning-rate", "batch-size", "loss-scale", "world-size", "grad-norm",
+                        "num-zeros", "params-norm", "lm loss validation", "lm loss validation ppl",
+                        "validation/lm loss"})
 
 
 def _first_line(e: BaseException) -> str:
@@ -67,15 +85,17 @@ def _first_line(e: BaseException) -> str:
 
 
 class TrainingLogger:
-    """Rank 0's writers, opened from the run's logging settings; ``save`` is --save, wandb's directory when
+    """The run's writers, opened from its logging settings: TensorBoard and the metrics file on rank 0,
+    wandb on the last rank (Megatron-LM's); ``save`` is --save, under which wandb writes (``wandb/``) when
     --wandb-save-dir is unset."""
 
     def __init__(self, config: "LoggingConfig", *, save: Optional[str] = None) -> None:
         self.rank0 = is_rank0()
+        self.last_rank = is_last_rank()
         self.tb = None
         self.wandb = None
         self.metrics = None
-        if not self.rank0:
+        if not (self.rank0 or self.last_rank):
             return
         try:
             self._open_writers(config, save)
@@ -84,6 +104,12 @@ class TrainingLogger:
             raise
 
     def _open_writers(self, cfg: "LoggingConfig", save: Optional[str]) -> None:
+        if self.rank0:
+            self._open_rank0_writers(cfg)
+        if cfg.wandb_project and self.last_rank:
+            self._open_wandb(cfg, save)
+
+    def _open_rank0_writers(self, cfg: "LoggingConfig") -> None:
         if cfg.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -98,23 +124,6 @@ class TrainingLogger:
                 except Exception as e:
                     raise LogWriterError(f"--tensorboard-dir {cfg.tensorboard_dir}: TensorBoard's writer cannot "
                                          f"start ({_first_line(e)})") from None
-        if cfg.wandb_project:
-            try:
-                import wandb  # optional dependency
-            except ImportError:
-                print("WARNING: --wandb-project given but wandb is not installed; not logging to wandb",
-                      flush=True)
-            except Exception as e:
-                raise LogWriterError(f"--wandb-project {cfg.wandb_project}: wandb cannot be imported "
-                                     f"({_first_line(e)}); repair its installation or drop the flag") from None
-            else:
-                try:
-                    self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_exp_name,
-                                            dir=cfg.wandb_save_dir or save or None, config=None)
-                except Exception as e:  # no login (no API key on the node), no network
-                    raise LogWriterError(f"--wandb-project {cfg.wandb_project}: wandb cannot start "
-                                         f"({_first_line(e)}); log in with `wandb login`, or set WANDB_MODE=offline") \
-                        from None
         if cfg.metrics_file:
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_file)), exist_ok=True)
@@ -122,6 +131,34 @@ class TrainingLogger:
             except OSError as e:
                 raise LogWriterError(f"--metrics-file {cfg.metrics_file}: cannot be opened "
                                      f"({e.strerror or e}); choose a writable path") from None
+
+    def _open_wandb(self, cfg: "LoggingConfig", save: Optional[str]) -> None:
+        """As Megatron-LM: the run under --wandb-save-dir (default: --save's wandb/), named --wandb-exp-name,
+        in --wandb-entity's account when given; WANDB_MODE=offline keeps it on the disk."""
+        flag = f"--wandb-project {cfg.wandb_project}"
+        try:
+            import wandb  # optional dependency
+        except ImportError:
+            raise LogWriterError(f"{flag}: the wandb package is not installed; pip install wandb, or drop the "
+                                 "--wandb-* flags") from None
+        except Exception as e:
+            raise LogWriterError(f"{flag}: wandb cannot be imported ({_first_line(e)}); repair its installation "
+                                 "or drop the flag") from None
+        save_dir = cfg.wandb_save_dir or (os.path.join(save, "wandb") if save else None)
+        kwargs = {"project": cfg.wandb_project, "name": cfg.wandb_exp_name, "dir": save_dir, "config": None}
+        if cfg.wandb_entity:
+            kwargs["entity"] = cfg.wandb_entity
+        if save_dir:
+            try:
+                os.makedirs(save_dir, exist_ok=True)
+            except OSError as e:
+                raise LogWriterError(f"{'--wandb-save-dir' if cfg.wandb_save_dir else '--save'} {save_dir}: cannot be "
+                                     f"created for wandb ({e.strerror or e}); choose a writable path") from None
+        try:
+            self.wandb = wandb.init(**kwargs)
+        except Exception as e:  # no login (no API key on the node), no network
+            raise LogWriterError(f"{flag}: wandb cannot start ({_first_line(e)}); log in with `wandb login`, "
+                                 "or set WANDB_MODE=offline") from None
 
     def set_config(self, cfg: Dict[str, Any]) -> None:
         if self.wandb is not None:
@@ -142,16 +179,25 @@ class TrainingLogger:
             self.metrics.flush()
 
     def scalars(self, iteration: int, values: Dict[str, float], consumed_samples: Optional[int] = None) -> None:
+        """``values`` at ``iteration`` (None: not written), each also under Megatron-LM's tag where this
+        project's differs; with ``consumed_samples``, Megatron-LM's "vs samples" tags on TensorBoard and
+        its "samples vs steps" on wandb."""
+        tagged = {}
+        for k, v in values.items():
+            if v is not None:
+                tagged[k] = v
+                if k in MEGATRON_LM_TAGS:
+                    tagged[MEGATRON_LM_TAGS[k]] = v
         if self.tb is not None:
-            for k, v in values.items():
-                if v is None:
-                    continue
+            for k, v in tagged.items():
                 self.tb.add_scalar(k, v, iteration)
-                if consumed_samples is not None and k in ("lm loss", "validation/lm loss"):
+                if consumed_samples is not None and k in VS_SAMPLES:
                     self.tb.add_scalar(f"{k} vs samples", v, consumed_samples)
             self.tb.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in values.items() if v is not None}, step=iteration)
+            if consumed_samples is not None:
+                tagged["samples vs steps"] = consumed_samples
+            self.wandb.log(tagged, step=iteration)
 
     def training_line(self, *, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
                       ms_per_iter: float, lr: float, global_batch_size: int, losses: Dict[str, float],

@@ -54,7 +54,7 @@ from megatron_lev.distributed import DistributedConfigError, destroy_distributed
     set_seed
 from megatron_lev.lev.config import ConfigError
 from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
-from megatron_lev.parallel.collectives import all_reduce_, broadcast_object, group_device
+from megatron_lev.parallel.collectives import all_gather_objects, all_reduce_, broadcast_object, group_device
 from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
 from . import faults, profiling
@@ -621,16 +621,16 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
 
 
 def _start_logger(rc: RunConfig) -> TrainingLogger:
-    """Collective. The run's logger, whose writers (TensorBoard, wandb, --metrics-file) start on rank 0
-    alone: their failure (wandb without a login on the node, a folder made read-only since the start-up
-    checks) stops every rank with its line, instead of rank 0 alone while the others wait for it in the
-    model's first collectives."""
+    """Collective. The run's logger, whose writers start on one rank each (TensorBoard and --metrics-file on
+    rank 0, wandb on the last): their failure (wandb without a login on the node, a folder made read-only
+    since the start-up checks) stops every rank with its line, instead of that rank alone while the others
+    wait for it in the model's first collectives."""
     logger, error = None, None
     try:
         logger = TrainingLogger(rc.logging, save=rc.checkpointing.save)
     except LogWriterError as e:
         error = str(e)
-    error = broadcast_object(error)  # only rank 0 opens writers
+    error = next((e for e in all_gather_objects(error) if e is not None), None)  # rank 0's first
     if error is not None:
         raise _StartupError(error)
     return logger

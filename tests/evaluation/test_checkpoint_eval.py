@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,7 +66,29 @@ def _rank_direct_and_cli(tiny, flags):
             per_seq.append(model(t[:, :-1], torch.arange(len(s) - 1)[None], None, labels=t[:, 1:])[0].double().numpy())
     rc = main(flags)
     return {"direct_nll": direct.numpy(), "tokens": res.tokens, "nll": res.nll, "ppl": res.ppl,
-            "scored": [-g.logprobs for g in got], "per_seq": per_seq, "rc": rc, "full": _full_disk_run(tiny)}
+            "scored": [-g.logprobs for g in got], "per_seq": per_seq, "rc": rc, "full": _full_disk_run(tiny),
+            "progress": _progress_run(flags)}
+
+
+def _progress_run(flags):
+    """The CLI again on the valid set and two tasks, its progress shown with standard error not a terminal
+    (--progress-interval 0: a line per batch): (exit code, stderr, output folder)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from megatron_lev.evaluation.cli import main
+
+    argv = [f for f in flags if f != "--no-progress"]
+    out = tempfile.mkdtemp(prefix="eval-progress-")
+    argv[argv.index("--output-dir") + 1] = out
+    argv[argv.index("--tasks") + 1] = "lambada,hellaswag"
+    i = argv.index("--zeroshot-data")
+    del argv[i:i + 2]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(argv + ["--progress-interval", "0"])
+    return rc, err.getvalue(), out
 
 
 def _full_disk_run(tiny):
@@ -157,6 +180,28 @@ def test_cli_results_files_and_buckets(tp1_run, tiny_ckpt):
         assert (out / f).stat().st_size > 100
     md = (out / "results.md").read_text()
     assert "| valid |" in md and "| hellaswag | 4 |" in md and "≥ 1e-4" in md
+
+
+def test_progress_lines_name_each_evaluation_and_its_count_and_change_no_result(tp1_run):
+    r, out = tp1_run
+    rc, err, progress_out = r["progress"]
+    assert rc == 0, err
+    lines = err.splitlines()
+    starts = [ln for ln in lines if ln.startswith("evaluating ")]
+    assert [ln.split(":")[0] for ln in starts] == ["evaluating 1/3", "evaluating 2/3", "evaluating 3/3"], starts
+    assert starts[0].startswith("evaluating 1/3: valid (perplexity of ") and starts[2].startswith("evaluating 3/3: hellaswag (")
+    assert "\r" not in err  # no bar without a terminal
+    windows = [int(ln.split()[1].replace(",", "")) for ln in lines if ln.startswith("valid: ")]
+    assert len(windows) >= 2 and windows == sorted(set(windows)), windows  # a line per batch, counting up
+    assert all(ln.endswith(" s)") and " windows (" in ln for ln in lines if ln.startswith("valid: "))
+    # 4 examples each, in batches of 4 (--micro-batch-size 4); hellaswag's have 4 endings each.
+    for task, counts in (("lambada", ["4/4"]), ("hellaswag", ["4/16", "8/16", "12/16", "16/16"])):
+        assert [ln.split()[1] for ln in lines if ln.startswith(f"{task}: ") and " requests (" in ln] == counts, task
+    # The results are those of the run without progress.
+    a, b = _load(out), json.loads((Path(progress_out) / "results.json").read_text())
+    strip = lambda entry: {k: v for k, v in entry.items() if k != "seconds"}  # noqa: E731
+    assert strip(b["perplexity"]["valid"]) == strip(a["perplexity"]["valid"])
+    assert {t: strip(v) for t, v in b["tasks"].items()} == {t: strip(a["tasks"][t]) for t in ("lambada", "hellaswag")}
 
 
 def test_a_disk_that_fills_while_results_are_written_is_one_line_and_leaves_no_partial_file(tp1_run):

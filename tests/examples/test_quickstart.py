@@ -47,6 +47,11 @@ if "pretrain_lev.py" in argv:
 elif "--compare" in argv:
     print("comparison")
 elif "tools/evaluate.py" in argv:
+    print("a rank's start-up notice", file=sys.stderr, flush=True)
+    if "--no-progress" not in argv:  # as evaluate.py prints its progress when standard error is not a terminal
+        print("evaluating 1/1: valid (perplexity of x)", file=sys.stderr, flush=True)
+        print("valid: 64 windows (3.2 windows/s, 20 s)", file=sys.stderr, flush=True)
+    print("valid: 9000 tokens, NLL 6.1000, PPL 445.900")
     out = Path(value("--output-dir"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text("{{}}")
@@ -105,6 +110,16 @@ def test_the_demo_trains_evaluates_and_compares_the_three_arms(demo):
     files = compare[compare.index("--compare") + 1:compare.index("--labels")]
     labels = compare[compare.index("--labels") + 1:compare.index("--output-dir")]
     assert labels == ARMS and [Path(f).parent.parent.name for f in files] == ARMS
+
+
+def test_the_evaluations_show_their_progress(demo):
+    first = demo[0]
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    for arm in ARMS:
+        shown = first.stdout.split(f"{arm}: evaluating (")[1].splitlines()[1:4]
+        assert shown == ["evaluating 1/1: valid (perplexity of x)", "valid: 64 windows (3.2 windows/s, 20 s)",
+                         "valid: 9000 tokens, NLL 6.1000, PPL 445.900"], (arm, first.stdout[-3000:])
+    assert "start-up notice" not in first.stdout  # the rest stays in eval.log
 
 
 def test_the_summary_has_a_row_per_arm(demo):

@@ -301,9 +301,10 @@ def test_a_numeric_field_without_a_range_is_refused():
 def test_output_directories_are_checked_before_any_work(tmp_path):
     (tmp_path / "afile").write_text("x")
     for flag in ("--save", "--tensorboard-dir", "--wandb-save-dir", "--data-cache-path"):
+        needs = ["--wandb-project", "p"] if flag == "--wandb-save-dir" else []
         for path, why in ((tmp_path / "afile" / "out", "is a file"), ("/proc/self/out", "cannot write in /proc/self")):
             with pytest.raises(ConfigError) as e:
-                parse_args(BASE + [flag, str(path)], world_size=1)
+                parse_args(BASE + needs + [flag, str(path)], world_size=1)
             msg = str(e.value)
             assert msg.startswith(f"{flag} {path}: cannot write in") and why in msg and "\n" not in msg, msg
     # a directory that does not exist yet is checked in the folder it will be made in, and made later

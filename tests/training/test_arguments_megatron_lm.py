@@ -30,6 +30,8 @@ NEEDS = {
     "--profile-step-start": ["--profile"], "--profile-step-end": ["--profile"], "--profile-ranks": ["--profile"],
     "--use-pytorch-profiler": ["--profile", "--tensorboard-dir", "tb"],
     "--recompute-method": ["--recompute-granularity", "full"], "--recompute-num-layers": ["--recompute-granularity", "full"],
+    "--wandb-exp-name": ["--wandb-project", "p"], "--wandb-save-dir": ["--wandb-project", "p"],
+    "--wandb-entity": ["--wandb-project", "p"],
 }
 VALUES = {"--split": "90,10,0", "--data-cache-path": "cache", "--tensorboard-dir": "tb", "--save": "ckpt", "--load": "ckpt",
           "--num-query-groups": "2", "--kv-channels": "8", "--max-position-embeddings": "64", "--global-batch-size": "4",

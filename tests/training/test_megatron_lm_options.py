@@ -350,8 +350,8 @@ def test_params_norm_is_the_l2_norm_of_every_parameter(one_rank):
 
 
 def _wandb_without_login(argv):
-    """wandb starts on rank 0 alone, and fails there (no API key on the node): the run's start-up stops
-    on every rank with its line (the other ranks do not go on to wait for rank 0 in the model's build)."""
+    """wandb starts on the last rank alone, and fails there (no API key on the node): the run's start-up
+    stops on every rank with its line (the other ranks do not go on to wait for it in the model's build)."""
     import sys
     import types
 
