@@ -63,7 +63,7 @@ from .data import build_datasets, build_tokenizer_from_args, close_iterators, ge
 from .faults import EXIT_CONFIG_ERROR, EXIT_NAN, EXIT_SAVE_FAILED, NanDetected, Terminated, rank_is0
 from .flops import flops_per_iteration, peak_tflops_per_device
 from .logger import LogWriterError, TrainingLogger, memory_scalars
-from .progress import ProgressLog
+from .progress_log import ProgressLog
 from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
 from .params_norm import params_l2_norm
 

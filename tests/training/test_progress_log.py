@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 from megatron_lev.testing.cli import run_cli
-from megatron_lev.training.progress import first_start, progress_line, saved_event
+from megatron_lev.training.progress_log import first_start, progress_line, saved_event
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
