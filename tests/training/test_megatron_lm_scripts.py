@@ -115,6 +115,15 @@ def scaled_argv(script: str, paths: Dict[str, str], metrics: str) -> List[str]:
     return argv + ["--input-embedding", "lev", "--metrics-file", metrics]
 
 
+def real_data_tokenizer(argv: List[str], tokenizer_json: str) -> List[str]:
+    """The Llama-3 script's real-data branch's tokenizer flags in ``argv`` (``--tokenizer-type
+    HuggingFaceTokenizer --tokenizer-model TOKENIZER --vocab-size 128256``, no tiktoken pattern); the mock
+    data stays (a corpus would need preprocessing with that tokenizer, which the tokenizer flags do not change)."""
+    out = [w for i, w in enumerate(argv) if w != "--tiktoken-pattern" and (i == 0 or argv[i - 1] != "--tiktoken-pattern")]
+    i = out.index("--tokenizer-type")
+    return out[:i] + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_json] + out[i + 2:]
+
+
 def _paths(tmp: Path, name: str, tokenizer_files=None) -> Dict[str, str]:
     paths = {"CHECKPOINT_PATH": str(tmp / name / "ckpt"), "TENSORBOARD_LOGS_PATH": str(tmp / name / "tb"),
              "PWD": str(tmp / name)}
@@ -159,8 +168,11 @@ def runs(tokenizer_files, tmp_path_factory):
     plan = []
     for name, script, tok in (("gpt3", GPT3, tokenizer_files), ("llama", LLAMA, None)):
         plan.append({"name": name, "argv": scaled_argv(script, _paths(tmp, name, tok), str(tmp / f"{name}.jsonl"))})
+    plan.append({"name": "llama-hf", "argv": real_data_tokenizer(
+        scaled_argv(LLAMA, _paths(tmp, "llama-hf"), str(tmp / "llama-hf.jsonl")), tokenizer_files.tokenizer_json)})
     res = launch_plan(2, plan, tmp)
-    assert {n: r.code for n, r in res.items()} == {"gpt3": 0, "llama": 0}, {n: r.stdout[-3000:] for n, r in res.items()}
+    assert {n: r.code for n, r in res.items()} == {"gpt3": 0, "llama": 0, "llama-hf": 0}, \
+        {n: r.stdout[-3000:] for n, r in res.items()}
     return tmp, {n: r.stdout for n, r in res.items()}
 
 
@@ -246,3 +258,16 @@ def test_llama_script_flags_took_effect(runs):
     assert {"iteration-time", "mem-max-rss-bytes", "validation/lm loss ppl"} <= set(tb.Tags()["scalars"])
     assert "loss-scale" not in tb.Tags()["scalars"]
     assert stdout["llama"].count(" | num zeros: ") == stdout["llama"].count(" | params norm: ") == 3
+
+
+def test_llama_scripts_real_data_tokenizer_flags_start_with_vocab_size_as_the_models_vocabulary(runs):
+    """The script's real-data branch gives --vocab-size 128256 beside its tokenizer.json: the model's
+    vocabulary (one line says so), as Megatron-LM takes it; before, refused as a NullTokenizer-only flag."""
+    tmp, stdout = runs
+    cfg, rows = _config(tmp, "llama-hf"), _train_rows(tmp / "llama-hf.jsonl")
+    assert (cfg["tokenizer_type"], cfg["vocab_size"], cfg["padded_vocab_size"]) == ("HuggingFaceTokenizer", 128256,
+                                                                                    128256)
+    assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["lm loss"]) for r in rows.values())
+    notice = re.search(r" > --vocab-size 128256 beside the HuggingFaceTokenizer \((\d+) ids\): the model's vocabulary "
+                       r"is 128256, 128256 rows once padded", stdout["llama-hf"])
+    assert notice and int(notice.group(1)) < 128256, stdout["llama-hf"][-3000:]
