@@ -463,15 +463,23 @@ def _write_failure(out_dir: str, e: OSError) -> str:
             "absent" if inside else f"{where}: {e.strerror or e}")
 
 
+def results_size(args) -> int:
+    """Bytes to find free in --output-dir before the evaluation runs: 1 MiB for the reports and plots, 4 MiB
+    per perplexity set (its per-token file holds 16 bytes per vocabulary id: 4 MiB at 256k ids)."""
+    return (1 + 4 * (len(args.valid_data) + len(args.zeroshot_data))) * 2**20
+
+
 def _evaluate(args, command: str) -> int:
     """Check the inputs, load the model, evaluate and write the report."""
     meta: Dict[str, Any] = {"label": args.label, "command": command, "limit": args.limit,
                             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     dist_setup = None
     try:
-        why = unwritable(args.output_dir)  # before the work whose results it is to keep
+        why = unwritable(args.output_dir, reserve=results_size(args))  # before the work whose results it keeps
         if why:
-            raise UsageError(f"--output-dir {args.output_dir}: {why}; choose a writable directory")
+            raise UsageError(f"--output-dir {args.output_dir}: {why}; "
+                             + ("free space or choose another directory" if why.startswith("no space")
+                                else "choose a writable directory"))
         examples = check_inputs(args)  # before loading anything
         if args.hf_model:
             scorer, tokenizer = _hf_model(args, meta)

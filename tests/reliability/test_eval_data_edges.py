@@ -6,6 +6,7 @@ reported as PPL 1.000, a perfect score). All data is made here; no model is buil
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -107,3 +108,42 @@ def test_a_perplexity_over_no_tokens_is_an_error_not_ppl_1(tmp_path):
         evaluate_perplexity(scorer, jsonl_documents([str(path)], Bytes()), eod=0, source=str(path), progress=False)
     with pytest.raises(DataFormatError, match="^valid: 0 tokens to score"):
         evaluate_perplexity(scorer, iter([]), eod=0, name="valid", progress=False)
+
+
+def test_a_full_output_dir_is_refused_before_the_evaluation_runs(tmp_path, evaluate, monkeypatch):
+    import errno
+    import os
+
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "some text"}) + "\n")
+    taken = []
+
+    def full(fd, offset, size):
+        taken.append(size)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    code, errors, err = evaluate("--valid-data", good, "--zeroshot-data", good)
+    assert code == 2 and len(errors) == 1, err
+    assert re.fullmatch(rf"error: --output-dir {tmp_path / 'out'}: no space left in {tmp_path} for the 9 MiB its "
+                        r"results need \([0-9.]+ MiB free\); free space or choose another directory", errors[0]), errors
+    assert taken == [9 * 2**20]  # 1 MiB of reports, 4 MiB per set's per-token file
+
+    # A file system without fallocate: the bytes are written (and synced); a full disk fails the write.
+    def unsupported(fd, offset, size):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    real_write, written = os.write, []
+
+    def write(fd, data):
+        written.append(len(data))
+        if sum(written) > 3 * 2**20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(os, "write", write)
+    code, errors, err = evaluate("--valid-data", good)
+    monkeypatch.setattr(os, "write", real_write)
+    assert code == 2 and len(errors) == 1 and f"no space left in {tmp_path} for the 5 MiB" in errors[0], err
+    assert sum(written) == 4 * 2**20 and not [p for p in os.listdir(tmp_path) if p.startswith(".write-test")]
