@@ -4,6 +4,7 @@ imports: spawned children import this module)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import tempfile
@@ -75,9 +76,11 @@ def interrupted(line: str, *, show: bool = True) -> int:
     return EXIT_INTERRUPTED
 
 
-def unwritable(path: str) -> Optional[str]:
+def unwritable(path: str, reserve: int = 0) -> Optional[str]:
     """Why directory ``path`` cannot be written ("cannot write in DIR (reason)"), or None: a probe file is
-    written and removed in it or, when it does not exist yet, in the nearest folder above it."""
+    written and removed in it or, when it does not exist yet, in the nearest folder above it. With ``reserve``
+    the probe takes that many bytes of the disk first (a full disk takes an empty file, and fails only
+    once the work is done and its results are written)."""
     where = os.path.abspath(path)
     while not os.path.exists(where):
         where = os.path.dirname(where)
@@ -85,11 +88,36 @@ def unwritable(path: str) -> Optional[str]:
         if not os.path.isdir(where):
             raise NotADirectoryError(20, f"{where} is a file")
         fd, probe = tempfile.mkstemp(dir=where, prefix=".write-test-")
-        os.close(fd)
-        os.remove(probe)
+        try:
+            if reserve:
+                _reserve(fd, reserve)
+        finally:
+            os.close(fd)
+            os.remove(probe)
     except OSError as e:
+        if e.errno == errno.ENOSPC:
+            import shutil
+
+            return (f"no space left in {where} for the {reserve / 2**20:.0f} MiB its results need "
+                    f"({shutil.disk_usage(where).free / 2**20:.1f} MiB free)")
         return f"cannot write in {where} ({e.strerror or e})"
     return None
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Take ``size`` bytes of the disk for file ``fd``: allocated where the file system can (no data
+    written), else written as zeros and synced (a quota or a full disk fails the write or the sync)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    block = bytes(min(size, 1 << 20))
+    left = size
+    while left > 0:
+        left -= os.write(fd, block[:left])
+    os.fsync(fd)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from megatron_lev.config_flags import Number
 from megatron_lev.lev.config import ConfigError
@@ -36,16 +36,57 @@ def _str2bool(v: Any) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
 
 
-def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+class _TwoSpellings(ValueError):
+    """Two keys of the file name one argument (``num_layers`` and ``num-layers``; ``lev: {heads}`` and
+    ``lev_heads``): the message names both as written."""
+
+
+def _flatten(d: Dict[str, Any], prefix: str = "", spelled: str = "",
+             written: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """``{dest: value}`` of a mapping of names (flag or attribute spelling, nested mappings joined by ``_``);
+    two keys that name the same argument are refused (:class:`_TwoSpellings`): the last would win, silently."""
+    written = {} if written is None else written
     out: Dict[str, Any] = {}
     for k, v in d.items():
         key = str(k).lstrip("-").replace("-", "_")
         key = f"{prefix}_{key}" if prefix else key
+        as_written = f"{spelled}.{k}" if spelled else str(k)
         if isinstance(v, dict):
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
+            out.update(_flatten(v, key, as_written, written))
+            continue
+        if key in written:
+            raise _TwoSpellings(f"{written[key]!r} and {as_written!r} both set --{key.replace('_', '-')}; keep one")
+        written[key] = as_written
+        out[key] = v
     return out
+
+
+class _RepeatedKey(ValueError):
+    """A key written twice in one mapping of the file (YAML keeps the last, silently)."""
+
+
+def _unique_key_loader():
+    """yaml's SafeLoader, refusing a key repeated in one mapping (:class:`_RepeatedKey`, naming both lines)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        lines: Dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            try:
+                first = lines.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:
+                continue  # an unhashable key: construct_mapping refuses it (not valid YAML)
+            if first != key_node.start_mark.line + 1:
+                raise _RepeatedKey(f"{key!r} is given twice (lines {first} and {key_node.start_mark.line + 1}); "
+                                   "keep one")
+        return loader.construct_mapping(node, deep)
+
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return UniqueKeyLoader
 
 
 def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
@@ -56,7 +97,9 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         raise ConfigError(f"--config {path}: no such file")
     try:
         with open(path, "r", encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_unique_key_loader())
+    except _RepeatedKey as e:
+        raise ConfigError(f"--config {path}: {e}") from None
     except yaml.YAMLError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "parse error"
         raise ConfigError(f"--config {path}: not valid YAML ({first})") from None
@@ -69,7 +112,11 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
     # Derived values (a saved config.yaml holds them) are dropped before nested mappings are flattened:
     # the tokenizer fingerprint is a mapping whose fields are no flags.
     data = {k: v for k, v in data.items() if k not in _DERIVED}
-    for key, value in _flatten(data).items():
+    try:
+        flat = _flatten(data)
+    except _TwoSpellings as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    for key, value in flat.items():
         if key in _DERIVED or "--" + key.replace("_", "-") in NO_OPS:
             continue  # a no-op flag (older config.yaml files hold log_throughput: false)
         if key not in actions:
@@ -92,6 +139,8 @@ def _convert(action: argparse.Action, value: Any) -> Any:
     conv = action.type or (lambda x: x)
     if action.nargs in ("*", "+"):
         items = value if isinstance(value, (list, tuple)) else str(value).split()
+        if any(isinstance(v, (list, tuple, dict)) for v in items):
+            raise ValueError("expected a list of single values")
         vals = [conv(v) if not isinstance(v, str) or action.type is None else conv(v) for v in items]
         vals = [str(v) if action.type is None else v for v in vals]
         if action.choices is not None:
@@ -99,6 +148,8 @@ def _convert(action: argparse.Action, value: Any) -> Any:
                 if v not in action.choices:
                     raise ValueError(f"choose from {', '.join(map(str, action.choices))}")
         return vals
+    if isinstance(value, (list, tuple)):  # would become the text "['a', 'b']"
+        raise ValueError("expected one value, not a list")
     kind = action.type.kind if isinstance(action.type, Number) else action.type
     if kind is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):

@@ -218,9 +218,34 @@ def _tokenizer_flags(model: HFModel, save: str, use_tokenizer: bool, log) -> Tup
             if tok.vocab_size > V:
                 raise ConversionError(f"{model.path}: the tokenizer has {tok.vocab_size} ids but the model only "
                                       f"{V} rows (vocab_size in config.json)")
+            _keep_exported_identity(model.path, dst, tok, log)
             return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", dst], tok.vocab_size
     # NullTokenizer(vocab_size=N) has ids 0..N (N = EOD): N + 1 ids, the model's rows.
     return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(V - 1)], V
+
+
+def _keep_exported_identity(hf_dir: str, dst: str, tok, log) -> None:
+    """The tokenizer an export recorded (``tokenizer_fingerprint.json``: the checkpoint's, e.g. GPT-2 BPE
+    files, written in HF form) stays the imported checkpoint's: the record is copied to ``dst`` with the
+    fingerprint of the copied files, which then stand for it (``tokenizer.fingerprint``); the re-imported
+    model is accepted on the datasets its checkpoint was trained on."""
+    from megatron_lev.tokenizer import tokenizer_fingerprint
+    from megatron_lev.tokenizer.fingerprint import FILES_RECORDED, MODEL_DIR_SIDECAR, read_sidecar, write_sidecar
+
+    if os.path.exists(os.path.join(dst, MODEL_DIR_SIDECAR)):
+        os.remove(os.path.join(dst, MODEL_DIR_SIDECAR))  # an earlier import's: the files' own fingerprint below
+    try:
+        recorded = read_sidecar(os.path.join(hf_dir, MODEL_DIR_SIDECAR))
+    except ValueError as e:
+        raise ConversionError(f"{e.args[0].split('; ')[0]}; remove it to import the tokenizer as its files "
+                              "are") from None
+    if recorded is None:
+        return
+    if int(recorded.get("vocab_size", -1)) != tok.vocab_size:
+        log(f"WARNING: {hf_dir}/{MODEL_DIR_SIDECAR} records a tokenizer of {recorded.get('vocab_size')} ids, its "
+            f"tokenizer.json has {tok.vocab_size}: the record is not kept")
+        return
+    write_sidecar(os.path.join(dst, MODEL_DIR_SIDECAR), dict(recorded, **{FILES_RECORDED: [tokenizer_fingerprint(tok)]}))
 
 
 def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Optional[int] = None,

@@ -14,10 +14,13 @@ from megatron_lev.tokenizer.fingerprint import read_sidecar, sidecar_path, write
 
 
 def list_prefixes(inputs: Sequence[str]) -> List[str]:
-    """Dataset prefixes from prefixes (``x`` with ``x.bin``/``x.idx``) or directories (all pairs, sorted)."""
+    """Dataset prefixes from prefixes (``x`` with ``x.bin``/``x.idx``) or directories (all pairs, sorted).
+
+    A prefix that is also a directory is a prefix: megatron-core keeps a dataset's sample index in
+    ``PREFIX/cache/`` when training is given no --data-cache-path."""
     out: List[str] = []
     for item in inputs:
-        if os.path.isdir(item):
+        if os.path.isdir(item) and not _is_pair(item):
             found = sorted(
                 os.path.join(item, f[:-4])
                 for f in os.listdir(item)
@@ -32,6 +35,10 @@ def list_prefixes(inputs: Sequence[str]) -> List[str]:
                     raise PreprocessError(f"{item + ext}: no such file")
             out.append(item)
     return out
+
+
+def _is_pair(prefix: str) -> bool:
+    return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
 
 
 def merge_datasets(inputs: Sequence[str], output_prefix: str, *, overwrite: bool = False) -> List[str]:

@@ -34,6 +34,7 @@ Document conventions:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing as mp
@@ -366,20 +367,25 @@ class _Output:
         add = self.builder.add_document
         ends = np.cumsum(lengths).tolist()
         start = 0
-        for n, end in zip(lengths.tolist(), ends):
-            add(tokens[start:end], [n])
-            start = end
+        with _writing(self.prefix + ".bin"):
+            for n, end in zip(lengths.tolist(), ends):
+                add(tokens[start:end], [n])
+                start = end
 
     def commit(self) -> List[str]:
-        self.builder.finalize(self.tmp_idx)
+        with _writing(self.prefix + ".bin"):
+            self.builder.data_file.close()  # its last buffered bytes; finalize's own close is then a no-op
+        with _writing(self.prefix + ".idx"):
+            self.builder.finalize(self.tmp_idx)
         done = []
         if self.counts is not None:
-            with open(self.tmp_counts, "wb") as f:
+            with _writing(token_counts_path(self.prefix)), open(self.tmp_counts, "wb") as f:
                 np.save(f, self.counts)
             os.replace(self.tmp_counts, token_counts_path(self.prefix))
             done.append(token_counts_path(self.prefix))
         if self.tokenizer_fp is not None:
-            write_sidecar(self.tmp_fp, self.tokenizer_fp)
+            with _writing(sidecar_path(self.prefix)):
+                write_sidecar(self.tmp_fp, self.tokenizer_fp)
             os.replace(self.tmp_fp, sidecar_path(self.prefix))
             done.append(sidecar_path(self.prefix))
         # .bin first, then .idx: a final .idx exists only once everything is in place.
@@ -389,10 +395,24 @@ class _Output:
 
     def abort(self) -> None:
         if self.builder is not None and not self.builder.data_file.closed:
-            self.builder.data_file.close()
+            # On a full disk closing flushes the buffered bytes and fails again; the file is closed anyway.
+            with contextlib.suppress(OSError):
+                self.builder.data_file.close()
         for p in (self.tmp_bin, self.tmp_idx, self.tmp_counts, self.tmp_fp):
             if os.path.exists(p):
                 os.remove(p)
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """An OSError of the block that names no file (a buffered write's, numpy's) names ``path``, the output
+    being written (under its temporary name)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), path) from None
+        raise
 
 
 class _Writer:
@@ -545,9 +565,10 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
             out.abort()
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             d = os.path.dirname(os.path.abspath(dataset_prefix(cfg.output_prefix, cfg.json_keys[0])))
+            where = f", while writing {_final_name(e.filename)}" if e.filename else ""
             raise OutputWriteError(
-                f"--output-prefix {cfg.output_prefix}: no space left on device in {d} after {stats.docs:,} documents "
-                f"({shutil.disk_usage(d).free / 2**30:.1f} GiB free there); the partial files were removed, "
+                f"--output-prefix {cfg.output_prefix}: no space left on device in {d} after {stats.docs:,} documents"
+                f"{where} ({shutil.disk_usage(d).free / 2**30:.1f} GiB free there); the partial files were removed, "
                 "nothing was written; make room and run again") from None
         raise
     finally:
@@ -556,6 +577,12 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessStats:
             pool.terminate()
             pool.join()
     return stats
+
+
+def _final_name(path) -> str:
+    """The output a temporary ``*.partial`` file becomes."""
+    path = os.fspath(path)
+    return path[: -len(".partial")] if path.endswith(".partial") else path
 
 
 def _ordered_results(pool, batches, window: int) -> Iterator[Dict[str, Any]]:

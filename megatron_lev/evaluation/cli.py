@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_lev._procutil import interrupted, unwritable
-from megatron_lev.data.datasets import check_dataset_token_ids
+from megatron_lev.data.datasets import DatasetValidationError, check_dataset_token_ids, validate_dataset_prefix
 from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
 from megatron_lev.checkpoint import CheckpointError, SavedModel, check_checkpoint_tokenizer, check_intact, \
@@ -43,6 +43,7 @@ from .perplexity import (
     DataFormatError,
     documents_from_path,
     evaluate_perplexity,
+    first_document,
     is_indexed_prefix,
     load_token_counts,
     parse_edges,
@@ -185,16 +186,40 @@ def task_files(args) -> Dict[str, str]:
 def check_inputs(args) -> Dict[str, Any]:
     """Read every task file and check the data paths before any model is loaded, so a malformed
     file fails fast with one line naming the file and line. Returns the parsed task examples."""
-    for _, path in _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot"):
-        if not is_indexed_prefix(path):
-            try:
-                expand_inputs([p for p in path.split(",") if p])
-            except FileNotFoundError:
-                raise DataFormatError(f"{path}: neither an indexed prefix ({path}.bin/.idx) nor a jsonl file") from None
+    for flag in ("max_documents", "max_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: nothing would be evaluated; "
+                             "give at least 1 (or leave it out)")
+    for flag, items, default in (("--valid-data", args.valid_data, "valid"),
+                                 ("--zeroshot-data", args.zeroshot_data, "zeroshot")):
+        for _, path in _named(items, default):
+            check_eval_set(flag, path, args.json_key)
     if args.token_counts and not os.path.isfile(args.token_counts):
         raise DataFormatError(f"--token-counts {args.token_counts}: no such file")
     return {t: (load_lambada(p, args.limit) if t == "lambada" else load_mc_examples(t, p, args.limit))
             for t, p in task_files(args).items()}
+
+
+def check_eval_set(flag: str, path: str, key: str) -> None:
+    """Refuse (one line naming the file) an evaluation set that is missing, damaged or holds nothing to score:
+    a perplexity over 0 tokens is no score (it printed PPL 1.0). An indexed set is checked as training checks
+    one (its .idx against its .bin), without megatron-core's reader, whose failures are tracebacks."""
+    if is_indexed_prefix(path):
+        try:
+            info = validate_dataset_prefix(path, check_token_ids=False)
+        except DatasetValidationError as e:
+            raise DataFormatError(f"{flag} {e}") from None
+        if info.num_tokens == 0:
+            raise DataFormatError(f"{flag} {path}: an empty indexed set ({path}.idx lists 0 tokens); nothing to "
+                                  "evaluate, give a set with documents")
+        return
+    try:
+        files = expand_inputs([p for p in path.split(",") if p])
+    except FileNotFoundError:
+        raise DataFormatError(f"{flag} {path}: neither an indexed prefix ({path}.bin/.idx) nor a jsonl file") from None
+    if first_document(files, key) is None:
+        raise DataFormatError(f"{flag} {path}: no document (no line with a non-empty string under {key!r}); nothing "
+                              "to evaluate, give a file with documents (or the right --json-key)")
 
 
 def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
@@ -470,15 +495,23 @@ def _write_failure(out_dir: str, e: OSError) -> str:
             "absent" if inside else f"{where}: {e.strerror or e}")
 
 
+def results_size(args) -> int:
+    """Bytes to find free in --output-dir before the evaluation runs: 1 MiB for the reports and plots, 4 MiB
+    per perplexity set (its per-token file holds 16 bytes per vocabulary id: 4 MiB at 256k ids)."""
+    return (1 + 4 * (len(args.valid_data) + len(args.zeroshot_data))) * 2**20
+
+
 def _evaluate(args, command: str) -> int:
     """Check the inputs, load the model, evaluate and write the report."""
     meta: Dict[str, Any] = {"label": args.label, "command": command, "limit": args.limit,
                             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     dist_setup = None
     try:
-        why = unwritable(args.output_dir)  # before the work whose results it is to keep
+        why = unwritable(args.output_dir, reserve=results_size(args))  # before the work whose results it keeps
         if why:
-            raise UsageError(f"--output-dir {args.output_dir}: {why}; choose a writable directory")
+            raise UsageError(f"--output-dir {args.output_dir}: {why}; "
+                             + ("free space or choose another directory" if why.startswith("no space")
+                                else "choose a writable directory"))
         examples = check_inputs(args)  # before loading anything
         if args.hf_model:
             scorer, tokenizer = _hf_model(args, meta)

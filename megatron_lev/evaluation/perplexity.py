@@ -107,9 +107,7 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
         for lineno, obj in iter_json_objects(path):
             if limit is not None and n >= limit:
                 return
-            if not isinstance(obj.get(key), str):
-                raise DataFormatError(f"{path}:{lineno}: expected a JSON object with a string field {key!r}")
-            text = obj[key]
+            text = _text(obj, key, path, lineno)
             if not text:
                 continue  # nothing to score (and no separator: as if the line were absent)
             ids = tokenizer.tokenize(text)
@@ -117,6 +115,23 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
                 ids = list(ids) + [tokenizer.eod]
             yield np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
             n += 1
+
+
+def first_document(files: Sequence[str], key: str = "text") -> Optional[Tuple[str, int]]:
+    """(file, line) of the first document of jsonl ``files`` that has text to score (what
+    :func:`jsonl_documents` yields first), None when there is none; a malformed line before it is a
+    :class:`DataFormatError`."""
+    for path in files:
+        for lineno, obj in iter_json_objects(path):
+            if _text(obj, key, path, lineno):
+                return path, lineno
+    return None
+
+
+def _text(obj: Dict[str, Any], key: str, path: str, lineno: int) -> str:
+    if not isinstance(obj.get(key), str):
+        raise DataFormatError(f"{path}:{lineno}: expected a JSON object with a string field {key!r}")
+    return obj[key]
 
 
 def documents_from_path(path: str, tokenizer, key: str = "text", limit: Optional[int] = None):
@@ -256,6 +271,8 @@ def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], 
             nll_sum += float(nll.sum())
             tokens += int(tgt.size)
     shown.close()
+    if tokens == 0:  # a mean over nothing: PPL 1.0 would read as a perfect score
+        raise DataFormatError(f"{source or name}: 0 tokens to score (no document with text); nothing to evaluate")
     return PerplexityResult(name=name, source=source, tokens=tokens, documents=stats.get("documents", 0),
                             bytes=stats.get("bytes", 0), nll_sum=nll_sum, seq_length=seq_length, stride=stride,
                             nll_by_id=nll_by_id, count_by_id=count_by_id)

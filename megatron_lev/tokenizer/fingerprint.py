@@ -30,8 +30,31 @@ def fingerprint(tokenizer) -> Dict[str, Any]:
         with open(p, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
-    return {"type": kind, "vocab_size": int(tokenizer.vocab_size), "files": [os.path.basename(p) for p in paths],
-            "sha256": h.hexdigest()}
+    own = {"type": kind, "vocab_size": int(tokenizer.vocab_size), "files": [os.path.basename(p) for p in paths],
+           "sha256": h.hexdigest()}
+    return _recorded_identity(paths, own)
+
+
+FILES_RECORDED = "these_files"
+"""The key of a :data:`MODEL_DIR_SIDECAR` under which ``import-hf`` lists the fingerprints of the tokenizer
+files beside it: tokenizers built from those files are the recorded tokenizer."""
+
+
+def _recorded_identity(paths: List[str], own: Dict[str, Any]) -> Dict[str, Any]:
+    """The tokenizer recorded beside ``paths`` when the record names these very files (their fingerprint
+    ``own``), else ``own``. A Hugging Face export writes its checkpoint's tokenizer in HF form, whose files
+    hash differently; ``import-hf`` keeps the export's record with theirs, so that the imported checkpoint
+    is still the tokenizer its datasets were made with."""
+    folders = {os.path.dirname(os.path.abspath(p)) for p in paths}
+    if len(folders) != 1:
+        return own
+    try:
+        recorded = read_sidecar(os.path.join(folders.pop(), MODEL_DIR_SIDECAR))
+    except ValueError:
+        return own  # a damaged record stands for nothing
+    if recorded is None or not any(same_tokenizer(own, fp) for fp in recorded.get(FILES_RECORDED) or []):
+        return own
+    return {k: v for k, v in recorded.items() if k != FILES_RECORDED}
 
 
 def describe(fp: Optional[Dict[str, Any]]) -> str:

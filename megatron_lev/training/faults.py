@@ -12,7 +12,9 @@ three pieces the loop calls in a few lines:
   :class:`StopOnSigterm`) and the exit conditions (``--exit-duration-in-mins``, ``--exit-interval``),
   asked once per iteration (:meth:`Stops.due`, :meth:`Stops.raise_held`);
 - :func:`stop_code`: the exit code and one-line report of a run that Ctrl-C, SIGTERM or a lost rank
-  stopped mid-training (:func:`ctrl_c_held` keeps Ctrl-C out of a checkpoint being written).
+  stopped mid-training (:func:`ctrl_c_held` keeps Ctrl-C out of a checkpoint being written); a lost
+  rank of this host is named (:class:`Peers`), also when the launcher's SIGTERM to the survivors comes
+  before the broken connection.
 
 Skipping a step and stopping at the end of an iteration are decided alike on every rank: the loss is
 checked after its reduction over the ranks, the gradient flag, the --exit-signal-handler flag and the
@@ -27,9 +29,10 @@ import contextlib
 import math
 import os
 import signal
+import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -176,11 +179,16 @@ class StopOnSigterm:
     that checkpoint incomplete while the tracker, written last, still names the previous one. Holding also
     keeps the raise out of the fork hooks of dist_checkpointing's writers, which would drop it.
 
-    ``state`` is the loop's state: its ``saving`` names the iteration being saved (None between saves)."""
+    ``state`` is the loop's state: its ``saving`` names the iteration being saved (None between saves).
+    ``peers``: the other ranks' processes on this host; the ranks among them already gone when SIGTERM
+    arrives are kept in :attr:`lost` (the launcher's SIGTERM after a rank died is a lost rank, not a stop)."""
 
-    def __init__(self, state, grace_s: float = 15.0) -> None:
+    def __init__(self, state, grace_s: float = 15.0, peers: Optional["Peers"] = None) -> None:
         self.state = state
         self.grace_s = grace_s
+        self.peers = peers
+        self.lost: List[int] = []
+        """Ranks of this host whose process had ended when the first SIGTERM arrived."""
         self.received = False
         self.deadline: Optional[float] = None
         self._timer: Optional[threading.Timer] = None
@@ -189,6 +197,8 @@ class StopOnSigterm:
         self._prev = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if not self.received and self.peers is not None:
+            self.lost = self.peers.ended()  # now: the launcher signals the other survivors too, which then end
         self.received = True
         if self.stopping:
             return
@@ -229,10 +239,13 @@ class Stops:
 
     def __init__(self, rc: "RunConfig", state, t_start: float, log: Callable[[str], None]) -> None:
         self.rc, self.t_start, self.log = rc, t_start, log
+        self.peers = Peers.gather()
+        self.lost = False
+        """The run stopped on a lost rank: SIGTERM stays ignored after :meth:`release`."""
         self.handler = SignalHandler() if rc.run.exit_signal_handler else None
         self.sigterm: Optional[StopOnSigterm] = None
         if not rc.run.exit_signal_handler and threading.current_thread() is threading.main_thread():
-            self.sigterm = StopOnSigterm(state)
+            self.sigterm = StopOnSigterm(state, peers=self.peers)
 
     def due(self, iteration: int) -> bool:
         """Collective. SIGTERM on any rank, --exit-duration-in-mins passed on any rank, or an --exit-interval
@@ -260,6 +273,49 @@ class Stops:
         for handler in (self.handler, self.sigterm):
             if handler is not None:
                 handler.release()
+        if self.lost and threading.current_thread() is threading.main_thread():
+            # torchrun's agent sends SIGTERM to the survivors of a dead rank; arriving during the teardown that
+            # follows, it would turn this rank's exit code 5 into a death by SIGTERM (the agent kills a rank
+            # that does not end within 30 s).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """The start time of process ``pid`` (field 22 of /proc/PID/stat, which tells a reused pid apart); None
+    when it has ended (a zombie too: killed, not yet reaped by its launcher) or /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else fields[19].decode()
+
+
+class Peers:
+    """The other ranks' processes on this host (``{rank: (pid, start time)}``), to name a rank that died.
+
+    A rank killed with SIGKILL reports nothing; its peers see it as a broken connection in their next
+    collective or, first, as torchrun's SIGTERM to the survivors. Ranks on other hosts cannot be checked."""
+
+    def __init__(self, table: Dict[int, Tuple[int, str]]) -> None:
+        self.table = table
+
+    @classmethod
+    def gather(cls) -> "Peers":
+        """Collective (one all_gather_object at start-up) over the world group; empty for one rank."""
+        dist = torch.distributed
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return cls({})
+        me = (socket.gethostname(), os.getpid(), _process_start(os.getpid()))
+        everyone: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, me)
+        rank = dist.get_rank()
+        return cls({r: (pid, start) for r, (host, pid, start) in enumerate(everyone)
+                    if r != rank and host == me[0] and start is not None})
+
+    def ended(self) -> List[int]:
+        """The ranks of this host whose process has ended."""
+        return sorted(r for r, (pid, start) in self.table.items() if _process_start(pid) != start)
 
 
 @contextlib.contextmanager
@@ -337,18 +393,31 @@ def stop_code(error: BaseException, rc: "RunConfig", state, stops: Optional[Stop
     if isinstance(error, KeyboardInterrupt):
         report_error(interrupted(rc, state), show=rank_is0())
         return EXIT_INTERRUPTED
+    sigterm = stops.sigterm if stops is not None else None
     if isinstance(error, Terminated):
+        if sigterm is not None and sigterm.lost:  # the launcher's SIGTERM after a rank died
+            return _rank_lost(rc, state, stops, sigterm.lost, "its process ended; the launcher's SIGTERM followed")
         report_error(terminated(rc, state), show=rank_is0())
         return EXIT_TERMINATED
     lost = lost_rank(error) if isinstance(error, Exception) else None
     if lost is None:
         return None
-    sigterm = stops.sigterm if stops is not None else None
     if sigterm is not None:
         sigterm.stopping = True  # torchrun's SIGTERM to the survivors follows
-        if sigterm.received:  # held during a save that the other ranks, stopping too, left unfinished
+        if sigterm.received and not sigterm.lost:  # held during a save that the other ranks, stopping too, left
             report_error(terminated(rc, state), show=rank_is0())
             return EXIT_TERMINATED
-    report_error(f"lost another rank ({lost}) at iteration {state.iteration}{cut_save(rc, state)}; "
-                 f"{last_checkpoint(rc)[1]}", show=rank_is0())
+    ranks = (sigterm.lost if sigterm is not None and sigterm.lost else None) or \
+        (stops.peers.ended() if stops is not None else [])
+    return _rank_lost(rc, state, stops, ranks, lost)
+
+
+def _rank_lost(rc: "RunConfig", state, stops: Optional[Stops], ranks: List[int], why: str) -> int:
+    """The line of a run that lost ``ranks`` (of this host; [] when the lost one is not known) and EXIT_RANK_LOST;
+    SIGTERM is ignored from here on (:meth:`Stops.release`)."""
+    if stops is not None:
+        stops.lost = True
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else "another rank"
+    report_error(f"lost {who} ({why}) at iteration {state.iteration}{cut_save(rc, state)}; {last_checkpoint(rc)[1]}",
+                 show=rank_is0())
     return EXIT_RANK_LOST

@@ -300,6 +300,33 @@ def test_pile_set_filter(tok_args, valid_texts, tmp_path):
     assert [tok.detokenize(d[:-1]) for d in _read_docs(str(tmp_path / "o_text_document"))[1]] == kept
 
 
+def test_merge_takes_a_prefix_that_training_used(tmp_path, capsys):
+    # Training without --data-cache-path leaves megatron-core's sample index in PREFIX/cache/: the prefix is
+    # then a directory too, and was taken for a folder of datasets.
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from tools.merge_datasets import main as merge_main
+
+    parts = []
+    for i in range(2):
+        prefix = tmp_path / f"part{i}_text_document"
+        builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+        for d in range(3):
+            builder.add_document(np.arange(5, dtype=np.uint16) + 10 * i + d, [5])
+        builder.finalize(f"{prefix}.idx")
+        parts.append(prefix)
+    (parts[0] / "cache" / "GPTDataset_indices").mkdir(parents=True)
+    (parts[0] / "cache" / "GPTDataset_indices" / "abc-GPTDataset-train-sample_index.npy").write_bytes(b"x")
+    merged = tmp_path / "merged_text_document"
+    assert merge_main(["--input", *map(str, parts), "--output-prefix", str(merged)]) == 0, capsys.readouterr().err
+    _, docs = _read_docs(str(merged))
+    assert [d.tolist()[0] for d in docs] == [0, 1, 2, 10, 11, 12]
+    # A folder of datasets is still one: its pairs, sorted (the cache folder inside is no dataset).
+    assert merge_main(["--input", str(tmp_path), "--output-prefix", str(tmp_path / "m2" / "all_text_document")]) == 0
+    _, docs = _read_docs(str(tmp_path / "m2" / "all_text_document"))
+    assert [d.tolist()[0] for d in docs] == [0, 1, 2, 10, 11, 12] * 2  # merged, then part0 and part1
+
+
 def test_partitions_and_merge(tok_args, valid_path, n_docs, tmp_path):
     kw = tok_args["gpt2"]
     full = tmp_path / "full"

@@ -631,6 +631,38 @@ def test_disk_full_while_preprocessing_is_one_line_and_leaves_nothing(tmp_path, 
     assert written == [], written
 
 
+def test_disk_full_whose_buffered_bin_fails_again_on_close_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    # As on a real full disk: the .bin's buffered writer fails on a write and again when closed (its flush).
+    import errno
+    import io
+
+    from megatron_lev.data import preprocessing
+
+    class FullDisk(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real = preprocessing._Output.open
+
+    def open_full(self, indexed_dataset, dtype):
+        real(self, indexed_dataset, dtype)  # the .bin.partial exists on disk
+        self.builder.data_file.close()
+        self.builder.data_file = io.BufferedWriter(FullDisk(), buffer_size=1000)
+
+    monkeypatch.setattr(preprocessing._Output, "open", open_full)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(_lines()))
+    code, errors, err, written = _run(tmp_path, capsys, src)
+    assert code == 1 and len(errors) == 1 and "Traceback" not in err and "During handling" not in err, err
+    out = tmp_path / "out"
+    assert errors[0].startswith(f"error: --output-prefix {out / 'ds'}: no space left on device in {out} after "), errors
+    assert f"while writing {out / 'ds_text_document.bin'} (" in errors[0] and "GiB free there)" in errors[0], errors
+    assert written == [], written  # no .bin.partial left behind
+
+
 # ------------------------------------------------------------------------------------ smaller cases
 
 

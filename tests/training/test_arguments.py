@@ -310,3 +310,26 @@ def test_output_directories_are_checked_before_any_work(tmp_path):
     # a directory that does not exist yet is checked in the folder it will be made in, and made later
     args = parse_args(BASE + ["--save", str(tmp_path / "new" / "ckpt")], world_size=1)
     assert args.save.endswith("ckpt") and not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == [tmp_path / "afile"]
+
+
+def test_a_config_file_list_for_a_single_value_or_a_key_given_twice_is_refused_in_one_line(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cases = {
+        "save: [a, b]\n": "save: invalid value ['a', 'b'] for --save (expected one value, not a list)",
+        "num_layers: [2]\n": "num_layers: invalid value [2] for --num-layers (expected one value, not a list)",
+        "split: [90, 10, 0]\n": "split: invalid value [90, 10, 0] for --split (expected one value, not a list)",
+        "num_layers: 2\nlr: 0.1\nnum_layers: 4\n": "'num_layers' is given twice (lines 1 and 3); keep one",
+        "lev:\n  heads: 2\n  heads: 4\n": "'heads' is given twice (lines 2 and 3); keep one",
+        "num_layers: 2\nnum-layers: 4\n": "'num_layers' and 'num-layers' both set --num-layers; keep one",
+        "--num-layers: 2\nnum_layers: 4\n": "'--num-layers' and 'num_layers' both set --num-layers; keep one",
+        "lev:\n  heads: 2\nlev_heads: 4\n": "'lev.heads' and 'lev_heads' both set --lev-heads; keep one",
+    }
+    for text, why in cases.items():
+        cfg.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            parse_args(BASE + ["--config", str(cfg)], world_size=1)
+        assert str(e.value) == f"--config {cfg}: {why}", (text, str(e.value))
+    from megatron_lev.arguments import build_parser, load_yaml_config
+
+    cfg.write_text("data_path: [a, b]\nlev: {heads: 4}\n")  # a list flag takes a list; one spelling each
+    assert load_yaml_config(str(cfg), build_parser()) == {"data_path": ["a", "b"], "lev_heads": 4}

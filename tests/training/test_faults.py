@@ -105,3 +105,61 @@ def test_manual_gc_leaves_the_collector_as_it_found_it(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_rank_that_died_is_named_and_exit_5_whether_sigterm_or_the_broken_connection_comes_first(one_rank,
+                                                                                                  capsys, monkeypatch):
+    # torchrun's agent SIGTERMs the survivors of a rank killed with SIGKILL: that SIGTERM, when it came before
+    # the broken connection, and during the teardown after it, made the survivor exit 143 (-15 in torchrun's
+    # summary) instead of 5 naming the lost rank.
+    import subprocess
+
+    previous = signal.getsignal(signal.SIGTERM)
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    gone, alive, zombie = procs
+    table = {r: (p.pid, faults._process_start(p.pid)) for r, p in zip((1, 2, 3), procs)}
+    try:
+        gone.kill()
+        gone.wait()  # reaped by its launcher
+        zombie.kill()  # not reaped yet
+        deadline = time.monotonic() + 10
+        while faults._process_start(zombie.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rc = SimpleNamespace(run=_rc().run, checkpointing=SimpleNamespace(save=None, load=None))
+
+        def stopped(peers, error=None):
+            monkeypatch.setattr(faults.Peers, "gather", classmethod(lambda cls: cls(peers)))
+            state = SimpleNamespace(iteration=6, saving=None)
+            stops = faults.Stops(rc, state, 0.0, lambda line: None)
+            try:
+                if error is None:
+                    with pytest.raises(faults.Terminated) as e:
+                        signal.raise_signal(signal.SIGTERM)
+                    error = e.value
+                return faults.stop_code(error, rc, state, stops), capsys.readouterr().err.strip().splitlines()
+            finally:
+                stops.release()
+
+        # SIGTERM first: the ranks of this host already gone are the lost ones.
+        code, err = stopped(table)
+        assert code == faults.EXIT_RANK_LOST == 5 and err == [
+            "error: lost ranks 1, 3 (its process ended; the launcher's SIGTERM followed) at iteration 6; no checkpoint "
+            "was saved"], err
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # the agent's SIGTERM during the teardown
+        signal.raise_signal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
+        # The broken connection first: named too.
+        code, err = stopped({1: table[1], 2: table[2]}, RuntimeError("[gloo] Read error: Connection reset by peer"))
+        assert code == 5 and err == ["error: lost rank 1 (connection reset by peer) at iteration 6; no checkpoint "
+                                     "was saved"], err
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        signal.signal(signal.SIGTERM, previous)
+        # Every rank of this host alive: SIGTERM sent to the job (Slurm, a user), the stop it was.
+        code, err = stopped({2: table[2]})
+        assert code == faults.EXIT_TERMINATED and err[0].startswith("error: terminated by SIGTERM at iteration 6;"), err
+        assert signal.getsignal(signal.SIGTERM) is previous
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for p in procs:
+            p.kill()
+            p.wait()
