@@ -97,11 +97,15 @@ def _saved_layout(common: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _ensure_optimizer_state(optimizer) -> None:
-    """Give a not-yet-stepped Adam its state (zeros, step 0) so megatron-core can map it for loading.
+    """Give a not-yet-stepped Adam its state (zeros, step 0) so megatron-core can map it for saving and
+    loading: the state torch's Adam creates at its first step, so a run that goes on from here steps as
+    it would have.
 
     Without Apex/Transformer Engine, megatron-core 0.16.1's DistributedOptimizer.state_dict() reads
-    the per-parameter ``step`` of torch's Adam, which exists only after a first step; its own
-    init_state_fn does not create it. The loaded checkpoint overwrites every value set here.
+    the per-parameter ``step`` of torch's Adam, which exists only after a first step (its save asserted
+    on an optimizer that had not stepped: an fp16 run whose every step so far the loss scaler skipped);
+    its own init_state_fn does not create it. A checkpoint of the other optimizers saved without the
+    moments lacked the keys a load asks for. On a load, the checkpoint overwrites every value set here.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
@@ -115,6 +119,25 @@ def _ensure_optimizer_state(optimizer) -> None:
                     st["exp_avg_sq"] = torch.zeros_like(p.data)
                 if "step" not in st:
                     st["step"] = torch.tensor(0.0)
+
+
+def _step_zero_where_unsaved(loaded) -> None:
+    """Give the loaded state of an optimizer that had not stepped its step 0, in place.
+
+    megatron-core's Float16 and FP32 optimizers save Adam's step once, as ``common_step``, and only when
+    it is non-zero; torch's Adam refuses a parameter's state without one."""
+    if isinstance(loaded, dict):
+        state = loaded.get("state")
+        if "param_groups" in loaded and isinstance(state, dict) and "common_step" not in state and any(
+                isinstance(st, dict) and st and "step" not in st for st in state.values()):
+            state["common_step"] = torch.tensor(0.0)
+        children = loaded.values()
+    elif isinstance(loaded, list):
+        children = loaded
+    else:
+        return
+    for child in children:
+        _step_zero_where_unsaved(child)
 
 
 def _unshare_adam_steps(optimizer) -> None:
@@ -149,8 +172,7 @@ def _sharded_state_dict(model, optimizer, include_optim: bool, include_rng: bool
 
     state = _model_state(model, saved, match)
     if include_optim and optimizer is not None:
-        if is_loading:
-            _ensure_optimizer_state(optimizer)
+        _ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding_type})
     if include_rng:
@@ -880,6 +902,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     for note in match.describe(saved):
         log(f"  {path}: {note}")
     if load_optim:
+        _step_zero_where_unsaved(loaded["optimizer"])
         with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
             optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)
