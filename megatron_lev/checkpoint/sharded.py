@@ -175,10 +175,35 @@ def _sharded_state_dict(model, optimizer, include_optim: bool, include_rng: bool
         _ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding_type})
+        if saved is not None:
+            _drop_unsaved_moments(state["optimizer"], saved)
     if include_rng:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     return state
+
+
+_MOMENTS = ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
+
+
+def _drop_unsaved_moments(optim_state, saved) -> None:
+    """Leave Adam's moments out of the optimizer state to load, in place, when the checkpoint ``saved`` (its
+    keys) holds none: an optimizer that had not stepped, saved before its zero moments were (an fp16 run
+    whose every step the loss scaler skipped; the load asked for keys the checkpoint lacks, a raw KeyError).
+    Its state stays empty and torch's Adam creates it at the first step, as the saved run would have."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def walk(node, visit):
+        for key, value in list(node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, ShardedTensor) and value.key.startswith(_MOMENTS):
+                visit(node, key, value)
+            elif isinstance(value, (dict, list)):
+                walk(value, visit)
+
+    asked = []
+    walk(optim_state, lambda node, key, t: asked.append(t.key))
+    if asked and not any(k in saved for k in asked):
+        walk(optim_state, lambda node, key, t: node.pop(key))
 
 
 def _model_state(model, saved=None, match=None) -> Dict[str, Any]:
@@ -201,17 +226,39 @@ def _restore_model(model, loaded) -> None:
         _unwrap(chunk).load_state_dict(restore_missing_extra_state(_unwrap(chunk), loaded[key]), strict=True)
 
 
+class CheckpointReadError(RuntimeError):
+    """``dist_checkpointing.load`` failed; the message is the first line of the error of the first rank
+    that failed (torch's CheckpointException, which wraps it, names only ranks)."""
+
+
+def _read(state, path: str, **kw):
+    """``dist_checkpointing.load(state, path, **kw)``, whose failures come out as exceptions a caller's
+    ``except Exception`` holds: torch's CheckpointException is a BaseException (a 60-line traceback
+    escaped the handlers around a load), and a Ctrl-C during the read reaches the caller inside it, as
+    one rank's error; it is raised again as the KeyboardInterrupt it was (the one-line Ctrl-C report)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load(state, path, **kw)
+    except (Exception, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        inner = _wrapped(e)
+        if any(isinstance(x, KeyboardInterrupt) for x in inner):
+            raise KeyboardInterrupt from None
+        raise CheckpointReadError(_failure_reason(e)) from e
+
+
 def load_model_state(model, path: str, log=None) -> None:
     """Load the model part of the dist checkpoint directory ``path`` into the chunks ``model`` (any
     TP/PP layout, Transformer Engine or local layer spec on either side; no optimizer, no RNG)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
     from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
 
     saved, match = saved_keys(path), KeyMatch()
     state = _model_state(model, saved, match)
-    loaded = dist_checkpointing.load(state, path, sharded_strategy=get_default_load_sharded_strategy(path))
+    loaded = _read(state, path, sharded_strategy=get_default_load_sharded_strategy(path))
     _restore_model(model, loaded)
     if log is not None:
         for note in match.describe(saved):
@@ -793,7 +840,9 @@ def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any],
                 "another --make-vocab-size-divisible-by); give the checkpoint's tokenizer and settings")
     flag = f"--{name.replace('_', '-')}"
     was = f"with {_as_flag(flag, saved)}" if _as_flag(flag, saved) else f"without {flag}"
-    return (f"{path} was saved {was} but this run has {_as_flag(flag, current) or f'no {flag}'}; give the "
+    why = (" (the learned position table has a row per position; it defaults to --seq-length)"
+           if name == "max_position_embeddings" else "")
+    return (f"{path} was saved {was} but this run has {_as_flag(flag, current) or f'no {flag}'}{why}; give the "
             f"checkpoint's setting")
 
 
@@ -842,7 +891,6 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     ``finetune``: model weights only, from iteration 0. Returns the checkpoint's common state (iteration,
     consumed samples, counters, args), or None when there is no checkpoint (the run starts from scratch).
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
     from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
@@ -865,6 +913,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),
                                path, allow_mismatch=bool(run_args.get("allow_tokenizer_mismatch")), log=log)
     for name in STRUCTURE_ARGS:
+        if name == "max_position_embeddings" and saved_args.get("position_embedding_type") != "learned_absolute":
+            continue  # only a learned position table is shaped by it (rotary positions have no parameters)
         if name in saved_args and saved_args[name] != run_args.get(name):
             raise CheckpointError(_structure_mismatch(name, saved_args[name], run_args.get(name),
                                                       _saved_layout(common), _layout(), path))
@@ -888,7 +938,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     strategy = get_default_load_sharded_strategy(path)
     strict = run_args.get("dist_ckpt_strictness") or "assume_ok_unexpected"  # --dist-ckpt-strictness
     try:
-        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy, strict=strict)
+        loaded = _read(state, path, sharded_strategy=strategy, strict=strict)
     except CheckpointError:
         raise
     except Exception as e:
@@ -896,7 +946,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         if mismatch is not None:
             raise CheckpointError(mismatch) from None
         # damage the file checks cannot see (bytes changed inside a shard)
-        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, path, f"cannot be read ({_first_line(e)})",
+        reason = str(e) if isinstance(e, CheckpointReadError) else _first_line(e)
+        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, path, f"cannot be read ({reason})",
                                                          _ckpt_step_hint)) from None
     _restore_model(model, loaded)
     for note in match.describe(saved):

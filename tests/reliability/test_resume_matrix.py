@@ -7,17 +7,24 @@ Each of the 12 settings trains once for 3 iterations with a checkpoint after eve
 off), so the checkpoint of iteration 1 holds an optimizer that has not stepped yet and that of iteration 2 one
 that has stepped once. Both are resumed to iteration 3. All 36 runs share one single-rank job (a tiny LEV
 model on mock data).
+
+The same checkpoints serve the resumes refused in one line: another --seq-length under learned positions (the
+position table's shape), and a Ctrl-C while the checkpoint is read (torch's CheckpointException, a
+BaseException, carries it out of the read).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
 
+from megatron_lev.testing import run_cli
 from tests.training._multi_run import launch_plan
+from tests.training.test_pretrain import PRETRAIN, REPO, _env
 
 ITERS = 3
 SKIPPED, NORMAL = 1, 2  # the iterations the resumes start from
@@ -40,7 +47,8 @@ def _name(setting):
 def _args(setting, metrics: Path):
     opt, precision, decoupled = setting
     return ["--input-embedding", "lev", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
-            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(ITERS),
+            # 128 tokens: the mock data's shuffle index is a sample per 128 of its 2e8 tokens (at 16, 0.8 s a split)
+            "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", str(ITERS),
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
             "--mock-data", "--vocab-size", "128", "--log-interval", "1", "--log-params-norm", "--eval-iters", "0",
             "--quiet-config",
@@ -64,6 +72,9 @@ def matrix(tmp_path_factory):
         for start in (SKIPPED, NORMAL):
             plan.append({"name": f"{name}/from{start}", "argv": _args(setting, work / f"{name}.from{start}.jsonl")
                          + ["--load", str(ck), "--ckpt-step", str(start)]})
+    # Learned absolute positions (the default), their table sized by --seq-length.
+    plan.append({"name": "longer-sequences", "argv": _args(SETTINGS[0], work / "longer.jsonl")
+                 + ["--load", str(work / _name(SETTINGS[0])), "--seq-length", "256"]})
     return work, launch_plan(1, plan, work / "job")
 
 
@@ -85,3 +96,92 @@ def test_every_cell_resumes_bit_exact(matrix, setting):
             keys = ("lm loss hex", "grad norm", "params norm", "lr")  # the params norm: after the step's update
             assert [got[k] for k in keys] == [want[k] for k in keys], \
                 f"{name}, resumed from iteration {start}: iteration {it} differs ({got} vs {want})"
+
+
+def _error_lines(text: str):
+    return [line for line in text.splitlines() if line.startswith("error:") or "Traceback" in line]
+
+
+def test_another_seq_length_under_learned_positions_is_refused_in_one_line(matrix):
+    work, runs = matrix
+    ck = work / _name(SETTINGS[0])
+    run = runs["longer-sequences"]
+    assert run.code == 2
+    line = (f"error: {ck / 'iter_0000003'} was saved with --max-position-embeddings 128 but this run has "
+            f"--max-position-embeddings 256 (the learned position table has a row per position; it defaults to "
+            f"--seq-length); give the checkpoint's setting")
+    assert line in run.job_stderr.splitlines()
+    assert "Global shape mismatch" not in run.job_stderr
+
+
+def test_ctrl_c_while_a_resume_reads_its_checkpoint_is_one_line(matrix, tmp_path):
+    """The read is interrupted inside torch's checkpoint load, which hands it on wrapped in its
+    CheckpointException (a BaseException that escaped the handlers around the load: a 60-78 line traceback)."""
+    work, _ = matrix
+    ck = work / _name(SETTINGS[0])
+    script = tmp_path / "pretrain_interrupted_read.py"
+    script.write_text(textwrap.dedent(f"""
+        import runpy
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        def read_data(self, plan, planner):
+            raise KeyboardInterrupt  # Ctrl-C while the shards are read
+
+        FileSystemReader.read_data = read_data
+        runpy.run_path({PRETRAIN!r}, run_name="__main__")
+    """))
+    r = run_cli(script, _args(SETTINGS[0], tmp_path / "m.jsonl") + ["--load", str(ck)], env=_env(), cwd=str(REPO),
+                timeout=300)
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert _error_lines(r.stderr) == [
+        f"error: interrupted (Ctrl-C) during start-up, before training started; the last checkpoint is iteration 3 "
+        f"({ck / 'iter_0000003'}; resume with --load {ck})"], r.stderr
+
+
+def test_the_read_hands_on_what_torch_wraps(monkeypatch):
+    """checkpoint's read of a dist checkpoint: a Ctrl-C inside torch's CheckpointException comes out as the
+    KeyboardInterrupt it was, any other failure as an Exception with the failing rank's first line."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_lev.checkpoint import sharded
+
+    def failing(error):
+        def load(*_a, **_kw):
+            raise CheckpointException("read", {0: (error, None)})
+        return load
+
+    monkeypatch.setattr(dist_checkpointing, "load", failing(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        sharded._read({}, "ck")
+    monkeypatch.setattr(dist_checkpointing, "load", failing(KeyError("optimizer.state.exp_avg.x not in state dict")))
+    with pytest.raises(sharded.CheckpointReadError) as e:
+        sharded._read({}, "ck")
+    assert str(e.value) == "KeyError: 'optimizer.state.exp_avg.x not in state dict'"
+
+
+def test_a_checkpoint_without_adam_moments_loads_into_an_empty_state():
+    """A checkpoint of an optimizer that had not stepped, written before its zero moments were saved, holds
+    no optimizer.state.exp_avg*: the load leaves the moments out (Adam creates them at its first step) instead
+    of asking for keys the checkpoint lacks; a checkpoint that holds some of them is loaded as asked."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_lev.checkpoint.sharded import _drop_unsaved_moments
+
+    def tensor(key):
+        return ShardedTensor.from_rank_offsets(key, torch.zeros(2))
+
+    def optim_state():
+        return {"optimizer": {"state": {0: {"exp_avg": tensor("optimizer.state.exp_avg.w"),
+                                            "exp_avg_sq": tensor("optimizer.state.exp_avg_sq.w")}},
+                              "param_groups": [{"params": [0]}]},
+                "fp32_from_fp16_params": [[tensor("optimizer.state.fp32_param.w")]]}
+
+    never_stepped = optim_state()
+    _drop_unsaved_moments(never_stepped, {"w", "optimizer.state.fp32_param.w"})
+    assert never_stepped["optimizer"]["state"] == {0: {}}
+    assert never_stepped["fp32_from_fp16_params"][0][0].key == "optimizer.state.fp32_param.w"
+    stepped = optim_state()
+    _drop_unsaved_moments(stepped, {"w", "optimizer.state.fp32_param.w", "optimizer.state.exp_avg.w"})
+    assert sorted(stepped["optimizer"]["state"][0]) == ["exp_avg", "exp_avg_sq"]
