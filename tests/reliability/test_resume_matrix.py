@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -26,14 +27,17 @@ from megatron_lev.testing import run_cli
 from tests.training._multi_run import launch_plan
 from tests.training.test_pretrain import PRETRAIN, REPO, _env
 
+# The tests of the shared job (about 30 s of CPU): not in make test-fast.
+slow = pytest.mark.slow
+
 ITERS = 3
 SKIPPED, NORMAL = 1, 2  # the iterations the resumes start from
 
 PRECISIONS = {
     "fp32": ["--nan-action", "skip"],
     "bf16": ["--bf16", "--nan-action", "skip"],
-    # The NaN reaches the gradients and the loss scaler skips the step (and halves the scale).
-    "fp16": ["--fp16", "--initial-loss-scale", "4096", "--no-check-for-nan-in-loss-and-grad"],
+    # The NaN reaches the gradients and the loss scaler skips the step and halves the scale.
+    "fp16": ["--fp16", "--initial-loss-scale", "4096", "--hysteresis", "1", "--no-check-for-nan-in-loss-and-grad"],
 }
 OPTIMIZERS = {"local": [], "distopt": ["--use-distributed-optimizer"]}
 DECOUPLED = {"lr": [], "decoupled": ["--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4"]}
@@ -54,6 +58,13 @@ def _args(setting, metrics: Path):
             "--quiet-config",
             "--inject-nan-at-iteration", "1", "--metrics-file", str(metrics),
             *OPTIMIZERS[opt], *PRECISIONS[precision], *DECOUPLED[decoupled]]
+
+
+def _logged(stdout: str):
+    """{iteration: (loss scale, skipped iterations so far)} from the log lines."""
+    found = re.findall(r" iteration +(\d+)/.*?\| loss scale: ([^ ]+) \|.*?\| number of skipped iterations: +(\d+) \|",
+                       stdout)
+    return {int(it): (scale, int(skipped)) for it, scale, skipped in found}
 
 
 def _train_rows(path: Path):
@@ -78,6 +89,7 @@ def matrix(tmp_path_factory):
     return work, launch_plan(1, plan, work / "job")
 
 
+@slow
 @pytest.mark.parametrize("setting", SETTINGS, ids=_name)
 def test_every_cell_resumes_bit_exact(matrix, setting):
     work, runs = matrix
@@ -87,7 +99,12 @@ def test_every_cell_resumes_bit_exact(matrix, setting):
     full = _train_rows(work / f"{name}.full.jsonl")
     # The setting is what the cells say: iteration 1 skipped, 2 and 3 applied.
     assert [full[i]["skipped"] for i in range(1, ITERS + 1)] == [True, False, False], full
+    full_log = _logged(runs[f"{name}/full"].stdout)
+    assert sorted(full_log) == list(range(1, ITERS + 1)), runs[f"{name}/full"].stdout[-2000:]
     for start in (SKIPPED, NORMAL):
+        # The loss scaler's state and the counters continue too.
+        resumed_log = _logged(runs[f"{name}/from{start}"].stdout)
+        assert resumed_log == {it: full_log[it] for it in range(start + 1, ITERS + 1)}
         resumed = _train_rows(work / f"{name}.from{start}.jsonl")
         assert f"successfully loaded checkpoint" in runs[f"{name}/from{start}"].stdout
         assert sorted(resumed) == list(range(start + 1, ITERS + 1))
@@ -102,6 +119,7 @@ def _error_lines(text: str):
     return [line for line in text.splitlines() if line.startswith("error:") or "Traceback" in line]
 
 
+@slow
 def test_another_seq_length_under_learned_positions_is_refused_in_one_line(matrix):
     work, runs = matrix
     ck = work / _name(SETTINGS[0])
@@ -114,6 +132,7 @@ def test_another_seq_length_under_learned_positions_is_refused_in_one_line(matri
     assert "Global shape mismatch" not in run.job_stderr
 
 
+@slow
 def test_ctrl_c_while_a_resume_reads_its_checkpoint_is_one_line(matrix, tmp_path):
     """The read is interrupted inside torch's checkpoint load, which hands it on wrapped in its
     CheckpointException (a BaseException that escaped the handlers around the load: a 60-78 line traceback)."""
