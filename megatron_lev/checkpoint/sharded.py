@@ -140,6 +140,35 @@ def _step_zero_where_unsaved(loaded) -> None:
         _step_zero_where_unsaved(child)
 
 
+def _mark_decoupled_groups(loaded, optimizer) -> None:
+    """Mark, in place, the saved param groups of a --decoupled-lr checkpoint written before the decoupled
+    group was marked ``is_decoupled_lr`` (``parallel.weight_decay``), as the run's groups at the same places
+    are: megatron-core finds the saved group of each of the run's by that mark (among others), and without it
+    the decoupled group is not found. Only where the saved groups are the run's, place for place (the same
+    count and the same max/min lr each); otherwise the load goes on unchanged."""
+    saved: List[list] = []
+
+    def walk(node):
+        if isinstance(node, dict) and isinstance(node.get("param_groups"), list):
+            saved.append(node["param_groups"])
+        elif isinstance(node, (dict, list)):
+            for child in (node.values() if isinstance(node, dict) else node):
+                walk(child)
+
+    walk(loaded)
+    current = [getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    if len(saved) != len(current):
+        return
+    for groups, inner in zip(saved, current):
+        now = getattr(inner, "param_groups", [])
+        if (len(groups) != len(now) or any(g.get("is_decoupled_lr") for g in groups)
+                or not any(g.get("is_decoupled_lr") for g in now)):
+            continue
+        if all((g.get("max_lr"), g.get("min_lr")) == (n.get("max_lr"), n.get("min_lr")) for g, n in zip(groups, now)):
+            for g, n in zip(groups, now):
+                g["is_decoupled_lr"] = bool(n.get("is_decoupled_lr"))
+
+
 def _unshare_adam_steps(optimizer) -> None:
     """Give every parameter its own Adam ``step`` tensor after loading.
 
@@ -954,8 +983,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         log(f"  {path}: {note}")
     if load_optim:
         _step_zero_where_unsaved(loaded["optimizer"])
-        with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
-            optimizer.load_state_dict(loaded["optimizer"])
+        _mark_decoupled_groups(loaded["optimizer"], optimizer)
+        try:
+            with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
+                optimizer.load_state_dict(loaded["optimizer"])
+        except (KeyError, ValueError) as e:  # megatron-core finds no saved param group for one of the run's
+            raise CheckpointError(
+                f"{path}: its optimizer state does not fit this run's parameter groups ({_first_line(e)}); give "
+                "the checkpoint's optimizer settings (--decoupled-lr, --decoupled-min-lr, --lr, --min-lr), or "
+                "pass --no-load-optim to start the optimizer afresh") from None
         _unshare_adam_steps(optimizer)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()

@@ -36,7 +36,7 @@ def _marked_decoupled(override: ParamGroupOverride) -> ParamGroupOverride:
     override leaves the flag False, so the decoupled group and the default one look alike there (the
     distributed optimizer gives both the decoupled max/min lr, the others fail on the group sizes)."""
     if "max_lr" in override or "min_lr" in override:
-        return ParamGroupOverride(**override, is_decoupled_lr=True)
+        return ParamGroupOverride(**{**override, "is_decoupled_lr": True})
     return override
 
 

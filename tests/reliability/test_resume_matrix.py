@@ -204,3 +204,35 @@ def test_a_checkpoint_without_adam_moments_loads_into_an_empty_state():
     stepped = optim_state()
     _drop_unsaved_moments(stepped, {"w", "optimizer.state.fp32_param.w", "optimizer.state.exp_avg.w"})
     assert sorted(stepped["optimizer"]["state"][0]) == ["exp_avg", "exp_avg_sq"]
+
+
+@slow
+def test_a_decoupled_lr_checkpoint_of_the_unmarked_groups_resumes_bit_exact(matrix, tmp_path):
+    """A --decoupled-lr checkpoint saved while the decoupled param group was not yet marked is_decoupled_lr
+    (the group megatron-core did not tell from the default one on a load) resumes as the marked ones do."""
+    work, _ = matrix
+    cases = [s for s in SETTINGS if s[1:] == ("fp32", "decoupled")]
+    saves = [_args(s, tmp_path / f"{_name(s)}.saved.jsonl") + ["--save", str(tmp_path / _name(s)), "--save-interval",
+                                                                "1"] for s in cases]
+    resumes = [_args(s, tmp_path / f"{_name(s)}.resumed.jsonl") + ["--load", str(tmp_path / _name(s)), "--ckpt-step",
+                                                                    str(NORMAL)] for s in cases]
+    script = tmp_path / "unmarked_then_resumed.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from megatron_lev.parallel import weight_decay
+        from megatron_lev.training import pretrain
+
+        marked, weight_decay._marked_decoupled = weight_decay._marked_decoupled, lambda override: override
+        codes = [pretrain(argv) for argv in {saves!r}]
+        weight_decay._marked_decoupled = marked
+        codes += [pretrain(argv) for argv in {resumes!r}]
+        sys.exit(max(codes))
+    """))
+    r = run_cli(script, [], env=_env(), cwd=str(REPO), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for setting in cases:
+        full = _train_rows(work / f"{_name(setting)}.full.jsonl")
+        resumed = _train_rows(tmp_path / f"{_name(setting)}.resumed.jsonl")
+        assert sorted(resumed) == [3]
+        assert [resumed[3][k] for k in ("lm loss hex", "grad norm", "params norm")] == \
+            [full[3][k] for k in ("lm loss hex", "grad norm", "params norm")], setting
