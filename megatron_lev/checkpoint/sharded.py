@@ -974,6 +974,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         mismatch = strictness_refusal(e, strict, path)
         if mismatch is not None:
             raise CheckpointError(mismatch) from None
+        if isinstance(e, ValueError) and "'param_groups'" in str(e):  # another count of param groups
+            raise CheckpointError(_param_groups_refusal(path, e)) from None
         # damage the file checks cannot see (bytes changed inside a shard)
         reason = str(e) if isinstance(e, CheckpointReadError) else _first_line(e)
         raise CheckpointError(damaged_checkpoint_message(root, iteration, path, path, f"cannot be read ({reason})",
@@ -988,10 +990,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
             with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
                 optimizer.load_state_dict(loaded["optimizer"])
         except (KeyError, ValueError) as e:  # megatron-core finds no saved param group for one of the run's
-            raise CheckpointError(
-                f"{path}: its optimizer state does not fit this run's parameter groups ({_first_line(e)}); give "
-                "the checkpoint's optimizer settings (--decoupled-lr, --decoupled-min-lr, --lr, --min-lr), or "
-                "pass --no-load-optim to start the optimizer afresh") from None
+            raise CheckpointError(_param_groups_refusal(path, e)) from None
         _unshare_adam_steps(optimizer)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
@@ -1008,6 +1007,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     return {"iteration": common.get("iteration", iteration),
             "consumed_train_samples": common.get("consumed_train_samples", 0),
             "counters": common.get("counters", {}), "args": saved_args}
+
+
+def _param_groups_refusal(path: str, error: BaseException) -> str:
+    """The line for an optimizer state saved with other param groups than the run's."""
+    return (f"{path}: its optimizer state does not fit this run's parameter groups ({_first_line(error)}); give "
+            "the checkpoint's optimizer settings (--decoupled-lr, --decoupled-min-lr, --lr, --min-lr), or pass "
+            "--no-load-optim to start the optimizer afresh")
 
 
 def _checkpoint_to_load(root: str, iteration: Optional[int], exit_on_missing: bool) -> Optional[Tuple[int, str]]:

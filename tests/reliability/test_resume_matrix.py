@@ -86,6 +86,9 @@ def matrix(tmp_path_factory):
     # Learned absolute positions (the default), their table sized by --seq-length.
     plan.append({"name": "longer-sequences", "argv": _args(SETTINGS[0], work / "longer.jsonl")
                  + ["--load", str(work / _name(SETTINGS[0])), "--seq-length", "256"]})
+    # The local optimizer's --decoupled-lr checkpoint without --decoupled-lr: a param group fewer.
+    plan.append({"name": "without-decoupled", "argv": _args(("local", "fp32", "lr"), work / "without.jsonl")
+                 + ["--load", str(work / _name(("local", "fp32", "decoupled"))), "--ckpt-step", str(NORMAL)]})
     return work, launch_plan(1, plan, work / "job")
 
 
@@ -130,6 +133,21 @@ def test_another_seq_length_under_learned_positions_is_refused_in_one_line(matri
             f"--seq-length); give the checkpoint's setting")
     assert line in run.job_stderr.splitlines()
     assert "Global shape mismatch" not in run.job_stderr
+
+
+@slow
+def test_an_optimizer_state_of_other_param_groups_is_refused_in_one_line(matrix):
+    work, runs = matrix
+    run = runs["without-decoupled"]
+    assert run.code == 2
+    path = work / _name(("local", "fp32", "decoupled")) / f"iter_{NORMAL:07d}"
+    lines = [line for line in run.job_stderr.splitlines() if line.startswith(f"error: {path}")]
+    assert lines == [f"error: {path}: its optimizer state does not fit this run's parameter groups (ValueError: Cannot "
+                     "merge two lists with different lengths (4 and 2, encountered at level ('optimizer', "
+                     "'param_groups'))); give "
+                     "the checkpoint's optimizer settings (--decoupled-lr, --decoupled-min-lr, --lr, --min-lr), or "
+                     "pass --no-load-optim to start the optimizer afresh"], \
+        [line for line in run.job_stderr.splitlines() if line.startswith("error:")]
 
 
 @slow
