@@ -233,7 +233,7 @@ def test_a_decoupled_lr_checkpoint_of_the_unmarked_groups_resumes_bit_exact(matr
     work, _ = matrix
     cases = [s for s in SETTINGS if s[1:] == ("fp32", "decoupled")]
     saves = [_args(s, tmp_path / f"{_name(s)}.saved.jsonl") + ["--save", str(tmp_path / _name(s)), "--save-interval",
-                                                                "1"] for s in cases]
+                                                                str(NORMAL)] for s in cases]
     resumes = [_args(s, tmp_path / f"{_name(s)}.resumed.jsonl") + ["--load", str(tmp_path / _name(s)), "--ckpt-step",
                                                                     str(NORMAL)] for s in cases]
     script = tmp_path / "unmarked_then_resumed.py"
