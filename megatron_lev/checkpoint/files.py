@@ -28,7 +28,7 @@ STRUCTURE_ARGS = (
     "input_embedding", "padded_vocab_size", "normalization", "swiglu", "position_embedding_type",
     "disable_bias_linear", "rotary_percent", "lev_digits", "lev_base", "lev_seed_dim", "lev_knots", "lev_rank",
     "lev_heads", "albert_dim", "flat_mlp_dim", "mlp_hidden", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
-    "mtp_num_layers",
+    "mtp_num_layers", "max_position_embeddings",
 )
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 

@@ -97,11 +97,15 @@ def _saved_layout(common: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _ensure_optimizer_state(optimizer) -> None:
-    """Give a not-yet-stepped Adam its state (zeros, step 0) so megatron-core can map it for loading.
+    """Give a not-yet-stepped Adam its state (zeros, step 0) so megatron-core can map it for saving and
+    loading: the state torch's Adam creates at its first step, so a run that goes on from here steps as
+    it would have.
 
     Without Apex/Transformer Engine, megatron-core 0.16.1's DistributedOptimizer.state_dict() reads
-    the per-parameter ``step`` of torch's Adam, which exists only after a first step; its own
-    init_state_fn does not create it. The loaded checkpoint overwrites every value set here.
+    the per-parameter ``step`` of torch's Adam, which exists only after a first step (its save asserted
+    on an optimizer that had not stepped: an fp16 run whose every step so far the loss scaler skipped);
+    its own init_state_fn does not create it. A checkpoint of the other optimizers saved without the
+    moments lacked the keys a load asks for. On a load, the checkpoint overwrites every value set here.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
@@ -115,6 +119,54 @@ def _ensure_optimizer_state(optimizer) -> None:
                     st["exp_avg_sq"] = torch.zeros_like(p.data)
                 if "step" not in st:
                     st["step"] = torch.tensor(0.0)
+
+
+def _step_zero_where_unsaved(loaded) -> None:
+    """Give the loaded state of an optimizer that had not stepped its step 0, in place.
+
+    megatron-core's Float16 and FP32 optimizers save Adam's step once, as ``common_step``, and only when
+    it is non-zero; torch's Adam refuses a parameter's state without one."""
+    if isinstance(loaded, dict):
+        state = loaded.get("state")
+        if "param_groups" in loaded and isinstance(state, dict) and "common_step" not in state and any(
+                isinstance(st, dict) and st and "step" not in st for st in state.values()):
+            state["common_step"] = torch.tensor(0.0)
+        children = loaded.values()
+    elif isinstance(loaded, list):
+        children = loaded
+    else:
+        return
+    for child in children:
+        _step_zero_where_unsaved(child)
+
+
+def _mark_decoupled_groups(loaded, optimizer) -> None:
+    """Mark, in place, the saved param groups of a --decoupled-lr checkpoint written before the decoupled
+    group was marked ``is_decoupled_lr`` (``parallel.weight_decay``), as the run's groups at the same places
+    are: megatron-core finds the saved group of each of the run's by that mark (among others), and without it
+    the decoupled group is not found. Only where the saved groups are the run's, place for place (the same
+    count and the same max/min lr each); otherwise the load goes on unchanged."""
+    saved: List[list] = []
+
+    def walk(node):
+        if isinstance(node, dict) and isinstance(node.get("param_groups"), list):
+            saved.append(node["param_groups"])
+        elif isinstance(node, (dict, list)):
+            for child in (node.values() if isinstance(node, dict) else node):
+                walk(child)
+
+    walk(loaded)
+    current = [getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    if len(saved) != len(current):
+        return
+    for groups, inner in zip(saved, current):
+        now = getattr(inner, "param_groups", [])
+        if (len(groups) != len(now) or any(g.get("is_decoupled_lr") for g in groups)
+                or not any(g.get("is_decoupled_lr") for g in now)):
+            continue
+        if all((g.get("max_lr"), g.get("min_lr")) == (n.get("max_lr"), n.get("min_lr")) for g, n in zip(groups, now)):
+            for g, n in zip(groups, now):
+                g["is_decoupled_lr"] = bool(n.get("is_decoupled_lr"))
 
 
 def _unshare_adam_steps(optimizer) -> None:
@@ -149,14 +201,38 @@ def _sharded_state_dict(model, optimizer, include_optim: bool, include_rng: bool
 
     state = _model_state(model, saved, match)
     if include_optim and optimizer is not None:
-        if is_loading:
-            _ensure_optimizer_state(optimizer)
+        _ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding_type})
+        if saved is not None:
+            _drop_unsaved_moments(state["optimizer"], saved)
     if include_rng:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         state["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     return state
+
+
+_MOMENTS = ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
+
+
+def _drop_unsaved_moments(optim_state, saved) -> None:
+    """Leave Adam's moments out of the optimizer state to load, in place, when the checkpoint ``saved`` (its
+    keys) holds none: an optimizer that had not stepped, saved before its zero moments were (an fp16 run
+    whose every step the loss scaler skipped; the load asked for keys the checkpoint lacks, a raw KeyError).
+    Its state stays empty and torch's Adam creates it at the first step, as the saved run would have."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def walk(node, visit):
+        for key, value in list(node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(value, ShardedTensor) and value.key.startswith(_MOMENTS):
+                visit(node, key, value)
+            elif isinstance(value, (dict, list)):
+                walk(value, visit)
+
+    asked = []
+    walk(optim_state, lambda node, key, t: asked.append(t.key))
+    if asked and not any(k in saved for k in asked):
+        walk(optim_state, lambda node, key, t: node.pop(key))
 
 
 def _model_state(model, saved=None, match=None) -> Dict[str, Any]:
@@ -179,17 +255,39 @@ def _restore_model(model, loaded) -> None:
         _unwrap(chunk).load_state_dict(restore_missing_extra_state(_unwrap(chunk), loaded[key]), strict=True)
 
 
+class CheckpointReadError(RuntimeError):
+    """``dist_checkpointing.load`` failed; the message is the first line of the error of the first rank
+    that failed (torch's CheckpointException, which wraps it, names only ranks)."""
+
+
+def _read(state, path: str, **kw):
+    """``dist_checkpointing.load(state, path, **kw)``, whose failures come out as exceptions a caller's
+    ``except Exception`` holds: torch's CheckpointException is a BaseException (a 60-line traceback
+    escaped the handlers around a load), and a Ctrl-C during the read reaches the caller inside it, as
+    one rank's error; it is raised again as the KeyboardInterrupt it was (the one-line Ctrl-C report)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load(state, path, **kw)
+    except (Exception, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        inner = _wrapped(e)
+        if any(isinstance(x, KeyboardInterrupt) for x in inner):
+            raise KeyboardInterrupt from None
+        raise CheckpointReadError(_failure_reason(e)) from e
+
+
 def load_model_state(model, path: str, log=None) -> None:
     """Load the model part of the dist checkpoint directory ``path`` into the chunks ``model`` (any
     TP/PP layout, Transformer Engine or local layer spec on either side; no optimizer, no RNG)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
     from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
 
     saved, match = saved_keys(path), KeyMatch()
     state = _model_state(model, saved, match)
-    loaded = dist_checkpointing.load(state, path, sharded_strategy=get_default_load_sharded_strategy(path))
+    loaded = _read(state, path, sharded_strategy=get_default_load_sharded_strategy(path))
     _restore_model(model, loaded)
     if log is not None:
         for note in match.describe(saved):
@@ -784,7 +882,9 @@ def _structure_mismatch(name: str, saved, current, saved_layout: Dict[str, Any],
                 "another --make-vocab-size-divisible-by); give the checkpoint's tokenizer and settings")
     flag = f"--{name.replace('_', '-')}"
     was = f"with {_as_flag(flag, saved)}" if _as_flag(flag, saved) else f"without {flag}"
-    return (f"{path} was saved {was} but this run has {_as_flag(flag, current) or f'no {flag}'}; give the "
+    why = (" (the learned position table has a row per position; it defaults to --seq-length)"
+           if name == "max_position_embeddings" else "")
+    return (f"{path} was saved {was} but this run has {_as_flag(flag, current) or f'no {flag}'}{why}; give the "
             f"checkpoint's setting")
 
 
@@ -833,7 +933,6 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     ``finetune``: model weights only, from iteration 0. Returns the checkpoint's common state (iteration,
     consumed samples, counters, args), or None when there is no checkpoint (the run starts from scratch).
     """
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
     from megatron_lev.models.checkpoint_keys import KeyMatch, saved_keys
@@ -856,6 +955,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),
                                path, allow_mismatch=bool(run_args.get("allow_tokenizer_mismatch")), log=log)
     for name in STRUCTURE_ARGS:
+        if name == "max_position_embeddings" and saved_args.get("position_embedding_type") != "learned_absolute":
+            continue  # only a learned position table is shaped by it (rotary positions have no parameters)
         if name in saved_args and saved_args[name] != run_args.get(name):
             raise CheckpointError(_structure_mismatch(name, saved_args[name], run_args.get(name),
                                                       _saved_layout(common), _layout(), path))
@@ -879,22 +980,30 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     strategy = _load_strategy(path, fully_parallel=bool(run_args.get("ckpt_fully_parallel_load")))
     strict = run_args.get("dist_ckpt_strictness") or "assume_ok_unexpected"  # --dist-ckpt-strictness
     try:
-        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy, strict=strict)
+        loaded = _read(state, path, sharded_strategy=strategy, strict=strict)
     except CheckpointError:
         raise
     except Exception as e:
         mismatch = strictness_refusal(e, strict, path)
         if mismatch is not None:
             raise CheckpointError(mismatch) from None
+        if isinstance(e, ValueError) and "'param_groups'" in str(e):  # another count of param groups
+            raise CheckpointError(_param_groups_refusal(path, e)) from None
         # damage the file checks cannot see (bytes changed inside a shard)
-        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, path, f"cannot be read ({_first_line(e)})",
+        reason = str(e) if isinstance(e, CheckpointReadError) else _first_line(e)
+        raise CheckpointError(damaged_checkpoint_message(root, iteration, path, path, f"cannot be read ({reason})",
                                                          _ckpt_step_hint)) from None
     _restore_model(model, loaded)
     for note in match.describe(saved):
         log(f"  {path}: {note}")
     if load_optim:
-        with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
-            optimizer.load_state_dict(loaded["optimizer"])
+        _step_zero_where_unsaved(loaded["optimizer"])
+        _mark_decoupled_groups(loaded["optimizer"], optimizer)
+        try:
+            with torch.no_grad():  # fp32 main params are views of the model's (leaf) parameters
+                optimizer.load_state_dict(loaded["optimizer"])
+        except (KeyError, ValueError) as e:  # megatron-core finds no saved param group for one of the run's
+            raise CheckpointError(_param_groups_refusal(path, e)) from None
         _unshare_adam_steps(optimizer)
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
@@ -911,6 +1020,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     return {"iteration": common.get("iteration", iteration),
             "consumed_train_samples": common.get("consumed_train_samples", 0),
             "counters": common.get("counters", {}), "args": saved_args}
+
+
+def _param_groups_refusal(path: str, error: BaseException) -> str:
+    """The line for an optimizer state saved with other param groups than the run's."""
+    return (f"{path}: its optimizer state does not fit this run's parameter groups ({_first_line(error)}); give "
+            "the checkpoint's optimizer settings (--decoupled-lr, --decoupled-min-lr, --lr, --min-lr), or pass "
+            "--no-load-optim to start the optimizer afresh")
 
 
 def _checkpoint_to_load(root: str, iteration: Optional[int], exit_on_missing: bool) -> Optional[Tuple[int, str]]:

@@ -30,13 +30,23 @@ def is_no_weight_decay(name: str, param) -> bool:
     return False
 
 
+def _marked_decoupled(override: ParamGroupOverride) -> ParamGroupOverride:
+    """The --decoupled-lr override with ``is_decoupled_lr`` set: megatron-core tells the optimizer's
+    param groups apart on a load by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) alone, and its
+    override leaves the flag False, so the decoupled group and the default one look alike there (the
+    distributed optimizer gives both the decoupled max/min lr, the others fail on the group sizes)."""
+    if "max_lr" in override or "min_lr" in override:
+        return ParamGroupOverride(**{**override, "is_decoupled_lr": True})
+    return override
+
+
 def weight_decay_overrides(config: OptimizerConfig) -> Dict[ParamKey, ParamGroupOverride]:
     """``config_overrides`` for ``get_megatron_optimizer``: wd_mult 0 for :func:`is_no_weight_decay`
     parameters, plus Megatron's decoupled-LR override when configured."""
     from megatron.core.optimizer import get_standard_config_overrides
 
     overrides = {
-        key: value for key, value in get_standard_config_overrides(config).items()
+        key: _marked_decoupled(value) for key, value in get_standard_config_overrides(config).items()
         if "wd_mult" not in value  # replaced by the rule below
     }
     overrides[ParamKey(with_name_predicate=ParamWithNamePredicate(
