@@ -24,6 +24,7 @@ A leftover incomplete ``iter_*`` directory is removed before the same iteration 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import re
@@ -40,6 +41,7 @@ from . import checksums
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
     check_intact, checkpoint_dir, complete_iterations, damaged_checkpoint_message, find_checkpoint, find_damage, \
     load_common, looks_like_one_checkpoint, newest_complete_checkpoint, read_tracker, write_tracker
+from .lock import LOCK_NAME
 
 CHECKPOINT_VERSION = 3.0
 
@@ -434,10 +436,12 @@ def save_checkpoint(
     if enospc_at is not None and tuple(int(x) for x in enospc_at.split(":")) == (rank, iteration):
         _fail_writers_with_enospc()
 
+    writers_before = set(multiprocessing.active_children())
     with checkpoint_writer_errors() as writer_errors:
         try:
             dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit):  # a second Ctrl-C, or SIGTERM's deadline: the save is cut short
+            _stop_writers(writers_before)
             raise
         except BaseException as e:  # a full disk, an I/O error (torch's CheckpointException is a BaseException)
             error = e
@@ -461,6 +465,14 @@ def save_checkpoint(
         raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
     log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
     return path
+
+
+def _stop_writers(before) -> None:
+    """Kill the writer processes this save forked (up to megatron-core 0.18) when the save is cut short: the
+    interpreter's exit waits for child processes, and a hung writer would keep the rank from exiting."""
+    for proc in set(multiprocessing.active_children()) - before:
+        proc.kill()
+        proc.join(5)
 
 
 def _gather_own_checksums(path: str, rank: int) -> Optional[list]:
@@ -560,6 +572,7 @@ def check_save_and_load(args, *, newer: bool = True) -> None:
     load, save = args.load, args.save
     overwrite = bool(args.overwrite_checkpoints)
     step = getattr(args, "ckpt_step", None)
+    same = load is not None and save is not None and os.path.realpath(load) == os.path.realpath(save)
     start: Optional[int] = None  # the iteration this run continues from; None: from scratch
     if load is not None and os.path.exists(load):
         if not os.path.isdir(load):
@@ -580,8 +593,12 @@ def check_save_and_load(args, *, newer: bool = True) -> None:
                 raise CheckpointError(
                     f"--load {load}: this is one checkpoint's folder; pass the directory above it "
                     f"(--load {os.path.dirname(os.path.abspath(load))}), which holds {TRACKER}")
-            others = sorted(n for n in os.listdir(load) if not (n.startswith("iter_") or n.startswith(f".{TRACKER}")))
-            if others:
+            others = sorted(n for n in os.listdir(load) if not (n.startswith("iter_") or n.startswith(f".{TRACKER}")
+                                                                 or n == LOCK_NAME))
+            # --save DIR --load DIR without a tracker or a complete save there: a job that stopped before its
+            # first save (its TensorBoard folder inside DIR, say) starts from scratch, as Megatron-LM's does,
+            # with the load's one warning. A --load elsewhere that holds no checkpoint is a wrong path.
+            if others and not same:
                 raise CheckpointError(
                     f"--load {load}: not a checkpoint directory (no {TRACKER}; holds {others[0]!r}"
                     f"{' and more' if len(others) > 1 else ''}); check the path")
@@ -591,7 +608,6 @@ def check_save_and_load(args, *, newer: bool = True) -> None:
             start = 0
     if save is None or overwrite or not os.path.isdir(save):
         return
-    same = load is not None and os.path.realpath(load) == os.path.realpath(save)
     if not same:
         latest = read_tracker(save)
         if latest is not None:
