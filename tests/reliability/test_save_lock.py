@@ -123,6 +123,26 @@ def test_save_and_load_of_a_folder_with_nothing_to_lose_starts_from_scratch(tmp_
         check_save_and_load(_ns(load=str(ck), save=str(ck)))
 
 
+def test_on_two_ranks_rank_0_takes_the_lock_and_both_stop_with_its_line_or_train(tmp_path):
+    """The lock is rank 0's; its verdict is sent, so a refused run stops both ranks with one line (rank 1
+    does not wait in the model's first collectives). (A two-rank run that ends well removes it:
+    tests/training/test_pretrain.py, the resumed TP=2 run.)"""
+    from megatron_lev.checkpoint.lock import this_process
+    from megatron_lev.testing import run_torchrun
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    holder = dict(this_process(), command="pretrain_lev.py (this test)")  # a live holder: this process
+    (ck / "run.lock").write_text(json.dumps(holder))
+    args = tiny_args(1, ["--save", str(ck), "--load", str(ck)])
+    r = run_torchrun(PRETRAIN, args, nproc=2, env=_env(), cwd=str(REPO), timeout=300)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert errors[0].startswith(f"error: --save {ck}: another run is writing its checkpoints there (host "
+                                f"{holder['host']}, pid {os.getpid()}, started {holder['started']}; "), errors
+    assert json.loads((ck / "run.lock").read_text()) == holder  # not the refused run's to remove
+
+
 def _start(args, log):
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, PRETRAIN] + args, stdout=out, stderr=subprocess.STDOUT, env=_env(),
