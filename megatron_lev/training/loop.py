@@ -661,7 +661,8 @@ def _load(run: _Run, state: _State) -> None:
             ck.load, run.model, run.optimizer, run.scheduler, run_args=run.cfg,
             load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune,
             exit_on_missing=ck.exit_on_missing_checkpoint, iteration=ck.ckpt_step,
-            verify=not ck.no_ckpt_checksums, log=run.logger.log)
+            verify=not ck.no_ckpt_checksums, allow_missing_checksums=ck.allow_missing_ckpt_checksums,
+            log=run.logger.log)
     except checkpoint.CheckpointError as e:
         raise _StartupError(str(e)) from None
     if loaded is not None:
