@@ -219,6 +219,28 @@ class StopOnSigterm:
         signal.signal(signal.SIGTERM, self._prev)
 
 
+class SigtermRaises:
+    """SIGTERM raises :class:`Terminated` in the main thread until :meth:`release`, where it would otherwise
+    end the process at once (its default action): installed by the rank that holds ``--save``'s lock, so
+    that a SIGTERM outside the training loop (start-up, model building, the load) still releases it. In the
+    loop :class:`Stops` takes SIGTERM over and gives it back."""
+
+    def __init__(self) -> None:
+        self._prev = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._prev = signal.signal(signal.SIGTERM, self._handle)
+
+    @staticmethod
+    def _handle(signum, frame) -> None:
+        raise Terminated(EXIT_TERMINATED)
+
+    def release(self) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGTERM, self._prev)
+            self._prev = None
+
+
 class Stops:
     """The run's stop conditions between iterations, installed at start-up until :meth:`release`.
 

@@ -425,10 +425,15 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         report_error("interrupted (Ctrl-C) during start-up, before the model was built; nothing was written",
                      show=rank_env == 0)
         return EXIT_INTERRUPTED
-    lock = None
+    lock, sigterm = None, None
     try:
         lock = _take_save_lock(rc)
+        sigterm = faults.SigtermRaises() if lock is not None else None
         return _run(rc, tokenizer, config, model_config)
+    except Terminated:  # outside the loop, on the rank holding --save's lock (the loop reports its own)
+        report_error(f"terminated by SIGTERM outside the training loop; {faults.last_checkpoint(rc)[1]}",
+                     show=rank_is0())
+        return faults.EXIT_TERMINATED
     except _StartupError as e:
         report_error(str(e), show=rank_is0())
         return EXIT_CONFIG_ERROR
@@ -441,6 +446,8 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         torch.distributed.barrier()  # no rank exits (and gets the others killed) before the line is out
         return EXIT_SAVE_FAILED
     finally:
+        if sigterm is not None:
+            sigterm.release()
         if lock is not None:  # however the run ended (SIGTERM and Ctrl-C are exceptions here)
             lock.release()
         # The config holds the run's hooks (no_sync, finalize_model_grads: bound to its DDP model), which keep

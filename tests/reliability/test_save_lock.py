@@ -143,6 +143,34 @@ def test_on_two_ranks_rank_0_takes_the_lock_and_both_stop_with_its_line_or_train
     assert json.loads((ck / "run.lock").read_text()) == holder  # not the refused run's to remove
 
 
+_SIGTERM_AT_START = """
+import os, signal, sys, time
+from megatron_lev.training import loop
+
+def start(*args, **kwargs):  # SIGTERM while the model is being built
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)
+
+loop._start = start
+sys.exit(loop.pretrain(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_start_up_releases_the_lock_in_one_line(tmp_path):
+    """SIGTERM while the run builds its model (a stand-in sends it): one line, exit 143, and --save's lock is
+    gone (SIGTERM's default action would have left it)."""
+    from megatron_lev.testing import run_cli
+
+    ck = tmp_path / "ck"
+    script = tmp_path / "sigterm_at_start.py"
+    script.write_text(_SIGTERM_AT_START)
+    r = run_cli(script, tiny_args(4, ["--save", str(ck)]), env=_env(), cwd=str(REPO), timeout=300)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 143 and errors == ["error: terminated by SIGTERM outside the training loop; no checkpoint "
+                                              "was saved"] and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert os.listdir(ck) == []  # the lock taken, then released
+
+
 def _start(args, log):
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, PRETRAIN] + args, stdout=out, stderr=subprocess.STDOUT, env=_env(),
