@@ -368,10 +368,12 @@ def checksum_damage(path: str, warn: Callable[[str], None], *,
     manifest_file = os.path.join(path, checksums.MANIFEST)
     key = _listing_key(path)
     if not os.path.isfile(manifest_file):
-        key += (allow_missing,)
-        if key not in _VERIFIED:  # one verdict (one warning) a checkpoint, however often it is opened
-            _VERIFIED[key] = missing_manifest(path, load_common(path), allow_missing, warn)
-        return _VERIFIED[key]
+        if key in _VERIFIED:  # accepted once (verified with its ranks: mark_verified): one warning at most
+            return _VERIFIED[key]
+        found = missing_manifest(path, load_common(path), allow_missing, warn)
+        if found is None:
+            _VERIFIED[key] = None
+        return found
     if key not in _VERIFIED:
         try:
             manifest = checksums.read_manifest(path)
