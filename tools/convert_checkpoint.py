@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--save", required=True, help="output directory")
         sp.add_argument("--iteration", type=int, default=None, help="convert iter_N instead of the latest")
         sp.add_argument("--quiet", action="store_true", help="no progress output")
+        sp.add_argument("--allow-missing-ckpt-checksums", action="store_true",
+                        help="convert a checkpoint whose checksums.json is missing though its save recorded one "
+                             "(its files checked for size only)")
 
     r = sub.add_parser("reshard", help="checkpoint at another TP/PP layout")
     common(r)
@@ -107,13 +110,16 @@ def main(argv=None) -> int:
     try:
         if a.command == "reshard":
             reshard_checkpoint(a.load, a.save, tp=a.target_tp, pp=a.target_pp, vpp=a.target_vpp,
-                               iteration=a.iteration, progress=progress)
+                               iteration=a.iteration, progress=progress,
+                               allow_missing_checksums=a.allow_missing_ckpt_checksums)
         elif a.command == "export-hf":
             export_hf(a.load, a.save, iteration=a.iteration, dtype=a.dtype, max_shard_size=a.max_shard_size,
                       trim_vocab=a.trim_vocab, tokenizer=not a.no_tokenizer, lev=not a.no_lev,
-                      overwrite=a.overwrite, progress=progress)
+                      overwrite=a.overwrite, progress=progress,
+                      allow_missing_checksums=a.allow_missing_ckpt_checksums)
         elif a.command == "export-lev":
-            export_lev(a.load, a.save, iteration=a.iteration, progress=progress)
+            export_lev(a.load, a.save, iteration=a.iteration, progress=progress,
+                       allow_missing_checksums=a.allow_missing_ckpt_checksums)
         elif a.command == "import-hf":
             import_hf(a.hf_model, a.save, tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
                       seq_length=a.seq_length, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
@@ -125,7 +131,7 @@ def main(argv=None) -> int:
                             target_error=a.fit_target_error, count_power=a.count_power, seed=a.fit_seed,
                             device=a.device, progress=progress)
             to_lev(a.load, a.save, lev=lev, token_counts=a.token_counts, fit=fit, iteration=a.iteration,
-                   report_file=a.report, progress=progress)
+                   report_file=a.report, progress=progress, allow_missing_checksums=a.allow_missing_ckpt_checksums)
     except ConversionInterrupted as err:
         return interrupted(str(err))
     except ConversionError as err:

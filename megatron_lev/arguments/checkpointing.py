@@ -15,7 +15,8 @@ __all__ = ["DIST_CKPT_STRICTNESS", "add_checkpointing_flags", "check_output_dirs
 # The on/off flags (Megatron-LM's spellings are the fields').
 _SWITCHES = tuple((field_flag(name), name, True) for name in (
     "no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "finetune", "dist_ckpt_optim_fully_reshardable",
-    "exit_on_missing_checkpoint", "no_ckpt_checksums", "overwrite_checkpoints", "ckpt_fully_parallel_load"))
+    "exit_on_missing_checkpoint", "no_ckpt_checksums", "allow_missing_ckpt_checksums", "overwrite_checkpoints",
+    "ckpt_fully_parallel_load"))
 # The value flags of this module (the fault-injection ones are declared with the run's flags).
 _VALUES = ("save", "load", "save_interval", "ckpt_format", "dist_ckpt_strictness", "ckpt_step")
 

@@ -345,6 +345,11 @@ class CheckpointingConfig:
     each file's CRC32 and every load verifies them, reading the checkpoint once more, spread over the
     ranks)"""
 
+    allow_missing_ckpt_checksums: bool = False
+    """load a checkpoint whose checksums.json is missing though its save recorded one, its files checked
+    for size only (a warning says so; without this flag it is refused, and the next save would record
+    checksums of a state nobody verified)"""
+
     overwrite_checkpoints: bool = False
     """allow saving into a --save directory that holds another run's checkpoints (without it, such a run is
     refused unless --load names the same directory)"""

@@ -4,6 +4,7 @@ model chunks from them, load and save (megatron-core ``dist_checkpointing``).
 - ``files``: the tracker, ``iter_*`` directories, ``open_checkpoint`` (saved arguments and common state).
 - ``build``: flat arguments -> TransformerConfig + LevModelConfig -> model chunks; ``relayout``;
   ``SavedModel``, the rest of what evaluation reads of them, typed.
+- ``lock``: ``take_save_lock``, one training run at a time in a ``--save`` directory.
 - ``sharded``: ``save_checkpoint`` / ``load_checkpoint`` (model, optimizer, scheduler, RNG) and
   ``load_model_state`` (model only, any layout).
 
@@ -15,6 +16,7 @@ from .build import SavedModel, build_configs, build_model_chunks, lev_table_modu
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, check_checkpoint_tokenizer, \
     check_intact, checkpoint_dir, find_checkpoint, find_damage, older_complete_checkpoint, load_common, mark_verified, \
     open_checkpoint, read_tracker
+from .lock import LOCK_NAME, SaveLock, SaveLockError, take_save_lock
 from .sharded import CheckpointSaveError, check_save_and_load, load_checkpoint, load_model_state, \
     refuse_newer_checkpoints, save_checkpoint, verify_checksums
 
@@ -24,7 +26,10 @@ __all__ = [
     "TRACKER",
     "CheckpointError",
     "CheckpointSaveError",
+    "LOCK_NAME",
     "SavedCheckpoint",
+    "SaveLock",
+    "SaveLockError",
     "SavedModel",
     "build_configs",
     "build_model_chunks",
@@ -47,6 +52,7 @@ __all__ = [
     "refuse_newer_checkpoints",
     "relayout",
     "save_checkpoint",
+    "take_save_lock",
     "transformer_config_kwargs",
     "verify_checksums",
 ]

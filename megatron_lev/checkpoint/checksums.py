@@ -21,9 +21,15 @@ Design choices:
   read once more in all, not once per rank. Rank 0 reads the manifest and sends it to the others, and
   every rank's verdict (damage, or an error of its own filesystem) goes through one collective, so all
   ranks stop with the same line or go on together.
-- ``config.yaml`` is not covered: it is parsed on every load and its structure is checked against the
-  arguments saved inside ``common.pt``, which is covered.
-- A checkpoint written before checksums has no manifest: it loads with one warning line.
+- ``config.yaml`` stays the save's last file (with ``metadata.json``, the mark of a complete save): rank 0
+  records the CRC32 of the bytes it is about to write there in the manifest written before it. Every load
+  also compares it with the arguments saved inside the (covered) common state and names the keys that
+  differ, so an edit is refused with or without checksums.
+- A checkpoint written before checksums has no manifest: it loads with one warning line. One whose own
+  common state says its save recorded checksums (``checksums``, or its saved ``no_ckpt_checksums`` off) is
+  refused without its manifest: deleting ``checksums.json`` must not turn the verification off, nor the
+  next save record sums of an unverified state (``--allow-missing-ckpt-checksums`` accepts it, said in a
+  warning line).
 
 Plain functions over paths; the collectives are the caller's (``sharded``).
 """
@@ -40,7 +46,8 @@ MANIFEST = "checksums.json"
 ALGORITHM = "crc32"
 _BLOCK = 8 << 20
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
-# Files a save writes after the manifest (or that are the manifest): not covered.
+# Files not hashed from disk: the manifest, and config.yaml, written after it (its entry is of the bytes the
+# save is about to write: ``bytes_entry``).
 _NOT_COVERED = {MANIFEST, "config.yaml"}
 
 # Kinds of damage, in the order a load reports them.
@@ -63,6 +70,11 @@ def file_crc32(path: str) -> Entry:
             crc = zlib.crc32(view[:n], crc)
             size += n
     return size, crc
+
+
+def bytes_entry(data: bytes) -> Entry:
+    """(size, CRC32) of ``data``, a file's bytes about to be written."""
+    return len(data), zlib.crc32(data)
 
 
 def covered_files(path: str) -> List[str]:

@@ -219,6 +219,95 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+ALLOW_MISSING_CHECKSUMS_FLAG = "--allow-missing-ckpt-checksums"
+
+
+def written_with_checksums(common: Dict[str, Any]) -> Optional[bool]:
+    """Whether the save of the common state ``common`` recorded ``checksums.json``; None for a checkpoint that
+    does not say (an older release's). Saves record it as ``checksums``; before that, the saved arguments'
+    ``no_ckpt_checksums`` (added with the checksums) tells."""
+    if "checksums" in common:
+        return bool(common["checksums"])
+    args = common.get("args")
+    if isinstance(args, dict) and "no_ckpt_checksums" in args:
+        return not args["no_ckpt_checksums"]
+    return None
+
+
+def missing_manifest(path: str, common: Dict[str, Any], allow: bool,
+                     warn: Callable[[str], None]) -> Optional[Tuple[str, str]]:
+    """A checkpoint ``path`` without ``checksums.json``: (file, what is wrong) when its own metadata says the
+    save wrote one (deleting it must not turn the verification off), unless ``allow``; else one ``warn``
+    line, None."""
+    from . import checksums
+
+    manifest_file = os.path.join(path, checksums.MANIFEST)
+    if not written_with_checksums(common):
+        warn(checksums.no_manifest_warning(path))
+        return None
+    if allow:
+        warn(f"WARNING: {manifest_file}: missing, though the save recorded checksums; its files are checked for "
+             f"size only ({ALLOW_MISSING_CHECKSUMS_FLAG})")
+        return None
+    return manifest_file, (f"missing, though the save recorded checksums (its saved metadata says so): its files "
+                           f"cannot be verified; pass {ALLOW_MISSING_CHECKSUMS_FLAG} to load it checked for size "
+                           "only")
+
+
+def _yaml_form(value: Any) -> Any:
+    """``value`` as config.yaml holds it after a round trip (tuples are lists there)."""
+    import yaml
+
+    return yaml.safe_load(yaml.safe_dump(value))
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)  # NaN is NaN
+
+
+def config_mismatch(cfg_path: str, cfg: Dict[str, Any], saved: Any) -> Optional[str]:
+    """One line naming the keys where ``config.yaml`` (``cfg``, read from ``cfg_path``) differs from the
+    arguments the checkpoint saved in its common state (``saved``), or None when they agree (or none were
+    saved)."""
+    if not isinstance(saved, dict) or not saved:
+        return None
+    saved = _yaml_form(dict(saved))
+    missing = object()
+    keys = [k for k in sorted(set(cfg) | set(saved), key=str)
+            if not _same(cfg.get(k, missing), saved.get(k, missing))]
+    if not keys:
+        return None
+
+    def value(d, k):
+        return repr(d[k]) if k in d else "absent"
+
+    said = ", ".join(f"{k} ({value(cfg, k)} there, {value(saved, k)} saved)" for k in keys[:4])
+    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+    return (f"{cfg_path}: differs from the arguments saved in the checkpoint in {said}{more}; config.yaml was "
+            "edited after the save or belongs to another checkpoint: restore it (nothing was loaded)")
+
+
+def config_change(path: str) -> Optional[str]:
+    """What is wrong with ``path``'s config.yaml in words naming the keys it changed against the saved
+    arguments (for a checksum mismatch of config.yaml), or None when that cannot be said."""
+    try:
+        msg = config_mismatch(os.path.join(path, CONFIG_NAME), _read_yaml(os.path.join(path, CONFIG_NAME)),
+                              load_common(path).get("args"))
+    except CheckpointError:
+        return None
+    return None if msg is None else msg.split(": ", 1)[1].split("; config.yaml was")[0] + " (edited after the save)"
+
+
+def describe_damage(path: str, manifest, index: int, kind: int) -> Tuple[str, str]:
+    """(file, what is wrong) for checksum damage ``(index, kind)``; a changed config.yaml names its keys."""
+    from . import checksums
+
+    file, what = checksums.describe(path, manifest, index, kind)
+    if os.path.basename(file) == CONFIG_NAME and kind in (checksums.WRONG_SIZE, checksums.WRONG_SUM):
+        what = config_change(path) or what
+    return file, what
+
+
 def complete_iterations(root: str) -> List[int]:
     """Iterations under ``root`` whose save completed (``metadata.json`` and ``config.yaml`` written, the
     save's last files), newest first; whether their other files are intact is :func:`find_damage`'s."""
@@ -269,25 +358,29 @@ def _listing_key(path: str) -> Tuple:
     return (os.path.abspath(path), tuple(stats))
 
 
-def checksum_damage(path: str, warn: Callable[[str], None]) -> Optional[Tuple[str, str]]:
+def checksum_damage(path: str, warn: Callable[[str], None], *,
+                    allow_missing: bool = False) -> Optional[Tuple[str, str]]:
     """(file, what is wrong) for the first file of ``path`` that differs from its ``checksums.json``
-    (every file read in this process), else None; no manifest: one ``warn`` line, None."""
+    (every file read in this process), else None. No manifest: :func:`missing_manifest` (refused where the
+    save recorded one, unless ``allow_missing``; else one ``warn`` line)."""
     from . import checksums
 
     manifest_file = os.path.join(path, checksums.MANIFEST)
     key = _listing_key(path)
     if not os.path.isfile(manifest_file):
-        if key not in _VERIFIED:  # one warning a checkpoint, however often it is opened
+        if key in _VERIFIED:  # accepted once (verified with its ranks: mark_verified): one warning at most
+            return _VERIFIED[key]
+        found = missing_manifest(path, load_common(path), allow_missing, warn)
+        if found is None:
             _VERIFIED[key] = None
-            warn(checksums.no_manifest_warning(path))
-        return None
+        return found
     if key not in _VERIFIED:
         try:
             manifest = checksums.read_manifest(path)
         except checksums.ManifestError as e:
             return manifest_file, str(e)
         found = checksums.first_damage(path, manifest or {})
-        _VERIFIED[key] = None if found is None else checksums.describe(path, manifest, *found)
+        _VERIFIED[key] = None if found is None else describe_damage(path, manifest, *found)
     return _VERIFIED[key]
 
 
@@ -308,13 +401,15 @@ def _warn_once_per_job(line: str) -> None:
 
 def check_intact(root: str, iteration: int, path: str,
                  older_hint: Callable[[int, str], str] = iteration_hint, *, checksums: bool = True,
+                 sizes: bool = True, allow_missing_checksums: bool = False,
                  warn: Callable[[str], None] = _warn_once_per_job) -> None:
     """Raise :class:`CheckpointError` (one line, :func:`damaged_checkpoint_message`) when a file of
-    ``path`` is damaged: missing or short (:func:`find_damage`), or, with ``checksums``, changed since
-    the save (:func:`checksum_damage`, which reads the whole checkpoint once in this process)."""
-    damage = find_damage(path)
+    ``path`` is damaged: missing or short (:func:`find_damage`, with ``sizes``), or, with ``checksums``,
+    changed since the save (:func:`checksum_damage`, which reads the whole checkpoint once in this process;
+    ``allow_missing_checksums``: its manifest may be missing)."""
+    damage = find_damage(path) if sizes else None
     if damage is None and checksums:
-        damage = checksum_damage(path, warn)
+        damage = checksum_damage(path, warn, allow_missing=allow_missing_checksums)
     if damage is not None:
         raise CheckpointError(damaged_checkpoint_message(root, iteration, path, *damage, older_hint=older_hint))
 
@@ -368,11 +463,14 @@ def _locate(path: str, iteration: Optional[int],
 
 
 def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: bool = True,
-                    older_hint: Callable[[int, str], str] = iteration_hint) -> SavedCheckpoint:
+                    older_hint: Callable[[int, str], str] = iteration_hint,
+                    allow_missing_checksums: bool = False) -> SavedCheckpoint:
     """Locate and check the checkpoint at ``path`` (a root with a tracker file, or an ``iter_*`` dir).
 
-    With ``read_common`` its files are checked first (:func:`check_intact`: sizes and checksums); a
-    damaged one names the newest complete older checkpoint with ``older_hint(iteration, directory)``, the way to load it."""
+    With ``read_common`` its files are checked first (:func:`check_intact`: sizes, then config.yaml against
+    the saved arguments, then checksums); a damaged one names the newest complete older checkpoint with
+    ``older_hint(iteration, directory)``, the way to load it. ``allow_missing_checksums``: a checkpoint whose
+    ``checksums.json`` is missing though its save recorded one is opened (a warning says so)."""
     root, it, iter_path = _locate(path, iteration, older_hint)
     for name in ("metadata.json", CONFIG_NAME):  # the save's last files: without them it did not complete
         if not os.path.isfile(os.path.join(iter_path, name)):
@@ -383,15 +481,15 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
     common: Dict[str, Any] = {}
     args = dict(cfg)
     if read_common:
-        check_intact(root, int(it), iter_path, older_hint)
+        check_intact(root, int(it), iter_path, older_hint, checksums=False)
         common = load_common(iter_path)
         saved = common.get("args")
+        mismatch = config_mismatch(cfg_path, cfg, saved)  # before the checksums: the keys say more than a CRC
+        if mismatch:
+            raise CheckpointError(mismatch)
+        check_intact(root, int(it), iter_path, older_hint, sizes=False,
+                     allow_missing_checksums=allow_missing_checksums)
         if isinstance(saved, dict) and saved:
-            for key in STRUCTURE_ARGS:
-                if key in saved and key in cfg and saved[key] != cfg[key]:
-                    raise CheckpointError(
-                        f"{cfg_path}: {key} is {cfg[key]!r} but the checkpoint was saved with {saved[key]!r} "
-                        f"(config.yaml does not belong to this checkpoint)")
             args = dict(saved)
     for key in ("num_layers", "hidden_size", "num_attention_heads", "input_embedding", "padded_vocab_size"):
         if args.get(key) is None:

@@ -24,6 +24,7 @@ A leftover incomplete ``iter_*`` directory is removed before the same iteration 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import re
@@ -37,9 +38,11 @@ import torch
 from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core_version
 
 from . import checksums
-from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, check_checkpoint_tokenizer, \
-    check_intact, checkpoint_dir, complete_iterations, damaged_checkpoint_message, find_checkpoint, find_damage, \
-    load_common, looks_like_one_checkpoint, newest_complete_checkpoint, read_tracker, write_tracker
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, _read_yaml, \
+    check_checkpoint_tokenizer, check_intact, checkpoint_dir, complete_iterations, config_mismatch, \
+    damaged_checkpoint_message, describe_damage, find_checkpoint, find_damage, load_common, \
+    looks_like_one_checkpoint, missing_manifest, newest_complete_checkpoint, read_tracker, write_tracker
+from .lock import LOCK_NAME
 
 CHECKPOINT_VERSION = 3.0
 
@@ -532,6 +535,7 @@ def save_checkpoint(
         counters=dict(counters),
         args=dict(config),
         layout=_layout(),
+        checksums=bool(record_checksums),  # a load refuses this checkpoint without its checksums.json
     )
     if scheduler is not None:  # small and layout-free: kept without the optimizer too (--no-save-optim, reshard)
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -545,10 +549,12 @@ def save_checkpoint(
     if enospc_at is not None and tuple(int(x) for x in enospc_at.split(":")) == (rank, iteration):
         _fail_writers_with_enospc()
 
+    writers_before = set(multiprocessing.active_children())
     with checkpoint_writer_errors() as writer_errors:
         try:
             dist_checkpointing.save(state, path, sharded_strategy=_save_strategy(), validate_access_integrity=True)
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit):  # a second Ctrl-C, or SIGTERM's deadline: the save is cut short
+            _stop_writers(writers_before)
             raise
         except BaseException as e:  # a full disk, an I/O error (torch's CheckpointException is a BaseException)
             error = e
@@ -560,10 +566,13 @@ def save_checkpoint(
     parts = _gather_own_checksums(path, rank) if record_checksums else None
     if rank == 0:
         try:
+            # config.yaml stays the save's last file (the mark of a complete save); the manifest written
+            # before it covers it by the bytes about to be written.
+            config_text = yaml.safe_dump(dict(config), sort_keys=True).encode("utf-8")
             if parts is not None:
-                _write_checksums(path, parts)
-            with open(os.path.join(path, CONFIG_NAME), "w", encoding="utf-8") as f:
-                yaml.safe_dump(dict(config), f, sort_keys=True)
+                _write_checksums(path, parts, {CONFIG_NAME: checksums.bytes_entry(config_text)})
+            with open(os.path.join(path, CONFIG_NAME), "wb") as f:
+                f.write(config_text)
             write_tracker(root, iteration)
         except OSError as e:
             error = e
@@ -572,6 +581,14 @@ def save_checkpoint(
         raise _save_failed(root, iteration, path, error, outcome == _NO_SPACE)
     log(f"  successfully saved checkpoint from iteration {iteration:7d} to {root}")
     return path
+
+
+def _stop_writers(before) -> None:
+    """Kill the writer processes this save forked (up to megatron-core 0.18) when the save is cut short: the
+    interpreter's exit waits for child processes, and a hung writer would keep the rank from exiting."""
+    for proc in set(multiprocessing.active_children()) - before:
+        proc.kill()
+        proc.join(5)
 
 
 def _gather_own_checksums(path: str, rank: int) -> Optional[list]:
@@ -586,9 +603,10 @@ def _gather_own_checksums(path: str, rank: int) -> Optional[list]:
     return gather_objects(part)
 
 
-def _write_checksums(path: str, parts: list) -> None:
-    """Rank 0: merge the ranks' entries, hash any covered file none of them named, write the manifest."""
-    entries: Dict[str, checksums.Entry] = {}
+def _write_checksums(path: str, parts: list, later: Optional[Dict[str, checksums.Entry]] = None) -> None:
+    """Rank 0: merge the ranks' entries, hash any covered file none of them named, write the manifest (with
+    the entries ``later`` of files written after it)."""
+    entries: Dict[str, checksums.Entry] = dict(later or {})
     for part, error in parts:
         if error:
             raise OSError(f"cannot read back a file just written to compute its checksum ({error})")
@@ -598,7 +616,8 @@ def _write_checksums(path: str, parts: list) -> None:
 
 
 def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=print, *,
-                     local_error: Optional[str] = None, checksums_on: bool = True) -> None:
+                     local_error: Optional[str] = None, checksums_on: bool = True,
+                     allow_missing: bool = False) -> None:
     """Check the files of ``path`` against its ``checksums.json`` on every rank together (rank ``r``
     reads files ``r, r + world, ...``); damage is :class:`CheckpointError` on every rank, one line naming
     the file and the newest complete older checkpoint. A checkpoint without a manifest gets one warning
@@ -608,7 +627,9 @@ def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=
     each rank's verdict goes through one all-gather, so a rank whose filesystem fails it (or whose own
     earlier check found ``local_error``, the one-line message of a missing or short file) stops every rank
     with the same line instead of leaving the others waiting in the load's collectives.
-    ``checksums_on=False`` (--no-ckpt-checksums) agrees on ``local_error`` alone."""
+    ``checksums_on=False`` (--no-ckpt-checksums) agrees on ``local_error`` alone. A manifest that is
+    missing though the checkpoint's own metadata says its save wrote one is refused like a damaged file,
+    unless ``allow_missing`` (--allow-missing-ckpt-checksums: one warning line)."""
     from megatron_lev.parallel.collectives import all_gather_objects, broadcast_object
 
     hint = older_hint or _ckpt_step_hint
@@ -619,7 +640,11 @@ def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=
         if rank == 0:
             try:
                 sent = ("ok", checksums.read_manifest(path))
-            except (checksums.ManifestError, OSError) as e:
+                if sent[1] is None:  # none: refused where the save recorded one, else one warning line
+                    lines: List[str] = []
+                    missing = missing_manifest(path, load_common(path), allow_missing, lines.append)
+                    sent = ("missing", missing) if missing else ("none", lines)
+            except (checksums.ManifestError, OSError, CheckpointError) as e:
                 sent = ("bad", str(e))
         # Once per load: the manifest is a few hundred bytes a rank's files.
         kind, manifest = broadcast_object(sent if rank == 0 else None)
@@ -628,10 +653,15 @@ def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=
         if checksums_on and kind == "bad":
             verdict = verdict or damaged_checkpoint_message(root, iteration, path, manifest_file, manifest, hint)
             manifest = None
+        elif checksums_on and kind == "missing":
+            verdict = verdict or damaged_checkpoint_message(root, iteration, path, *manifest, hint)
+            manifest = None
+        elif checksums_on and kind == "none":
+            warnings, manifest = manifest, None
         if verdict is None and manifest:
             found = checksums.first_damage(path, manifest, rank, world)
             if found is not None:
-                file, what = checksums.describe(path, manifest, *found)
+                file, what = describe_damage(path, manifest, *found)
                 verdict = (found[0], found[1], damaged_checkpoint_message(root, iteration, path, file, what, hint))
     except Exception as e:  # an I/O error of this rank's filesystem, while finding the older checkpoint too
         verdict = f"{path}: cannot be checked on rank {rank} ({type(e).__name__}: {_first_line(e)})"
@@ -642,8 +672,9 @@ def verify_checksums(root: str, iteration: int, path: str, older_hint=None, log=
         raise CheckpointError(errors[0])
     if damage:  # the first damaged file in the manifest's order
         raise ChecksumDamage(damage[0][2], kind=damage[0][1])
-    if checksums_on and manifest is None and rank == 0:
-        log(checksums.no_manifest_warning(path))
+    if checksums_on and kind == "none" and rank == 0:
+        for line in warnings:
+            log(line)
 
 
 class ChecksumDamage(CheckpointError):
@@ -671,6 +702,7 @@ def check_save_and_load(args, *, newer: bool = True) -> None:
     load, save = args.load, args.save
     overwrite = bool(args.overwrite_checkpoints)
     step = getattr(args, "ckpt_step", None)
+    same = load is not None and save is not None and os.path.realpath(load) == os.path.realpath(save)
     start: Optional[int] = None  # the iteration this run continues from; None: from scratch
     if load is not None and os.path.exists(load):
         if not os.path.isdir(load):
@@ -691,8 +723,12 @@ def check_save_and_load(args, *, newer: bool = True) -> None:
                 raise CheckpointError(
                     f"--load {load}: this is one checkpoint's folder; pass the directory above it "
                     f"(--load {os.path.dirname(os.path.abspath(load))}), which holds {TRACKER}")
-            others = sorted(n for n in os.listdir(load) if not (n.startswith("iter_") or n.startswith(f".{TRACKER}")))
-            if others:
+            others = sorted(n for n in os.listdir(load) if not (n.startswith("iter_") or n.startswith(f".{TRACKER}")
+                                                                 or n == LOCK_NAME))
+            # --save DIR --load DIR without a tracker or a complete save there: a job that stopped before its
+            # first save (its TensorBoard folder inside DIR, say) starts from scratch, as Megatron-LM's does,
+            # with the load's one warning. A --load elsewhere that holds no checkpoint is a wrong path.
+            if others and not same:
                 raise CheckpointError(
                     f"--load {load}: not a checkpoint directory (no {TRACKER}; holds {others[0]!r}"
                     f"{' and more' if len(others) > 1 else ''}); check the path")
@@ -702,7 +738,6 @@ def check_save_and_load(args, *, newer: bool = True) -> None:
             start = 0
     if save is None or overwrite or not os.path.isdir(save):
         return
-    same = load is not None and os.path.realpath(load) == os.path.realpath(save)
     if not same:
         latest = read_tracker(save)
         if latest is not None:
@@ -921,13 +956,15 @@ def strictness_refusal(error: BaseException, strict: str, path: str) -> Optional
 
 def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[str, Any], load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, exit_on_missing: bool = False,
-                    iteration: Optional[int] = None, verify: bool = True,
+                    iteration: Optional[int] = None, verify: bool = True, allow_missing_checksums: bool = False,
                     log=print) -> Optional[Dict[str, Any]]:
     """Load the newest complete checkpoint under ``root`` (or ``iteration``'s) into model/optimizer/scheduler/RNG.
 
     A damaged file is refused in one line naming it and the newest complete older checkpoint
     (``--ckpt-step N`` loads that one); nothing is loaded from a damaged checkpoint. ``verify``: check
-    the files against their recorded checksums too (:func:`verify_checksums`), not only their sizes.
+    the files against their recorded checksums too (:func:`verify_checksums`), not only their sizes;
+    ``allow_missing_checksums``: a checkpoint whose save recorded them may be loaded without them. Its
+    ``config.yaml`` must agree with the arguments saved inside it (every key).
 
     ``run_args``: this run's resolved arguments (the model structure must match the checkpoint's).
     ``finetune``: model weights only, from iteration 0. Returns the checkpoint's common state (iteration,
@@ -942,15 +979,17 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
         log(f"WARNING: --load {root}: no checkpoint found; training from scratch")
         return None
     iteration, path = found
-    try:  # sizes and the files a save writes last, here; the ranks agree on the verdict below
+    try:  # sizes, the files a save writes last and config.yaml, here; the ranks agree on the verdict below
         check_intact(root, iteration, path, _ckpt_step_hint, checksums=False)
-        local_error = None
+        common = load_common(path)  # refuses, in one line, a checkpoint of a newer megatron-core
+        cfg_path = os.path.join(path, CONFIG_NAME)
+        local_error = config_mismatch(cfg_path, _read_yaml(cfg_path), common.get("args"))
     except CheckpointError as e:
         local_error = str(e)
     except OSError as e:
         local_error = f"{path}: cannot be checked ({type(e).__name__}: {_first_line(e)})"
-    verify_checksums(root, iteration, path, _ckpt_step_hint, log, local_error=local_error, checksums_on=verify)
-    common = load_common(path)  # refuses, in one line, a checkpoint of a newer megatron-core
+    verify_checksums(root, iteration, path, _ckpt_step_hint, log, local_error=local_error, checksums_on=verify,
+                     allow_missing=allow_missing_checksums)
     saved_args = common.get("args", {})
     check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),
                                path, allow_mismatch=bool(run_args.get("allow_tokenizer_mismatch")), log=log)

@@ -335,7 +335,7 @@ def load_counts(path: Optional[str]) -> Optional[np.ndarray]:
 
 def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_counts: Optional[str] = None,
            fit: Optional[FitConfig] = None, iteration: Optional[int] = None, report_file: Optional[str] = None,
-           progress: bool = True) -> FitReport:
+           progress: bool = True, allow_missing_checksums: bool = False) -> FitReport:
     """Fit LEV to the input table of the dense checkpoint ``src`` and write a lev checkpoint root ``dst``
     (at the source's TP/PP layout). ``lev``: LEVConfig overrides (``--lev-*``). ``token_counts``: a
     ``.npy`` of counts per id (frequency weighting and per-bucket errors). ``report_file``: also write
@@ -349,7 +349,7 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     log = print if progress else (lambda m: None)
     fit = fit or FitConfig(progress=progress)
     fit.validate()
-    source = open_checkpoint(src, iteration)
+    source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
     a = source.args
     rc = saved_config(source)
     if rc.model.input_embedding not in ("tied", "untied"):

@@ -516,7 +516,7 @@ def resolve_dtype(dtype: Optional[str], trained: str) -> str:
 def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype: Optional[str] = None,
               max_shard_size=DEFAULT_MAX_SHARD_SIZE, trim_vocab: bool = False, tokenizer: bool = True,
               lev: bool = True, overwrite: bool = False, progress: bool = True,
-              reference_ids=None) -> Dict[str, Any]:
+              reference_ids=None, allow_missing_checksums: bool = False) -> Dict[str, Any]:
     """Export the checkpoint at ``src`` as a ``LlamaForCausalLM`` directory ``out_dir``.
 
     ``dtype``: float32/bfloat16/float16 (default: the training dtype). ``trim_vocab``: keep only the
@@ -530,7 +530,7 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
 
     out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     check_writable(out_dir)  # before any work
-    source = open_checkpoint(src, iteration)
+    source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
     rc = saved_config(source)
     check_hf_compatible(rc.model)
     dt = resolve_dtype(dtype, rc.model.params_dtype_name)

@@ -98,14 +98,15 @@ def _export_lev_rank(src_path: str, out_dir: str, a: Dict[str, Any], iteration: 
     return {"files": [CONFIG_FILE, WEIGHTS_FILE]}
 
 
-def export_lev(src: str, out_dir: str, *, iteration: Optional[int] = None, progress: bool = True) -> str:
+def export_lev(src: str, out_dir: str, *, iteration: Optional[int] = None, progress: bool = True,
+               allow_missing_checksums: bool = False) -> str:
     """Write the LEV parameters of the checkpoint at ``src`` (lev arm) to ``out_dir``; return it."""
     from .launch import run_ranks
     from .model_io import layout_args
 
     out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     check_writable(out_dir)  # before any work
-    source = open_checkpoint(src, iteration)
+    source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
     arm = saved_config(source).model.input_embedding
     if arm != "lev":
         raise ConversionError(f"{source.path}: --input-embedding is {arm}, "

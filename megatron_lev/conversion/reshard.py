@@ -50,12 +50,13 @@ def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any
 
 
 def reshard_checkpoint(src: str, dst: str, *, tp: int, pp: int = 1, vpp: Optional[int] = None,
-                       iteration: Optional[int] = None, progress: bool = True) -> str:
+                       iteration: Optional[int] = None, progress: bool = True,
+                       allow_missing_checksums: bool = False) -> str:
     """Write the checkpoint at ``src`` (root or ``iter_*`` dir) to the root ``dst`` at layout
     TP=``tp`` x PP=``pp`` (x ``vpp`` virtual stages); return the new ``iter_*`` directory."""
     from .model_io import layout_args
 
-    source = open_checkpoint(src, iteration)
+    source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
     dst = save_target(dst, source.root)
     a = layout_args(source.args, tp, pp, vpp)
     target = saved_config(a, f"target layout --target-tp {tp} --target-pp {pp}")

@@ -27,10 +27,13 @@ class ConversionInterrupted(ConversionError):
     """Ctrl-C while a conversion wrote its output; one line saying what became of the partial output."""
 
 
-def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: bool = True) -> SavedCheckpoint:
-    """Locate and check the checkpoint at ``path`` (a root with a tracker file, or an ``iter_*`` dir)."""
+def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: bool = True,
+                    allow_missing_checksums: bool = False) -> SavedCheckpoint:
+    """Locate and check the checkpoint at ``path`` (a root with a tracker file, or an ``iter_*`` dir);
+    ``allow_missing_checksums``: --allow-missing-ckpt-checksums."""
     try:
-        return _open_checkpoint(path, iteration, read_common=read_common)
+        return _open_checkpoint(path, iteration, read_common=read_common,
+                                allow_missing_checksums=allow_missing_checksums)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
 

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-ckpt-checksums", action="store_true",
                    help="check --load's files by size only (by default they are verified against the checksums.json "
                         "of the save, reading the checkpoint once more, spread over the ranks)")
+    g.add_argument("--allow-missing-ckpt-checksums", action="store_true",
+                   help="evaluate a checkpoint whose checksums.json is missing though its save recorded one (its "
+                        "files checked for size only; without this flag it is refused)")
     g.add_argument("--hf-model", help="Hugging Face causal-LM directory (e.g. an export)")
     g.add_argument("--compare", nargs="+", metavar="RESULTS.json",
                    help="compare result files instead of evaluating (the first is the reference)")
@@ -465,7 +468,7 @@ def _verify_checkpoint(args, saved, local_error: Optional[str] = None) -> None:
     not read it again."""
     try:
         verify_checksums(saved.root, saved.iteration, saved.path, _older, _warn, local_error=local_error,
-                         checksums_on=not args.no_ckpt_checksums)
+                         checksums_on=not args.no_ckpt_checksums, allow_missing=args.allow_missing_ckpt_checksums)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     mark_verified(saved.path)  # verified, or --no-ckpt-checksums: sizes only

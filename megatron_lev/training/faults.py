@@ -229,6 +229,28 @@ class StopOnSigterm:
         signal.signal(signal.SIGTERM, self._prev)
 
 
+class SigtermRaises:
+    """SIGTERM raises :class:`Terminated` in the main thread until :meth:`release`, where it would otherwise
+    end the process at once (its default action): installed by the rank that holds ``--save``'s lock, so
+    that a SIGTERM outside the training loop (start-up, model building, the load) still releases it. In the
+    loop :class:`Stops` takes SIGTERM over and gives it back."""
+
+    def __init__(self) -> None:
+        self._prev = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._prev = signal.signal(signal.SIGTERM, self._handle)
+
+    @staticmethod
+    def _handle(signum, frame) -> None:
+        raise Terminated(EXIT_TERMINATED)
+
+    def release(self) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGTERM, self._prev)
+            self._prev = None
+
+
 class Stops:
     """The run's stop conditions between iterations, installed at start-up until :meth:`release`.
 
@@ -318,23 +340,91 @@ class Peers:
         return sorted(r for r, (pid, start) in self.table.items() if _process_start(pid) != start)
 
 
+class _CtrlCWatch:
+    """Counts Ctrl-Cs from the interpreter's wakeup file descriptor, in a thread of its own.
+
+    A signal may be delivered to any thread of the process (gloo's, OpenMP's, ...); Python runs its handler
+    in the main thread only, once that thread is back in the interpreter, which a save blocked in a wait
+    (a hung writer, a hung filesystem) never is. The interpreter writes every signal's number to the wakeup
+    descriptor whichever thread took it: here the first Ctrl-C prints ``notice``, and each later one is sent
+    on to the main thread (``pthread_kill``: a real signal interrupts its wait), whose handler raises."""
+
+    def __init__(self, notice: str) -> None:
+        self.notice = notice
+        self.count = 0
+        self.abort = False
+        self._echoes = 0  # the signals sent on to the main thread: their own bytes are not Ctrl-Cs
+        self._main = threading.main_thread().ident
+        self._r, self.fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        self._thread = threading.Thread(target=self._watch, name="ctrl-c-watch", daemon=True)
+        self._thread.start()
+
+    def handler(self, signum, frame) -> None:
+        if self.abort:
+            raise KeyboardInterrupt
+
+    def _watch(self) -> None:
+        while True:
+            for number in os.read(self._r, 64):
+                if number == 0:  # close()'s end mark
+                    return
+                if number != signal.SIGINT:
+                    continue
+                if self._echoes:
+                    self._echoes -= 1
+                    continue
+                self.count += 1
+                if self.count == 1:
+                    if self.notice:
+                        os.write(2, f"{self.notice}\n".encode("utf-8", "backslashreplace"))
+                    continue
+                self.abort = True
+                self._echoes += 1
+                signal.pthread_kill(self._main, signal.SIGINT)
+
+    def close(self) -> int:
+        """Stop the thread (every Ctrl-C written before this call counted); the number of Ctrl-Cs."""
+        os.write(self.fd, b"\0")
+        self._thread.join()
+        os.close(self._r)
+        os.close(self.fd)
+        return self.count
+
+
 @contextlib.contextmanager
-def ctrl_c_held():
-    """Hold a Ctrl-C (SIGINT) that arrives during the block and raise it at its end.
+def ctrl_c_held(notice: str = ""):
+    """Hold a Ctrl-C (SIGINT) that arrives during the block and raise it at its end; a second one raises
+    at once.
 
     dist_checkpointing forks its writer processes during a save: an interrupt delivered while Python runs
     the fork hooks is printed and dropped there (training would go on), and one delivered mid-write would
-    leave a partial checkpoint. Held, it stops the run right after the save completes."""
+    leave a partial checkpoint. Held, it stops the run right after the save completes. The first one prints
+    ``notice`` (a save that hangs kept the terminal silent); a second one is the way out of a save that does
+    not end: it raises KeyboardInterrupt in the block, which leaves that save incomplete (the tracker,
+    written last, never names it). Where Ctrl-C is not this process's to handle (a rank that leaves it to
+    its parent), it is only kept out of the block."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return
+    watch = _CtrlCWatch(notice)
+    signal.signal(signal.SIGINT, watch.handler)
+    wakeup = signal.set_wakeup_fd(watch.fd, warn_on_full_buffer=False)
     try:
         yield
     finally:
+        signal.set_wakeup_fd(wakeup)
         signal.signal(signal.SIGINT, previous)
-    if received and previous is signal.default_int_handler:
+        held = watch.close()
+    if held:
         raise KeyboardInterrupt
 
 
@@ -357,7 +447,7 @@ def last_checkpoint(rc: "RunConfig") -> Tuple[Optional[int], str]:
 
 def interrupted(rc: "RunConfig", state) -> str:
     """The line for Ctrl-C: where training stood and the checkpoint a rerun resumes from."""
-    return f"interrupted at iteration {state.iteration}; {last_checkpoint(rc)[1]}"
+    return f"interrupted at iteration {state.iteration}{cut_save(rc, state)}; {last_checkpoint(rc)[1]}"
 
 
 def cut_save(rc: "RunConfig", state) -> str:

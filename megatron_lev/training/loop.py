@@ -430,8 +430,15 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         report_error("interrupted (Ctrl-C) during start-up, before the model was built; nothing was written",
                      show=rank_env == 0)
         return EXIT_INTERRUPTED
+    lock, sigterm = None, None
     try:
+        lock = _take_save_lock(rc)
+        sigterm = faults.SigtermRaises() if lock is not None else None
         return _run(rc, tokenizer, config, model_config)
+    except Terminated:  # outside the loop, on the rank holding --save's lock (the loop reports its own)
+        report_error(f"terminated by SIGTERM outside the training loop; {faults.last_checkpoint(rc)[1]}",
+                     show=rank_is0())
+        return faults.EXIT_TERMINATED
     except _StartupError as e:
         report_error(str(e), show=rank_is0())
         return EXIT_CONFIG_ERROR
@@ -444,6 +451,10 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
         torch.distributed.barrier()  # no rank exits (and gets the others killed) before the line is out
         return EXIT_SAVE_FAILED
     finally:
+        if sigterm is not None:
+            sigterm.release()
+        if lock is not None:  # however the run ended (SIGTERM and Ctrl-C are exceptions here)
+            lock.release()
         # The config holds the run's hooks (no_sync, finalize_model_grads: bound to its DDP model), which keep
         # the model and its process groups alive: dropped before the teardown collects them.
         del config, model_config
@@ -452,6 +463,21 @@ def pretrain(argv: Optional[List[str]] = None) -> int:
 
 class _StartupError(Exception):
     pass
+
+
+def _take_save_lock(rc: RunConfig) -> Optional[checkpoint.SaveLock]:
+    """Collective. Rank 0 takes --save's lock before anything is written there and sends its verdict, so a
+    refusal stops every rank with its line (the lock and its release are rank 0's alone)."""
+    lock, error = None, None
+    if rc.checkpointing.save and rank_is0():
+        try:
+            lock = checkpoint.take_save_lock(rc.checkpointing.save, log=lambda line: print(line, flush=True))
+        except checkpoint.CheckpointError as e:
+            error = str(e)
+    error = broadcast_object(error) if rc.checkpointing.save else None
+    if error is not None:
+        raise _StartupError(error)
+    return lock
 
 
 def _startup_errors():
@@ -664,7 +690,8 @@ def _load(run: _Run, state: _State) -> None:
             ck.load, run.model, run.optimizer, run.scheduler, run_args=run.cfg,
             load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune,
             exit_on_missing=ck.exit_on_missing_checkpoint, iteration=ck.ckpt_step,
-            verify=not ck.no_ckpt_checksums, log=run.logger.log)
+            verify=not ck.no_ckpt_checksums, allow_missing_checksums=ck.allow_missing_ckpt_checksums,
+            log=run.logger.log)
     except checkpoint.CheckpointError as e:
         raise _StartupError(str(e)) from None
     if loaded is not None:
@@ -740,7 +767,10 @@ def _save(run: _Run, state: _State, iteration: int) -> bool:
         report_error(msg, show=rank_is0())
         return False
     state.saving = iteration
-    with faults.ctrl_c_held(), _params_gathered(run):
+    path = checkpoint.checkpoint_dir(ck.save, iteration)
+    notice = (f"Ctrl-C: the checkpoint of iteration {iteration} is being written to {path}; the run stops once it "
+              f"is complete (Ctrl-C again stops at once, leaving it incomplete)") if rank_is0() else ""
+    with faults.ctrl_c_held(notice), _params_gathered(run):
         checkpoint.save_checkpoint(
             ck.save, iteration, run.model, run.optimizer, run.scheduler,
             consumed_train_samples=state.consumed_train_samples, counters=state.counters(), config=run.cfg,

@@ -202,7 +202,8 @@ def test_save_over_another_run_and_bad_load_paths_are_refused(tmp_path):
     junk.mkdir()
     (junk / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
-        check_save_and_load(_ns(load=str(junk), save=str(junk)))
+        check_save_and_load(_ns(load=str(junk)))
+    check_save_and_load(_ns(load=str(junk), save=str(junk)))  # nothing to lose there: from scratch
     with pytest.raises(CheckpointError, match="not a directory"):
         check_save_and_load(_ns(load=str(junk / "notes.txt")))
     # First runs with --save X --load X: missing, empty, or only an unfinished first save -> fresh start.

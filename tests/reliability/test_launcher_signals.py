@@ -110,6 +110,7 @@ def test_a_rank_killed_during_a_save_and_sigterm_during_a_save_are_one_line_and_
     assert errors[0].startswith("error: terminated by SIGTERM " + _cut_short(ck, 4, 2)), errors
     assert errors[0].endswith("pass --exit-signal-handler to save a checkpoint before stopping"), errors
     assert "at iteration 2" in text and (ck / TRACKER).read_text().strip() == "2"
+    assert not (ck / "run.lock").exists()  # --save's lock released on SIGTERM
 
     # The next run resumes from iteration 2 and saves 4 again, complete.
     r = launch(2, args + ["--exit-interval", "4", "--metrics-file", str(tmp_path / "c.jsonl")])
@@ -127,3 +128,4 @@ def test_sigterm_without_the_signal_handler_is_one_line_naming_the_iteration_and
     m = re.match(r"error: terminated by SIGTERM at iteration (\d+); the last checkpoint is iteration (\d+) ", errors[0])
     assert m and int(m.group(2)) == last and int(m.group(1)) in (last, last + 1), errors
     assert f"({ck / f'iter_{last:07d}'}; resume with --load {ck}); pass --exit-signal-handler" in errors[0]
+    assert not (ck / "run.lock").exists()  # --save's lock released on SIGTERM

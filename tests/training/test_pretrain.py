@@ -208,6 +208,7 @@ def test_tp2_loss_falls_resume_is_bit_exact_and_kill_during_save(two_rank_runs):
         metrics(root / "ref.jsonl", "valid")[8]["lm loss hex"]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "9" or \
         (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert not (ck / "run.lock").exists()  # --save's lock, released by the run that ended well
 
 
 def test_pp2_interleaved_loss_falls_resumes_exactly_and_reloads_at_pp1(corpus, two_rank_runs, tmp_path):
