@@ -1,0 +1,163 @@
+"""Hugging Face export of Megatron-LM's other model families, and lm-eval on an export.
+
+Tiny models (2 layers, hidden 64) are built at TP=1 with every parameter random (norm scales and biases
+too) and saved by the training checkpointer, all in one launch: GPT-3-style (LayerNorm, GeLU, biases,
+learned positions; tied, with the test BPE's tokenizer.json), the same untied with ``--apply-layernorm-1p``
+and ``--disable-bias-linear``, and Mixtral-style MoE (4 experts, top-2; untied with grouped-query attention,
+and tied with ``--apply-layernorm-1p`` and an expert size of its own). Each export loads in ``transformers``
+as GPT2LMHeadModel / MixtralForCausalLM with the logits of the project's own forward on the same tokens
+(fp32, 1e-5). The GPT-3-style export then runs through lm-eval's HF adapter (``HFLM``, offline) on a
+handmade LAMBADA-style task and gives the log-likelihoods and the number of ``tools/evaluate.py`` on the
+checkpoint and on the export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lev.testing.cli import run_cli
+
+# One launch saves the models, four exports and two evaluations follow (~60 s on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+EVALUATE = str(REPO / "tools" / "evaluate.py")
+SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
+         "--train-iters 4 --lr 1e-3 --mock-data --hidden-dropout 0 --attention-dropout 0").split()
+LLAMA = "--normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope".split()
+MOE = LLAMA + "--num-experts 4 --moe-router-topk 2".split()
+MODELS = {  # name: (flags after SHAPE, the HF class)
+    "gpt_tied": ([], "GPT2LMHeadModel"),
+    "gpt_untied_1p_nobias": ("--input-embedding untied --apply-layernorm-1p --disable-bias-linear --vocab-size 200".split(),
+                             "GPT2LMHeadModel"),
+    "moe_untied_gqa": (MOE + "--input-embedding untied --group-query-attention --num-query-groups 2 --vocab-size 200".split(),
+                       "MixtralForCausalLM"),
+    "moe_tied_1p": (MOE + "--apply-layernorm-1p --moe-ffn-hidden-size 48 --vocab-size 200".split(), "MixtralForCausalLM"),
+}
+SENTENCES = [  # a handmade LAMBADA: the last word is the continuation
+    "The old man walked to the river every morning to watch the boats",
+    "She opened the door and the cold wind filled the room",
+    "After the long game the players were tired and hungry",
+    "He wrote a letter to his mother and sent it by post",
+    "The children played in the park until the sun went down",
+    "We bought bread and milk at the small shop near the station",
+]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def exported(tok_args, tmp_path_factory):
+    """{name: (checkpoint, export dir, export result)} of MODELS, and the token ids the logits are of."""
+    from megatron_lev.conversion import export_hf
+    from megatron_lev.conversion.launch import run_ranks
+    from megatron_lev.tokenizer import build_tokenizer
+    from tests.conftest import tokenizer_flags
+    from tests.conversion._ranks import model_args, save_random_models
+
+    root = tmp_path_factory.mktemp("hf_classes")
+    tok = tokenizer_flags(tok_args["hf"])
+    plan = [(str(root / name), model_args(SHAPE + flags + ([] if "--vocab-size" in flags else tok)))
+            for name, (flags, _cls) in MODELS.items()]
+    t0 = time.time()
+    run_ranks(save_random_models, args=(plan,))
+    ids = build_tokenizer(**tok_args["hf"]).tokenize(" ".join(SENTENCES[:2]))[:20]
+    ref = torch.tensor([ids, [i % 200 for i in ids[::-1]]])
+    small = torch.remainder(ref, 200)
+
+    def export(name):
+        ids = ref if name == "gpt_tied" else small
+        return export_hf(root / name, root / f"{name}_hf", reference_ids=ids.tolist(), progress=False)
+
+    with ThreadPoolExecutor(2) as ex:
+        results = dict(zip(MODELS, ex.map(export, MODELS)))
+    print(f"[hf classes] save + exports: {time.time() - t0:.0f} s", file=sys.stderr)
+    return {"root": root, "results": results, "ids": {n: ref if n == "gpt_tied" else small for n in MODELS}}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_export_loads_in_transformers_with_the_models_logits(exported, name):
+    from transformers import AutoModelForCausalLM
+
+    out = exported["root"] / f"{name}_hf"
+    flags, cls = MODELS[name]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [cls] and exported["results"][name]["hf_class"] == cls
+    assert cfg["tie_word_embeddings"] is ("untied" not in name)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert type(model).__name__ == cls
+    if cls == "MixtralForCausalLM":
+        assert (cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (4, 2)
+        if "--moe-ffn-hidden-size" in flags:  # the experts' own size, not --ffn-hidden-size
+            assert cfg["intermediate_size"] == 48
+        assert cfg["num_key_value_heads"] == (2 if "gqa" in name else 4)
+    else:
+        assert cfg["n_positions"] == 64 and cfg["activation_function"] == "gelu"
+    ids = exported["ids"][name]
+    with torch.no_grad():
+        hf = model(ids).logits
+    ref = torch.from_numpy(exported["results"][name]["logits"])
+    assert hf.shape == ref.shape and ref.abs().max() > 0.5
+    torch.testing.assert_close(hf, ref, atol=1e-5, rtol=0)
+
+
+def test_exported_tokenizer_names_eos_bos_and_pad(exported, tok_args):
+    """The checkpoint's tokenizer.json (no special tokens declared) gets eos = bos = pad = its end of
+    document, as lm-eval's ``hf`` model and ``generate`` need."""
+    from transformers import AutoTokenizer
+
+    from megatron_lev.tokenizer import build_tokenizer
+
+    out = exported["root"] / "gpt_tied_hf"
+    eod = build_tokenizer(**tok_args["hf"]).eod
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (eod, eod, eod)
+    assert cfg["eos_token"] == cfg["bos_token"] == cfg["pad_token"] == tok.convert_ids_to_tokens(eod)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["eos_token_id"], gen["bos_token_id"]) == (eod, eod)
+
+
+def test_lm_eval_hf_adapter_gives_the_projects_numbers(exported, tmp_path):
+    """lm-eval's HFLM on the export: its log-likelihoods of the handmade task's requests equal
+    tools/evaluate.py's on the checkpoint (perplexity over the continuations to 1e-5 relative, greedy
+    matches equal), and tools/evaluate.py --hf-model on the export gives the same."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    task = tmp_path / "lambada.jsonl"
+    task.write_text("".join(json.dumps({"text": s}) + "\n" for s in SENTENCES))
+    root = exported["root"]
+    numbers = {}
+    for name, model in (("checkpoint", ["--load", root / "gpt_tied"]), ("hf", ["--hf-model", root / "gpt_tied_hf"])):
+        r = run_cli(EVALUATE, model + ["--task-file", f"lambada={task}", "--output-dir", tmp_path / name,
+                                       "--no-progress", "--device", "cpu"], env=_env(), timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        numbers[name] = json.loads((tmp_path / name / "results.json").read_text())["tasks"]["lambada"]
+    ours = numbers["checkpoint"]
+
+    lm = HFLM(pretrained=str(root / "gpt_tied_hf"), backend="causal", device="cpu", dtype="float32", batch_size=4)
+    requests = [Instance(request_type="loglikelihood", doc={"text": s}, arguments=tuple(s.rsplit(" ", 1)[0:1])
+                         + (" " + s.rsplit(" ", 1)[1],), idx=0) for s in SENTENCES]
+    results = lm.loglikelihood(requests, disable_tqdm=True)
+    lls = torch.tensor([ll for ll, _greedy in results], dtype=torch.float64)
+    ppl = float(torch.exp(-lls.mean()))
+    acc = sum(bool(greedy) for _ll, greedy in results) / len(results)
+    assert ours["examples"] == len(SENTENCES) and ours["ppl"] > 1  # a random model: a large perplexity
+    assert ppl == pytest.approx(ours["ppl"], rel=1e-5) and float(lls.mean()) == pytest.approx(ours["mean_loglik"], abs=1e-5)
+    assert acc == ours["acc"]
+    assert numbers["hf"]["ppl"] == pytest.approx(ours["ppl"], rel=1e-5) and numbers["hf"]["acc"] == ours["acc"]
