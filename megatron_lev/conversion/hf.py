@@ -77,6 +77,9 @@ from .source import ConversionError, check_writable, disk_full_is_one_line, open
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+# What megatron-core's RotaryEmbedding(rope_scaling=True) computes besides its factor (_apply_scaling's
+# defaults): Llama 3.1-3.3's rope_scaling (rope_type llama3) with these values.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 @dataclass(frozen=True)
 class MappedWeight:
@@ -581,6 +584,8 @@ def hf_config(cls: str, rc: RunConfig, vocab_size: int, dtype: str, tok: Optiona
                      num_key_value_heads=g, head_dim=hd, hidden_act="silu", max_position_embeddings=max_pos,
                      rms_norm_eps=float(m.norm_epsilon), rope_theta=float(m.rotary_base), attention_bias=False,
                      **common)
+        if m.use_rope_scaling:  # megatron-core's Llama-3.1 scaling: only the factor is a setting
+            llama["rope_scaling"] = {"rope_type": "llama3", "factor": float(m.rope_scaling_factor), **LLAMA3_ROPE}
         if cls == "MixtralForCausalLM":
             cfg = transformers.MixtralConfig(
                 intermediate_size=int(m.moe_ffn_hidden_size or m.ffn_hidden_size), num_local_experts=int(m.num_experts),

@@ -161,3 +161,73 @@ def test_lm_eval_hf_adapter_gives_the_projects_numbers(exported, tmp_path):
     assert ppl == pytest.approx(ours["ppl"], rel=1e-5) and float(lls.mean()) == pytest.approx(ours["mean_loglik"], abs=1e-5)
     assert acc == ours["acc"]
     assert numbers["hf"]["ppl"] == pytest.approx(ours["ppl"], rel=1e-5) and numbers["hf"]["acc"] == ours["acc"]
+
+
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+
+def _llama31(out: Path, rope_scaling):
+    """A tiny Llama-3.1-style model (rope_theta 500000, llama3 RoPE scaling) saved with its config.json as the
+    hub's Llama 3.1 has it (``rope_theta`` and ``rope_scaling`` at the top level)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, rope_scaling=rope_scaling)
+    model = LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.08 if p.dim() > 1 else 1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(str(out))
+    saved = json.loads((out / "config.json").read_text())
+    saved.pop("rope_parameters", None)
+    saved.update(rope_theta=500000.0, rope_scaling=rope_scaling)
+    (out / "config.json").write_text(json.dumps(saved))
+    return model
+
+
+def test_llama31_rope_scaling_imports_and_exports_with_transformers_logits(tmp_path):
+    """A Llama 3.1 config (rope_type llama3) imports as --use-rope-scaling --rope-scaling-factor 8; the
+    imported checkpoint's forward equals transformers' (1e-5), and its export writes the scaling back with the
+    same logits. At these sizes the scaling moves the logits well past the tolerance (checked)."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from megatron_lev.conversion import export_hf, import_hf
+
+    hf = _llama31(tmp_path / "hf", LLAMA31_ROPE)
+    ids = torch.remainder(torch.arange(120).reshape(2, 60) * 37 + 11, 200)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        unscaled = _llama31(tmp_path / "plain", None)(ids).logits
+    assert (unscaled - ref).abs().max() > 1e-3
+    out = import_hf(tmp_path / "hf", tmp_path / "ck", progress=False)
+    saved = yaml.safe_load((Path(out) / "config.yaml").read_text())
+    assert (saved["use_rope_scaling"], saved["rope_scaling_factor"], saved["rotary_base"]) == (True, 8.0, 500000)
+    res = export_hf(tmp_path / "ck", tmp_path / "back", reference_ids=ids.tolist(), progress=False)
+    torch.testing.assert_close(torch.from_numpy(res["logits"])[..., :200], ref, atol=1e-5, rtol=0)
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    rope = back.get("rope_scaling") or back.get("rope_parameters")
+    assert {k: rope[k] for k in LLAMA31_ROPE} == LLAMA31_ROPE
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits[..., :200], ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rope_scaling, named", [
+    ({**LLAMA31_ROPE, "high_freq_factor": 2.0}, "rope_scaling high_freq_factor 2.0"),
+    ({**LLAMA31_ROPE, "original_max_position_embeddings": 4096}, "rope_scaling original_max_position_embeddings 4096"),
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_type 'yarn'"),
+])
+def test_rope_scaling_megatron_cannot_reproduce_is_refused_in_one_line(tmp_path, rope_scaling, named):
+    from megatron_lev.conversion import ConversionError, read_hf_model
+
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 200, "hidden_size": 64,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "rope_theta": 500000.0,
+           "rope_scaling": rope_scaling}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError) as e:
+        read_hf_model(str(tmp_path))
+    assert named in str(e.value) and "\n" not in str(e.value)

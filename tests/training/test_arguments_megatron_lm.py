@@ -30,6 +30,8 @@ NEEDS = {
     "--profile-step-start": ["--profile"], "--profile-step-end": ["--profile"], "--profile-ranks": ["--profile"],
     "--use-pytorch-profiler": ["--profile", "--tensorboard-dir", "tb"],
     "--recompute-method": ["--recompute-granularity", "full"], "--recompute-num-layers": ["--recompute-granularity", "full"],
+    "--use-rope-scaling": ["--position-embedding-type", "rope"],
+    "--rope-scaling-factor": ["--position-embedding-type", "rope", "--use-rope-scaling"],
 }
 VALUES = {"--split": "90,10,0", "--data-cache-path": "cache", "--tensorboard-dir": "tb", "--save": "ckpt", "--load": "ckpt",
           "--num-query-groups": "2", "--kv-channels": "8", "--max-position-embeddings": "64", "--global-batch-size": "4",
