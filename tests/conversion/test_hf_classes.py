@@ -8,7 +8,8 @@ and tied with ``--apply-layernorm-1p`` and an expert size of its own). Each expo
 as GPT2LMHeadModel / MixtralForCausalLM with the logits of the project's own forward on the same tokens
 (fp32, 1e-5). The GPT-3-style export then runs through lm-eval's HF adapter (``HFLM``, offline) on a
 handmade LAMBADA-style task and gives the log-likelihoods and the number of ``tools/evaluate.py`` on the
-checkpoint and on the export.
+checkpoint and on the export. A tiny Llama-3.1-style model (``rope_type llama3``) imports with
+``--use-rope-scaling`` and exports back, with transformers' logits both ways.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 
 from megatron_lev.testing.cli import run_cli
 
-# One launch saves the models, four exports and two evaluations follow (~60 s on 2 cores): not in make test-fast.
+# One launch saves the models, then four exports, two evaluations, an import and an export (~115 s for the
+# module on a busy 2-core machine): not in make test-fast.
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,6 +163,13 @@ def test_lm_eval_hf_adapter_gives_the_projects_numbers(exported, tmp_path):
     assert ppl == pytest.approx(ours["ppl"], rel=1e-5) and float(lls.mean()) == pytest.approx(ours["mean_loglik"], abs=1e-5)
     assert acc == ours["acc"]
     assert numbers["hf"]["ppl"] == pytest.approx(ours["ppl"], rel=1e-5) and numbers["hf"]["acc"] == ours["acc"]
+    # An empty context is conditioned on lm-eval's prefix token: the tokenizer's bos (None before: TypeError).
+    (empty, _greedy), = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=("", " The old man"),
+                                                   idx=0)], disable_tqdm=True)
+    ids = [lm.tokenizer.bos_token_id] + lm.tokenizer.encode(" The old man", add_special_tokens=False)
+    with torch.no_grad():
+        logp = torch.log_softmax(lm.model(torch.tensor([ids])).logits[0, :-1].double(), -1)
+    assert empty == pytest.approx(float(logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum()), abs=1e-5)
 
 
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
