@@ -292,6 +292,32 @@ def test_hf_export_picks_the_class_that_computes_the_model(setting, expected):
     assert check_hf_compatible(RunConfig.from_saved_args({**ok, **setting}).model) == expected
 
 
+# The model-shape flags of Megatron-LM's example scripts (their sizes are scaled down below).
+_EXAMPLE_MODEL_FLAGS = {"--normalization", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "--rotary-base",
+                        "--rotary-percent", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
+                        "--group-query-attention", "--num-query-groups", "--no-position-embedding", "--num-experts",
+                        "--moe-router-topk"}
+
+
+@pytest.mark.parametrize("script, expected", [("examples/gpt3/train_gpt3_175b_distributed.sh", "GPT2LMHeadModel"),
+                                              ("examples/llama/train_llama3_8b_h100_fp8.sh", "LlamaForCausalLM"),
+                                              ("examples/mixtral/train_mixtral_8x7b_distributed.sh", "MixtralForCausalLM")])
+def test_megatron_lm_example_models_have_an_hf_class(script, expected):
+    """The models of Megatron-LM's GPT-3, Llama 3 (with --apply-layernorm-1p) and Mixtral scripts export (all
+    three were refused before)."""
+    from megatron_lev.arguments import parse_args, resolved_config
+    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.conversion import check_hf_compatible
+
+    argv = json.loads((REPO / "tests" / "training" / "data" / "megatron_lm_examples.json").read_text())["scripts"][script]
+    flags = [w for item in argv for w in item.split() if item.split()[0] in _EXAMPLE_MODEL_FLAGS]  # "--flag value"
+    assert "--normalization" in flags or "gpt3" in script
+    a = resolved_config(parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --micro-batch-size 2 --train-iters 4 "
+        "--lr 1e-3 --mock-data --vocab-size 100".split() + flags, world_size=1))
+    assert check_hf_compatible(RunConfig.from_saved_args(a).model) == expected
+
+
 def test_bad_inputs_give_one_line_errors(runs, tmp_path):
     from megatron_lev.conversion import ConversionError, export_hf, export_lev, reshard_checkpoint
 
