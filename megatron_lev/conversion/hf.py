@@ -217,6 +217,9 @@ def check_hf_compatible(model: ModelRunConfig) -> str:
     if model.input_embedding not in INPUT_EMBEDDINGS:
         raise ConversionError(f"cannot export to Hugging Face: --input-embedding {model.input_embedding} "
                               "(unknown input arm)")
+    if model.mtp_num_layers:
+        raise ConversionError(f"cannot export to Hugging Face: --mtp-num-layers {model.mtp_num_layers} (the "
+                              "multi-token prediction block has no place in the Llama, GPT-2 or Mixtral classes)")
     if model.normalization == "LayerNorm" and not model.swiglu and not model.num_experts:
         return _check_gpt2(model)
     return _check_llama(model)
@@ -680,7 +683,8 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
               max_shard_size=DEFAULT_MAX_SHARD_SIZE, trim_vocab: bool = False, tokenizer: bool = True,
               lev: bool = True, overwrite: bool = False, progress: bool = True,
               reference_ids=None) -> Dict[str, Any]:
-    """Export the checkpoint at ``src`` as a ``LlamaForCausalLM`` directory ``out_dir``.
+    """Export the checkpoint at ``src`` as a Hugging Face directory ``out_dir`` of the class that computes it
+    (:func:`check_hf_compatible`: Llama, GPT-2 or Mixtral; ``result["hf_class"]``).
 
     ``dtype``: float32/bfloat16/float16 (default: the training dtype). ``trim_vocab``: keep only the
     tokenizer's ids (default: keep the padded vocabulary). ``tokenizer``: write the tokenizer files
