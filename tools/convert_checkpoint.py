@@ -3,10 +3,13 @@
 
   reshard     write a training checkpoint at another TP/PP layout (model weights, iteration, data
               position, LR-scheduler state; no optimizer state). Resume with pretrain_lev.py --load DST.
-  export-hf   a Hugging Face LlamaForCausalLM directory (Llama-style models only: RMSNorm, SwiGLU, RoPE,
-              no biases); the input arm is materialised into embed_tokens; for lev also DST/lev/.
+  export-hf   a Hugging Face directory of the class that computes the model: LlamaForCausalLM (RMSNorm,
+              SwiGLU, RoPE, no biases), GPT2LMHeadModel (LayerNorm, GeLU, learned positions: Megatron-LM's
+              GPT-3) or MixtralForCausalLM (Llama-style MoE); the input arm is materialised into the
+              input table; for lev also DST/lev/.
   export-lev  the LEV layer's parameters (safetensors + JSON config) for megatron_lev.lev.LEVEmbedding.
-  import-hf   a Hugging Face LlamaForCausalLM directory (safetensors) as a training checkpoint at TP x PP.
+  import-hf   a Hugging Face LlamaForCausalLM directory (safetensors; Llama 3.1-3.3's rope_scaling too) as a
+              training checkpoint at TP x PP.
   to-lev      fit a LEV layer to a dense (tied/untied) checkpoint's input table; write a lev checkpoint.
 
 Examples:
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-pp", type=int, default=1, help="pipeline-model-parallel size of the output")
     r.add_argument("--target-vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved)")
 
-    h = sub.add_parser("export-hf", help="Hugging Face LlamaForCausalLM directory")
+    h = sub.add_parser("export-hf", help="Hugging Face LlamaForCausalLM, GPT2LMHeadModel or MixtralForCausalLM directory")
     common(h)
     h.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
                    help="weights dtype (default: the training dtype)")

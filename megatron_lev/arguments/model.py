@@ -23,13 +23,14 @@ from megatron.core.transformer import TransformerConfig
 from megatron_lev.config_flags import POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, add_config_flags, add_switch_flags, \
     field_flag
 from megatron_lev.lev.config import ConfigError
-from megatron_lev.models.config import LevModelConfig, check_lev_basis, model_field_default, use_transformer_engine
+from megatron_lev.models.config import LevModelConfig, check_lev_basis, check_rope_scaling, model_field_default, \
+    use_transformer_engine
 
 # LevModelConfig fields that are model-shape flags of their own name (their defaults, Megatron-LM's, are
 # the fields'); the other shape fields come from Megatron-LM's flags (--seq-length, --swiglu,
 # --disable-bias-linear, ...) in model_config_from_args.
-_MODEL_SHAPE_FLAG_FIELDS = ("position_embedding_type", "rotary_base", "rotary_percent", "normalization",
-                            "transformer_impl")
+_MODEL_SHAPE_FLAG_FIELDS = ("position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling_factor",
+                            "normalization", "transformer_impl")
 
 # (Megatron-LM flag, TransformerConfig field, the value the flag sets). The fusions default to None:
 # on where CUDA and the kernel are present (models.config.fusion_defaults), the flag turns them off.
@@ -100,6 +101,7 @@ def add_model_flags(p) -> None:
     g.add_argument("--rope-type", default="rope", metavar="rope",
                    help="rotary embedding type (Megatron-LM's; YaRN is refused: multi-latent attention only)")
     add_config_flags(g, LevModelConfig, field_flag, _MODEL_SHAPE_FLAG_FIELDS)
+    add_switch_flags(g, LevModelConfig, [("--use-rope-scaling", "use_rope_scaling", True)])
     g.add_argument("--norm-epsilon", type=POSITIVE_FLOAT, default=_transformer_default("layernorm_epsilon"))
     g.add_argument("--swiglu", action="store_true", default=model_field_default("activation") == "swiglu",
                    help="SwiGLU MLP (default: GeLU, as Megatron-LM)")
@@ -134,7 +136,8 @@ def add_model_flags(p) -> None:
 
 def check_model_flags(args) -> None:
     """--recompute-activations (Megatron-LM's selective recompute) and --attention-backend against the
-    attention this run builds."""
+    attention this run builds; --use-rope-scaling against the positions."""
+    check_rope_scaling(args.position_embedding_type, args.use_rope_scaling, args.rope_scaling_factor)
     if args.recompute_activations:
         if args.recompute_granularity not in (None, "selective"):
             raise ConfigError(f"--recompute-activations is --recompute-granularity selective; it contradicts "

@@ -140,6 +140,12 @@ class ModelRunConfig:
     rotary_base: int
     """RoPE's base period (--rotary-base)."""
 
+    use_rope_scaling: bool
+    """Llama 3.1's RoPE scaling (--use-rope-scaling)."""
+
+    rope_scaling_factor: float
+    """Its factor (--rope-scaling-factor)."""
+
     normalization: str
     """LayerNorm or RMSNorm (--normalization)."""
 

@@ -41,6 +41,8 @@ def model_config_from_args(a: Mapping[str, Any]) -> LevModelConfig:
         position_embedding_type=a["position_embedding_type"],
         rotary_percent=a["rotary_percent"],
         rotary_base=a["rotary_base"],
+        use_rope_scaling=bool(a.get("use_rope_scaling", False)),
+        rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)),
         albert_dim=a.get("albert_dim"),
         flat_mlp_dim=a.get("flat_mlp_dim"),
         mlp_hidden=a.get("mlp_hidden"),

@@ -1,6 +1,6 @@
 """Checkpoint conversion: TP/PP resharding of training checkpoints (megatron-core dist_checkpointing),
-Hugging Face ``LlamaForCausalLM`` export (the input arm materialised into ``embed_tokens``) and import
-(one weight map, both directions), export of the LEV parameters for the pure-torch
+Hugging Face export as ``LlamaForCausalLM``, ``GPT2LMHeadModel`` or ``MixtralForCausalLM`` (the input arm
+materialised into the input table) and ``LlamaForCausalLM`` import (Llama's weight map, both directions), export of the LEV parameters for the pure-torch
 ``megatron_lev.lev.LEVEmbedding``, and dense -> LEV conversion (a LEV layer fitted to a trained table).
 
 CLI: ``tools/convert_checkpoint.py {reshard,export-hf,export-lev,import-hf,to-lev}``.

@@ -6,8 +6,9 @@ tensors are read through :data:`megatron_lev.conversion.hf.WEIGHT_MAP` backwards
 every tensor of the directory is either mapped or one of the derived buffers listed in
 ``IGNORED`` (rotary frequencies), every parameter of the megatron model is filled, and every shape is
 checked against ``config.json`` before anything is written. Architectures without a faithful
-megatron-core equivalent (another ``model_type``, biases, another activation, RoPE scaling) are
-refused with one line naming the setting.
+megatron-core equivalent (another ``model_type``, biases, another activation, a RoPE scaling other than
+Llama 3.1's) are refused with one line naming the setting. Llama 3.1-3.3's ``rope_scaling`` (``rope_type
+llama3``) becomes ``--use-rope-scaling --rope-scaling-factor F`` (megatron-core's RotaryEmbedding).
 
 The result is a checkpoint at iteration 0 (``iter_0000000``, no optimizer state) whose
 ``config.yaml`` holds the model, the tokenizer (the directory's ``tokenizer.json`` copied to
@@ -34,7 +35,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .hf import OUTPUT, LlamaShape, head_layout, mapped_names, megatron_tensors
+from .hf import LLAMA3_ROPE, OUTPUT, LlamaShape, head_layout, mapped_names, megatron_tensors
 from .source import ConversionError, disk_full_is_one_line, save_target, saved_config
 
 # Tensors some Llama checkpoints carry that are derived from config.json (not parameters).
@@ -74,10 +75,10 @@ def check_llama_config(cfg: Dict[str, Any], path: str) -> None:
     if cfg.get("hidden_act", "silu") != "silu":
         _refuse(path, f"hidden_act {cfg.get('hidden_act')}", "the SwiGLU MLP uses silu")
     for key, why in (("attention_bias", "megatron's Llama layers have no biases"),
-                     ("mlp_bias", "megatron's Llama layers have no biases"),
-                     ("rope_scaling", "RoPE scaling is not mapped")):
+                     ("mlp_bias", "megatron's Llama layers have no biases")):
         if cfg.get(key):
             _refuse(path, f"{key} {cfg.get(key)!r}", why)
+    rope_scaling_factor(cfg, path)
     theta = _rope_theta(cfg)
     if float(theta) != int(theta):
         _refuse(path, f"rope_theta {theta}", "--rotary-base is an integer")
@@ -88,9 +89,29 @@ def check_llama_config(cfg: Dict[str, Any], path: str) -> None:
 
 def _rope_theta(cfg: Dict[str, Any]) -> float:
     params = cfg.get("rope_parameters") or {}  # transformers >= 5 nests it
-    if isinstance(params, dict) and params.get("rope_type", "default") not in ("default", None):
-        raise ConversionError(f"cannot import rope_type {params.get('rope_type')!r} (RoPE scaling is not mapped)")
     return float(cfg.get("rope_theta", params.get("rope_theta", 10000.0) if isinstance(params, dict) else 10000.0))
+
+
+def rope_scaling_factor(cfg: Dict[str, Any], path: str) -> Optional[float]:
+    """The factor of a Llama 3.1-3.3 ``rope_scaling`` (``rope_parameters`` in transformers >= 5), None without
+    scaling; ConversionError for a type or parameter megatron-core's Llama-3.1 scaling cannot honour (its
+    low/high frequency factors and original context are fixed at 1, 4 and 8192)."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        _refuse(path, f"rope_scaling {params!r}", "expected a mapping")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind != "llama3":
+        _refuse(path, f"rope_type {kind!r}", "only Llama 3.1's scaling (rope_type llama3) is mapped, as "
+                "--use-rope-scaling")
+    for key, value in LLAMA3_ROPE.items():
+        if key in params and float(params[key]) != value:
+            _refuse(path, f"rope_scaling {key} {params[key]}", f"megatron-core's Llama-3.1 RoPE scaling fixes it at "
+                    f"{value:g}")
+    if not isinstance(params.get("factor"), (int, float)) or params["factor"] < 1:
+        _refuse(path, f"rope_scaling factor {params.get('factor')!r}", "--rope-scaling-factor needs a number >= 1")
+    return float(params["factor"])
 
 
 def _hf_shape(cfg: Dict[str, Any]) -> LlamaShape:
@@ -282,6 +303,9 @@ def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Opti
     ]
     if g != n:
         flags += ["--group-query-attention", "--num-query-groups", str(g)]
+    factor = rope_scaling_factor(cfg, model.path)
+    if factor is not None:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(factor)]
     if dt != "float32":
         flags.append("--bf16" if dt == "bfloat16" else "--fp16")
     tok_flags, tok_vocab = _tokenizer_flags(model, save, tokenizer, log)

@@ -236,6 +236,14 @@ class LevModelConfig:
     rotary_base: int = field(default=10000, metadata={"min": 1})
     """RoPE base period (flag --rotary-base)."""
 
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE scaling of the low frequencies (megatron-core's ``rope_scaling``: low/high frequency
+    factors 1 and 4 over an original context of 8192 positions; flag --use-rope-scaling)."""
+
+    rope_scaling_factor: float = field(default=8.0, metadata={"min": 1})
+    """The factor of --use-rope-scaling that divides the low frequencies (Llama 3.1 and 3.3: 8, Llama 3.2: 32;
+    flag --rope-scaling-factor)."""
+
     init_seed: int = 1234
     """Seed of the LEV initialisation (codebooks, per-head streams, id sample) and of the factored_mlp
     codebooks (flag --seed, whose default, Megatron-LM's, this is). The same seed gives the same initial
@@ -373,6 +381,7 @@ class LevModelConfig:
             )
         if self.position_embedding_type == "rope" and config.kv_channels * self.rotary_percent < 2:
             raise ConfigError("--rotary-percent leaves fewer than 2 rotated channels per head; raise it")
+        check_rope_scaling(self.position_embedding_type, self.use_rope_scaling, self.rope_scaling_factor)
 
         # The LEV settings matter for lev (layer) and factored_mlp (seed), and for matching.
         if self.input_embedding in ("lev",) + ARMS_MATCHED:
@@ -570,6 +579,17 @@ def check_fp8_tokens(fp8: Optional[str], recipe: Optional[str], *, micro_batch_s
             f"micro-batch{where}: FP8 GEMMs{' with --fp8-recipe mxfp8' if m == 32 else ''} need a multiple of "
             f"{m}; choose them so that micro-batch-size x seq-length is a multiple of {mult}"
         )
+
+
+def check_rope_scaling(position_embedding_type: str, use_rope_scaling: bool, rope_scaling_factor: float) -> None:
+    """--use-rope-scaling needs RoPE, and --rope-scaling-factor needs --use-rope-scaling (a factor without it
+    would be accepted and ignored)."""
+    if use_rope_scaling and position_embedding_type != "rope":
+        raise ConfigError(f"--use-rope-scaling scales RoPE; this model has --position-embedding-type "
+                          f"{position_embedding_type}: add --position-embedding-type rope or drop it")
+    if not use_rope_scaling and float(rope_scaling_factor) != 8.0:
+        raise ConfigError(f"--rope-scaling-factor {rope_scaling_factor} applies only with --use-rope-scaling; "
+                          "add it or drop the factor")
 
 
 # ---------------------------------------------------------------------- TransformerConfig

@@ -106,6 +106,8 @@ class LevGPTModel(GPTModel):
             position_embedding_type=model_config.position_embedding_type,
             rotary_percent=model_config.rotary_percent,
             rotary_base=model_config.rotary_base,
+            rope_scaling=model_config.use_rope_scaling,
+            rope_scaling_factor=model_config.rope_scaling_factor,
             pg_collection=pg_collection,
             vp_stage=vp_stage,
             # An arm of ours: megatron would build a LanguageModelEmbedding for the MTP block.

@@ -90,3 +90,38 @@ def convert_sources(root: str, arms) -> None:
     for arm in arms:
         reshard_checkpoint(root / f"{arm}_src", root / f"{arm}_tp1", tp=1, pp=1, progress=False)
     reshard_checkpoint(root / "tied_tp1", root / "tied_back", tp=2, pp=2, progress=False)
+
+
+def model_args(argv):
+    """The resolved arguments (``config.yaml``'s) of pretrain_lev.py flags ``argv`` at TP=1, the padded
+    vocabulary set as training sets it."""
+    from megatron_lev.arguments import parse_args, resolved_config
+    from megatron_lev.tokenizer import padded_vocab_size
+    from megatron_lev.tokenizer.spec import TokenizerSpec
+
+    args = parse_args(list(map(str, argv)), world_size=1)
+    a = resolved_config(args)
+    spec = TokenizerSpec.from_args(args)
+    vocab = spec.build().vocab_size if spec is not None else int(args.vocab_size) + 1
+    a["padded_vocab_size"] = padded_vocab_size(vocab, a["make_vocab_size_divisible_by"], 1)
+    return a
+
+
+def save_random_models(plan):
+    """For each ``(save_dir, resolved arguments)`` of ``plan``: the model built at TP=1 with every parameter
+    drawn at random (norm scales and biases too, so that a misplaced one changes the logits), saved as
+    iteration 1 with the training checkpointer. A launch's imports are shared by all of them."""
+    from megatron_lev.conversion.model_io import build_model, save_model_checkpoint
+    from megatron_lev.distributed import set_seed
+
+    for k, (save, a) in enumerate(plan):
+        set_seed(1234 + k)
+        chunks, _config, _mc = build_model(a, fast_init=False)
+        with torch.no_grad():
+            for name, p in chunks[0].named_parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.08)
+                else:  # biases and norm scales (megatron stores a zero-centred scale minus 1)
+                    one = name.endswith("norm.weight") or name.endswith("layer_norm_weight")
+                    p.normal_(0, 0.2).add_(1.0 if one and not a.get("layernorm_zero_centered_gamma") else 0.0)
+        save_model_checkpoint(chunks, save, 1, a, {})

@@ -244,13 +244,17 @@ def test_qkv_and_fc1_split_follow_megatron_grouping():
 
 
 @pytest.mark.parametrize("setting, expected", [
-    ({"normalization": "LayerNorm"}, "--normalization LayerNorm"),
+    ({"normalization": "LayerNorm"}, "Llama: --normalization LayerNorm"),
     ({"swiglu": False}, "--swiglu not set"),
     ({"disable_bias_linear": False}, "--disable-bias-linear not set"),
     ({"position_embedding_type": "learned_absolute"}, "--position-embedding-type learned_absolute"),
     ({"rotary_percent": 0.5}, "--rotary-percent 0.5"),
-    ({"num_experts": 4}, "MoE checkpoints do not export to Hugging Face yet; this one has --num-experts 4"),
-    ({"layernorm_zero_centered_gamma": True}, "--apply-layernorm-1p (zero-centred norm weights)"),
+    ({"num_experts": 4, "moe_layer_freq": [1, 0]}, "Mixtral: --moe-layer-freq [1, 0] (every Mixtral layer"),
+    ({"num_experts": 4, "normalization": "LayerNorm"}, "Mixtral: --normalization LayerNorm"),
+    # LayerNorm + GeLU is GPT-2, which has learned positions and a key/value head per query head.
+    ({"normalization": "LayerNorm", "swiglu": False}, "GPT-2 (LayerNorm, GeLU): --position-embedding-type rope"),
+    ({"normalization": "LayerNorm", "swiglu": False, "position_embedding_type": "learned_absolute",
+      "group_query_attention": True, "num_query_groups": 2}, "GPT-2 (LayerNorm, GeLU): --num-query-groups 2"),
 ])
 def test_hf_export_refuses_non_llama_settings(setting, expected):
     from megatron_lev.arguments import parse_args, resolved_config
@@ -262,10 +266,56 @@ def test_hf_export_refuses_non_llama_settings(setting, expected):
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --train-iters 4 "
         "--lr 1e-3 --mock-data --vocab-size 100 --normalization RMSNorm --swiglu --disable-bias-linear "
         "--position-embedding-type rope --input-embedding lev".split(), world_size=1))
-    check_hf_compatible(RunConfig.from_saved_args(ok).model)
+    assert check_hf_compatible(RunConfig.from_saved_args(ok).model) == "LlamaForCausalLM"
     with pytest.raises(ConversionError) as e:
         check_hf_compatible(RunConfig.from_saved_args({**ok, **setting}).model)
     assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ({"normalization": "LayerNorm", "swiglu": False, "position_embedding_type": "learned_absolute",
+      "disable_bias_linear": False}, "GPT2LMHeadModel"),
+    ({"num_experts": 4, "moe_layer_freq": 1}, "MixtralForCausalLM"),
+    ({"layernorm_zero_centered_gamma": True}, "LlamaForCausalLM"),
+])
+def test_hf_export_picks_the_class_that_computes_the_model(setting, expected):
+    """Megatron-LM's GPT-3 settings export as GPT-2, MoE as Mixtral, a zero-centred norm as any of them
+    (all three were refused before)."""
+    from megatron_lev.arguments import parse_args, resolved_config
+    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.conversion import check_hf_compatible
+
+    ok = resolved_config(parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --train-iters 4 "
+        "--lr 1e-3 --mock-data --vocab-size 100 --normalization RMSNorm --swiglu --disable-bias-linear "
+        "--position-embedding-type rope --input-embedding lev".split(), world_size=1))
+    assert check_hf_compatible(RunConfig.from_saved_args({**ok, **setting}).model) == expected
+
+
+# The model-shape flags of Megatron-LM's example scripts (their sizes are scaled down below).
+_EXAMPLE_MODEL_FLAGS = {"--normalization", "--swiglu", "--disable-bias-linear", "--position-embedding-type", "--rotary-base",
+                        "--rotary-percent", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
+                        "--group-query-attention", "--num-query-groups", "--no-position-embedding", "--num-experts",
+                        "--moe-router-topk"}
+
+
+@pytest.mark.parametrize("script, expected", [("examples/gpt3/train_gpt3_175b_distributed.sh", "GPT2LMHeadModel"),
+                                              ("examples/llama/train_llama3_8b_h100_fp8.sh", "LlamaForCausalLM"),
+                                              ("examples/mixtral/train_mixtral_8x7b_distributed.sh", "MixtralForCausalLM")])
+def test_megatron_lm_example_models_have_an_hf_class(script, expected):
+    """The models of Megatron-LM's GPT-3, Llama 3 (with --apply-layernorm-1p) and Mixtral scripts export (all
+    three were refused before)."""
+    from megatron_lev.arguments import parse_args, resolved_config
+    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.conversion import check_hf_compatible
+
+    argv = json.loads((REPO / "tests" / "training" / "data" / "megatron_lm_examples.json").read_text())["scripts"][script]
+    flags = [w for item in argv for w in item.split() if item.split()[0] in _EXAMPLE_MODEL_FLAGS]  # "--flag value"
+    assert "--normalization" in flags or "gpt3" in script
+    a = resolved_config(parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 32 --micro-batch-size 2 --train-iters 4 "
+        "--lr 1e-3 --mock-data --vocab-size 100".split() + flags, world_size=1))
+    assert check_hf_compatible(RunConfig.from_saved_args(a).model) == expected
 
 
 def test_bad_inputs_give_one_line_errors(runs, tmp_path):

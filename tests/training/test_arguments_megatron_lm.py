@@ -32,6 +32,8 @@ NEEDS = {
     "--recompute-method": ["--recompute-granularity", "full"], "--recompute-num-layers": ["--recompute-granularity", "full"],
     "--wandb-exp-name": ["--wandb-project", "p"], "--wandb-save-dir": ["--wandb-project", "p"],
     "--wandb-entity": ["--wandb-project", "p"],
+    "--use-rope-scaling": ["--position-embedding-type", "rope"],
+    "--rope-scaling-factor": ["--position-embedding-type", "rope", "--use-rope-scaling"],
 }
 VALUES = {"--split": "90,10,0", "--data-cache-path": "cache", "--tensorboard-dir": "tb", "--save": "ckpt", "--load": "ckpt",
           "--num-query-groups": "2", "--kv-channels": "8", "--max-position-embeddings": "64", "--global-batch-size": "4",
