@@ -37,6 +37,8 @@ from megatron_lev.jsonl import expand_inputs, iter_lines
 from .scorer import Scorer, progress_bar
 
 PAPER_EDGES = (1e-7, 1e-6, 1e-5, 1e-4)
+EXPOSURE_BUCKETS = (("never", 0, 0), ("1-10", 1, 10), ("11-100", 11, 100), ("101-1k", 101, 1000),
+                    ("1k-10k", 1001, 10000), (">10k", 10001, None))
 LN2 = math.log(2.0)
 
 
@@ -126,14 +128,30 @@ def documents_from_path(path: str, tokenizer, key: str = "text", limit: Optional
     return jsonl_documents([p for p in path.split(",") if p], tokenizer, key=key, limit=limit)
 
 
+def spread_documents(docs: Iterable[Tuple[np.ndarray, int]], tokens: int) -> List[Tuple[np.ndarray, int]]:
+    """Documents spread evenly over the whole set (the ``floor(i * total / k)``-th, in order), ``k`` the
+    number of documents of about ``tokens`` tokens at the set's mean document length: a subset that follows
+    the set's make-up, where its first documents need not (a set is often grouped by source)."""
+    if tokens < 1:
+        raise ValueError(f"a sample of {tokens} tokens: give at least 1")
+    every = list(docs)
+    total = sum(len(t) for t, _ in every)
+    if not every or tokens >= total:
+        return every
+    k = max(1, min(len(every), math.ceil(tokens * len(every) / total)))
+    return [every[i * len(every) // k] for i in range(k)]
+
+
 # ------------------------------------------------------------------------------------------------
 # windows
 
 
 def iter_windows(docs: Iterable[Tuple[np.ndarray, int]], seq_length: int, stride: Optional[int], eod: int,
-                 max_tokens: Optional[int] = None, stats: Optional[Dict[str, int]] = None
-                 ) -> Iterator[Tuple[np.ndarray, int]]:
-    """(window tokens, number of leading targets to skip) over the stream ``[eod] + doc1 + doc2 ...``.
+                 max_tokens: Optional[int] = None, stats: Optional[Dict[str, int]] = None,
+                 document_index: bool = False) -> Iterator[Tuple[np.ndarray, ...]]:
+    """(window tokens, number of leading targets to skip) over the stream ``[eod] + doc1 + doc2 ...``;
+    with ``document_index`` a third element, the document (0, 1, ... in stream order) of each window token
+    (a document's trailing EOD is its own; the leading EOD, never a target, is -1).
 
     A window holds up to ``seq_length + 1`` tokens; its targets are tokens ``1..``; the first
     ``skip`` of them were scored by an earlier window. ``max_tokens`` stops adding documents once
@@ -146,6 +164,7 @@ def iter_windows(docs: Iterable[Tuple[np.ndarray, int]], seq_length: int, stride
     stats.setdefault("documents", 0)
     stats.setdefault("bytes", 0)
     buf = np.asarray([eod], dtype=np.int64)  # stream tokens from absolute position `base`
+    dbuf = np.asarray([-1], dtype=np.int64)  # their documents
     base = 0
     start = 0  # absolute start of the next window
     scored_until = 0  # absolute index of the last scored target (targets are 1..)
@@ -167,6 +186,7 @@ def iter_windows(docs: Iterable[Tuple[np.ndarray, int]], seq_length: int, stride
             stats["documents"] += 1
             stats["bytes"] += int(nbytes)
             buf = np.concatenate([buf[start - base:], toks])
+            dbuf = np.concatenate([dbuf[start - base:], np.full(len(toks), stats["documents"] - 1, dtype=np.int64)])
             base = start
             total += len(toks)
         end = min(start + seq_length + 1, total)
@@ -174,7 +194,7 @@ def iter_windows(docs: Iterable[Tuple[np.ndarray, int]], seq_length: int, stride
             return
         window = buf[start - base:end - base]
         skip = max(0, scored_until - start)
-        yield window, skip
+        yield (window, skip, dbuf[start - base:end - base]) if document_index else (window, skip)
         scored_until = end - 1
         if end == total and exhausted:
             return
@@ -197,6 +217,8 @@ class PerplexityResult:
     stride: int
     nll_by_id: np.ndarray = field(repr=False)  # float64 [V]: summed NLL per target id
     count_by_id: np.ndarray = field(repr=False)  # int64 [V]: occurrences per target id
+    nll_by_doc: Optional[np.ndarray] = field(default=None, repr=False)  # float64 [documents]: summed NLL
+    tokens_by_doc: Optional[np.ndarray] = field(default=None, repr=False)  # int64 [documents]: targets scored
 
     @property
     def nll(self) -> float:
@@ -219,7 +241,8 @@ class PerplexityResult:
         from .report import atomic_path
 
         with atomic_path(path) as tmp:  # ends in .npz: numpy keeps the name
-            np.savez_compressed(tmp, nll_by_id=self.nll_by_id, count_by_id=self.count_by_id)
+            per_doc = {} if self.nll_by_doc is None else {"nll_by_doc": self.nll_by_doc, "tokens_by_doc": self.tokens_by_doc}
+            np.savez_compressed(tmp, nll_by_id=self.nll_by_id, count_by_id=self.count_by_id, **per_doc)
 
 
 def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], *, eod: int, name: str = "ppl",
@@ -237,13 +260,23 @@ def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], 
     stats: Dict[str, int] = {}
     nll_sum = 0.0
     tokens = 0
-    windows = iter_windows(docs, seq_length, stride, eod, max_tokens, stats)
+    nll_by_doc = np.zeros(0, dtype=np.float64)
+    tokens_by_doc = np.zeros(0, dtype=np.int64)
+    windows = iter_windows(docs, seq_length, stride, eod, max_tokens, stats, document_index=True)
     bar = progress_bar(_chunks(windows, chunk_windows), name if progress else None, scorer.is_main, unit="chunk")
     for chunk in bar:
-        scores = scorer.score([w for w, _ in chunk])
-        for (w, skip), sc in zip(chunk, scores):
+        scores = scorer.score([w for w, _, _ in chunk])
+        for (w, skip, doc), sc in zip(chunk, scores):
             tgt = w[1 + skip:]
             nll = -sc.logprobs[skip:]
+            tdoc = doc[1 + skip:]  # targets are never the leading EOD: every one has a document
+            if tdoc.size:
+                top = int(tdoc.max()) + 1
+                if top > nll_by_doc.size:
+                    nll_by_doc = np.concatenate([nll_by_doc, np.zeros(top - nll_by_doc.size)])
+                    tokens_by_doc = np.concatenate([tokens_by_doc, np.zeros(top - tokens_by_doc.size, dtype=np.int64)])
+                nll_by_doc[:top] += np.bincount(tdoc, weights=nll, minlength=top)
+                tokens_by_doc[:top] += np.bincount(tdoc, minlength=top)
             if tgt.size and tgt.max() >= V:
                 grow = int(tgt.max()) + 1
                 nll_by_id = np.concatenate([nll_by_id, np.zeros(grow - V)])
@@ -255,7 +288,8 @@ def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], 
             tokens += int(tgt.size)
     return PerplexityResult(name=name, source=source, tokens=tokens, documents=stats.get("documents", 0),
                             bytes=stats.get("bytes", 0), nll_sum=nll_sum, seq_length=seq_length, stride=stride,
-                            nll_by_id=nll_by_id, count_by_id=count_by_id)
+                            nll_by_id=nll_by_id, count_by_id=count_by_id,
+                            nll_by_doc=nll_by_doc, tokens_by_doc=tokens_by_doc)
 
 
 def _chunks(it: Iterable, n: int) -> Iterator[List]:
@@ -329,5 +363,28 @@ def stratify(nll_by_id: np.ndarray, count_by_id: np.ndarray, token_counts: np.nd
         nll = s / n if n else None
         out.append({"bucket": label, "lo": edges[b - 1] if b > 0 else 0.0,
                     "hi": edges[b] if b < len(edges) else None, "tokens": n, "vocab_ids": int((sel & (count_by_id > 0)).sum()),
+                    "nll": nll, "ppl": math.exp(min(nll, 700.0)) if nll is not None else None})
+    return out
+
+
+def stratify_by_exposure(nll_by_id: np.ndarray, count_by_id: np.ndarray, token_counts: np.ndarray,
+                         scale: float = 1.0) -> List[Dict[str, Any]]:
+    """Per-bucket tokens / mean NLL / PPL by how often the target id was trained on: its training count
+    times ``scale`` (the fraction of the counted set a run trained on; 1: the count as it is), rounded;
+    buckets ``EXPOSURE_BUCKETS`` (never, 1-10, ..., >10k). Where the relative-frequency buckets depend on
+    the size of the training set, these say how many times the model saw the token."""
+    if scale < 0:
+        raise ValueError(f"exposure scale {scale}: expected a fraction >= 0")
+    counts = np.zeros(len(count_by_id), dtype=np.float64)
+    given = np.asarray(token_counts, dtype=np.float64).reshape(-1)
+    n = min(len(counts), given.size)
+    counts[:n] = given[:n]
+    seen = np.rint(counts * scale)
+    out = []
+    for label, lo, hi in EXPOSURE_BUCKETS:
+        sel = (seen >= lo) & (seen <= (np.inf if hi is None else hi))
+        k = int(count_by_id[sel].sum())
+        nll = float(nll_by_id[sel].sum()) / k if k else None
+        out.append({"bucket": label, "lo": lo, "hi": hi, "tokens": k, "vocab_ids": int((sel & (count_by_id > 0)).sum()),
                     "nll": nll, "ppl": math.exp(min(nll, 700.0)) if nll is not None else None})
     return out

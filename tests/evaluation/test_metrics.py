@@ -13,7 +13,8 @@ import torch
 
 from megatron_lev.evaluation import (
     DataFormatError, LogitsScorer, evaluate_lambada, evaluate_multiple_choice, evaluate_perplexity, iter_windows,
-    jsonl_documents, load_mc_examples, parse_edges, stratify, write_comparison, write_report,
+    jsonl_documents, load_mc_examples, parse_edges, spread_documents, stratify, stratify_by_exposure, write_comparison,
+    write_report,
 )
 from megatron_lev.evaluation.tasks import MC_TASKS, encode_pair, loglikelihood
 
@@ -80,6 +81,44 @@ def test_perplexity_is_exp_mean_nll_and_stride_invariant_for_context_free_model(
     r = evaluate_perplexity(scorer, jsonl_documents([str(path)], byte_tokenizer), eod=0, seq_length=16,
                             max_tokens=5, progress=False)
     assert r.documents == 1 and r.tokens == len(texts[0].encode()) + 1
+
+
+def test_per_document_nll_adds_up_and_follows_each_document():
+    """Each document's summed NLL and target count (its trailing EOD included), under every stride."""
+    scorer, logp = unigram_scorer({"a": 0.5, "b": 0.01, 0: 0.1})
+    texts = ["aaaaaaaaaaaaaaaaaaaaa", "b", "bbbbbbbbbbbb", "ab"]
+    docs = [(np.asarray(list(t.encode()) + [0], dtype=np.int64), len(t)) for t in texts]
+    expect = [-sum(logp[i] for i in d) for d, _ in docs]
+    for stride in (None, 3, 1):
+        r = evaluate_perplexity(scorer, iter(docs), eod=0, seq_length=8, stride=stride, progress=False)
+        assert r.tokens_by_doc.tolist() == [len(d) for d, _ in docs]
+        assert r.nll_by_doc == pytest.approx(expect, rel=1e-6)
+        assert r.nll_by_doc.sum() == pytest.approx(r.nll_sum, rel=1e-9)
+
+
+def test_a_document_sample_is_spread_over_the_set_at_about_the_tokens_asked():
+    docs = [(np.arange(1, 3 + (i % 2) * 2, dtype=np.int64), 1) for i in range(10)]  # 2 or 4 tokens: 30 in all
+    assert [int(len(d[0])) for d in docs[:2]] == [2, 4]
+    sample = spread_documents(iter(docs), 9)  # 9 of 30 tokens: 3 documents, the 0th, 3rd and 6th
+    assert [next(i for i, x in enumerate(docs) if x is d) for d in sample] == [0, 3, 6]
+    assert len(spread_documents(iter(docs), 1000)) == 10
+    with pytest.raises(ValueError, match="at least 1"):
+        spread_documents(iter(docs), 0)
+
+
+def test_exposure_buckets_count_training_occurrences_scaled_to_the_part_trained():
+    nll_by_id = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 0.0])
+    count_by_id = np.array([1, 1, 2, 2, 4, 8, 0])
+    counts = np.array([0, 10, 11, 1000, 1001, 20000])  # id 6 past the counts: never seen
+    rows = {b["bucket"]: b for b in stratify_by_exposure(nll_by_id, count_by_id, counts)}
+    assert [rows[k]["tokens"] for k in ("never", "1-10", "11-100", "101-1k", "1k-10k", ">10k")] == [1, 1, 2, 2, 4, 8]
+    assert rows["11-100"]["nll"] == pytest.approx(2.0) and rows["never"]["vocab_ids"] == 1
+    assert sum(b["tokens"] for b in rows.values()) == count_by_id.sum()
+    half = {b["bucket"]: b["tokens"] for b in stratify_by_exposure(nll_by_id, count_by_id, counts, scale=0.01)}
+    # 0.1 and 0.11 expected sightings round to never; 10 and 10.01 to 1-10; 200 to 101-1k
+    assert half == {"never": 1 + 1 + 2, "1-10": 2 + 4, "11-100": 0, "101-1k": 8, "1k-10k": 0, ">10k": 0}
+    with pytest.raises(ValueError, match="scale"):
+        stratify_by_exposure(nll_by_id, count_by_id, counts, scale=-1)
 
 
 def test_sliding_windows_give_more_context():
