@@ -109,6 +109,20 @@ CONFIGS["gpu-science-tiny"] = dict(
                 "training documents (the GPU science run's plumbing on a CPU; numbers not meaningful)",
     why="",
 )
+# The seed study on 2 shared CPU cores (docs/results/science_cpu.md): four arms x five seeds in about 45 minutes.
+CONFIGS["cpu-study"] = dict(
+    model=["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128"],
+    batch=["--micro-batch-size", "8", "--global-batch-size", "8"],
+    train_iters=30, lr="2e-3", min_lr="2e-4", warmup_frac=0.07, save_interval=10**6, log_interval=5,
+    eval_interval=10**6, eval_iters=0, eval_max_tokens=None, eval_sample_tokens=25000,
+    eval_limit=None, eval_tasks="", train_docs=None, precision=[],
+    description="2 layers, hidden 64, 4 heads, sequence 128, batch 8 x 128 = 1,024 tokens/step, fp32, 1 process",
+    why="twenty runs (tied, untied, albert, lev x five seeds) and their evaluations in about 45 minutes of two CPU "
+        "cores shared with other work (about 2 s per iteration and 25 s of start-up per process measured there), "
+        "so each run trains 30 iterations: an early-training comparison whose point is the intervals. "
+        "Evaluation on documents spread evenly over each set (every set's full size costs 5-10 minutes per run "
+        "here); no downstream tasks.",
+)
 TRANSFORMER = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
                "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--weight-decay", "0.1", "--clip-grad", "1.0",
                "--lr-decay-style", "cosine", "--adam-beta2", "0.95"]
@@ -120,11 +134,13 @@ def _load() -> List[float]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="cpu", choices=["cpu", "large", "gpu-science", "gpu-science-tiny"])
+    p.add_argument("--config", default="cpu", choices=["cpu", "cpu-study", "large", "gpu-science", "gpu-science-tiny"])
     p.add_argument("--quick", action="store_true", help="the tiny 'quick' configuration (a few minutes)")
     p.add_argument("--arms", default=",".join(ARMS), help="comma list (default: all six)")
-    p.add_argument("--seeds", default="1234,1235", help="first seed: every arm; further seeds: --multi-seed-arms")
-    p.add_argument("--multi-seed-arms", default="tied,lev")
+    p.add_argument("--seeds", default="1234,1235", help="comma list; every arm runs with every seed unless "
+                   "--multi-seed-arms narrows the further seeds")
+    p.add_argument("--multi-seed-arms", default=None, help="arms run with the seeds after the first (default: all "
+                   "of --arms; '' runs the first seed only)")
     p.add_argument("--train-iters", type=int, default=None, help="override the configuration's budget")
     p.add_argument("--eval-limit", type=int, default=None, help="examples per downstream task")
     p.add_argument("--eval-max-tokens", type=int, default=None, help="tokens per perplexity set")
@@ -151,7 +167,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--seeds {a.seeds!r}: expected comma-separated integers")
     if not a.seed_list:
         p.error("--seeds: give at least one seed")
-    a.multi = [x for x in a.multi_seed_arms.split(",") if x]
+    a.multi = a.arm_list if a.multi_seed_arms is None else [x for x in a.multi_seed_arms.split(",") if x]
     a.work_dir = Path(a.work_dir or REPO / "runs" / f"reproduce_{a.config_name}")
     a.output = Path(a.output or REPO / "docs" / "results" /
                     ("micro_reproduction_quick.md" if a.quick else
@@ -212,7 +228,10 @@ def eval_command(a, run: Dict[str, Any]) -> List[str]:
            "--valid-data", f"valid={paths['valid']}", "--token-counts", str(paths["counts"]),
            "--zeroshot-data", f"zeroshot={a.shared_data / 'corpus' / 'zeroshot_wiki.jsonl.zst'}",
            "--output-dir", str(d / "eval"), "--label", run["name"], "--no-progress"]
-    tasks = CONFIGS[a.config_name].get("eval_tasks", "all")
+    cfg = CONFIGS[a.config_name]
+    if cfg.get("eval_sample_tokens"):  # documents spread over each set (not its first ones)
+        cmd += ["--sample-tokens", str(cfg["eval_sample_tokens"])]
+    tasks = cfg.get("eval_tasks", "all")
     if tasks:
         cmd += ["--tasks", tasks, "--downstream-dir", str(a.shared_data / "downstream")]
     if a.eval_limit is not None:
