@@ -129,17 +129,18 @@ def documents_from_path(path: str, tokenizer, key: str = "text", limit: Optional
 
 
 def spread_documents(docs: Iterable[Tuple[np.ndarray, int]], tokens: int) -> List[Tuple[np.ndarray, int]]:
-    """Documents spread evenly over the whole set (the ``floor(i * total / k)``-th, in order), ``k`` the
-    number of documents of about ``tokens`` tokens at the set's mean document length: a subset that follows
-    the set's make-up, where its first documents need not (a set is often grouped by source)."""
+    """Documents spread evenly over the whole set (the ``floor(i * total / k)``-th, in order), with the
+    smallest ``k`` whose documents hold at least ``tokens`` tokens: a subset that follows the set's make-up,
+    where its first documents need not (a set is often grouped by source)."""
     if tokens < 1:
         raise ValueError(f"a sample of {tokens} tokens: give at least 1")
     every = list(docs)
-    total = sum(len(t) for t, _ in every)
-    if not every or tokens >= total:
-        return every
-    k = max(1, min(len(every), math.ceil(tokens * len(every) / total)))
-    return [every[i * len(every) // k] for i in range(k)]
+    lengths = [len(t) for t, _ in every]
+    for k in range(1, len(every) + 1):
+        picked = [i * len(every) // k for i in range(k)]
+        if sum(lengths[i] for i in picked) >= tokens:
+            return [every[i] for i in picked]
+    return every
 
 
 # ------------------------------------------------------------------------------------------------
