@@ -84,6 +84,7 @@ from _check_harness import (CheckFailed, CheckTimeout, Skip, TIMEOUT_RC, run_log
 # Program name -> the module holding its STAGES and plan (see the docstring); imported when chosen.
 PROGRAMS: Dict[str, str] = {
     "default": "gpu_check",
+    "science": "gpu_program_science",
 }
 
 SHARED = REPO.parent / "shared" / "data"

@@ -89,7 +89,7 @@ CONFIGS["gpu-science"] = dict(
     eval_interval=10**6, eval_iters=0, eval_max_tokens=None, eval_limit=None, eval_tasks="", train_docs=None,
     precision=["--bf16"],
     description="8 layers, hidden 512, 8 heads, sequence 1024, batch 64 x 1024 = 65,536 tokens/step, bf16 (one GPU, "
-                "the three arms at once)",
+                "the arms of a seed at once)",
     why="with the GPT-2 vocabulary the 50,304 x 512 input table is about half of the tied model (the counts "
         "are in the parameter table below), the embedding-dominated regime of the paper's 200M model; "
         "at the throughput measured in the same window the three arms train most of one pass over the corpus "
