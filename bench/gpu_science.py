@@ -155,10 +155,19 @@ def run(config: str, shared_data: str, work: Path, out: Path, deadline: float, r
     a.train_iters = p["iterations"]
     runs = rep.runs_of(a)
     step("train_and_evaluate", lambda: rep.train_and_evaluate(a, runs, parallel=len(runs)))
+    rows = _write_report(a, report, out, f"python bench/reproduce.py --config {config} --arms {','.join(arms)} --seeds "
+                         f"{seed} --multi-seed-arms '' --train-iters {a.train_iters} --work-dir WORK", figures, clock)
+    figures["arms"] = {r["arm"]: dict(rep.summary_metrics(r), **r["log"]) for r in rows}
+    figures["buckets"] = frequency_buckets(rows)
+    figures["report"] = "science.md"
+    return figures
+
+
+def _write_report(a, report: Path, out: Path, command: str, figures: Dict[str, Any], clock) -> List[Dict[str, Any]]:
+    """bench/reproduce.py's report of the runs, copied to OUT/science.md (and its loss curves); the runs' rows."""
+    rep = _reproduce()
     t0 = clock()
     rows = rep.collect(a)
-    command = (f"python bench/reproduce.py --config {config} --arms {','.join(arms)} --seeds {seed} "
-               f"--multi-seed-arms '' --train-iters {a.train_iters} --work-dir WORK")
     rep.build_report(a, rows, report, command, {"machine": _machine(), "load_start": None, "load_end": None})
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(report, out / "science.md")
@@ -166,10 +175,7 @@ def run(config: str, shared_data: str, work: Path, out: Path, deadline: float, r
     if curves.exists():
         shutil.copyfile(curves, out / "science_loss_curves.png")
     figures["steps"]["report"] = {"seconds": round(clock() - t0, 1), "ok": True}
-    figures["arms"] = {r["arm"]: dict(rep.summary_metrics(r), **r["log"]) for r in rows}
-    figures["buckets"] = frequency_buckets(rows)
-    figures["report"] = "science.md"
-    return figures
+    return rows
 
 
 def run_paired(config: str, shared_data: str, work: Path, out: Path, deadline: float, arms_by_seed: Dict[int, List[str]],
@@ -211,14 +217,9 @@ def run_paired(config: str, shared_data: str, work: Path, out: Path, deadline: f
     figures["iterations"], figures["tokens_per_arm"] = a.train_iters, a.train_iters * per_iter
     runs = rep.runs_of(a)
     step("train_and_evaluate", lambda: rep.train_and_evaluate(a, runs, parallel=len(first)))
-    t0 = clock()
-    rows = rep.collect(a)
-    command = (f"python bench/reproduce.py --config {config} --arms {','.join(first)} --seeds {','.join(map(str, seeds))} "
-               f"--multi-seed-arms {','.join(later)} --train-iters {a.train_iters} --work-dir WORK")
-    rep.build_report(a, rows, report, command, {"machine": _machine(), "load_start": None, "load_end": None})
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(report, out / "science.md")
-    figures["steps"]["report"] = {"seconds": round(clock() - t0, 1), "ok": True}
+    rows = _write_report(a, report, out, f"python bench/reproduce.py --config {config} --arms {','.join(first)} --seeds "
+                         f"{','.join(map(str, seeds))} --multi-seed-arms {','.join(later)} --train-iters {a.train_iters} "
+                         "--work-dir WORK", figures, clock)
     figures["contrasts"] = {name: [{"contrast": f"{d['a']}-{d['b']}", "seeds": d["seeds"], "mean": d["t"].mean,
                                     "t95": [d["t"].lo, d["t"].hi], "bootstrap95": [d["documents"].lo, d["documents"].hi],
                                     "statement": d["statement"]} for d in rep.paired_differences(rows, name)]
