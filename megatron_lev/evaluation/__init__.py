@@ -19,7 +19,7 @@ from .perplexity import (
     jsonl_documents,
     load_token_counts,
     parse_edges,
-    spread_documents,
+    spread_indices,
     stratify,
     stratify_by_exposure,
 )
@@ -39,7 +39,7 @@ from .tasks import (
 __all__ = [
     "PAPER_EDGES", "DataFormatError", "PerplexityResult", "documents_from_path", "evaluate_perplexity",
     "indexed_documents", "iter_windows", "jsonl_documents", "load_token_counts", "parse_edges", "stratify",
-    "EXPOSURE_BUCKETS", "spread_documents", "stratify_by_exposure",
+    "EXPOSURE_BUCKETS", "spread_indices", "stratify_by_exposure",
     "compare_results", "load_results", "write_comparison", "write_report", "LogitsScorer", "Scorer", "TokenScores",
     "ALL_TASKS", "MC_TASKS", "encode_pair", "evaluate_lambada", "evaluate_multiple_choice", "load_lambada",
     "load_mc_examples", "loglikelihood",

@@ -46,7 +46,6 @@ from .perplexity import (
     is_indexed_prefix,
     load_token_counts,
     parse_edges,
-    spread_documents,
     stratify,
     stratify_by_exposure,
 )
@@ -202,9 +201,8 @@ def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
         raise UsageError("no tokenizer: give --tokenizer-type and its files")
     for name, path in sets:
         t0 = time.time()
-        docs = documents_from_path(path, tokenizer, key=args.json_key, limit=args.max_documents)
-        if args.sample_tokens is not None:
-            docs = spread_documents(docs, args.sample_tokens)
+        docs = documents_from_path(path, tokenizer, key=args.json_key, limit=args.max_documents,
+                                   sample_tokens=args.sample_tokens)
         res = evaluate_perplexity(scorer, docs, eod=tokenizer.eod, name=name, source=os.path.abspath(path),
                                   seq_length=args.seq_length, stride=args.stride, max_tokens=args.max_tokens,
                                   progress=progress)

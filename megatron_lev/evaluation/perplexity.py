@@ -69,9 +69,11 @@ def is_indexed_prefix(path: str) -> bool:
     return os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx")
 
 
-def indexed_documents(prefix: str, tokenizer=None, limit: Optional[int] = None) -> Iterator[Tuple[np.ndarray, int]]:
+def indexed_documents(prefix: str, tokenizer=None, limit: Optional[int] = None,
+                      sample_tokens: Optional[int] = None) -> Iterator[Tuple[np.ndarray, int]]:
     """Documents of a megatron indexed dataset (``prefix.bin/.idx``). Bytes come from detokenising each
-    document without its trailing EOD (0 when no tokenizer is given: no bits per byte)."""
+    document without its trailing EOD (0 when no tokenizer is given: no bits per byte). ``sample_tokens``:
+    only the documents ``spread_indices`` picks by their token counts (read from the index)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     if not is_indexed_prefix(prefix):
@@ -82,7 +84,12 @@ def indexed_documents(prefix: str, tokenizer=None, limit: Optional[int] = None) 
     n_docs = len(docs) - 1
     if limit is not None:
         n_docs = min(n_docs, limit)
-    for d in range(n_docs):
+    chosen: Iterable[int] = range(n_docs)
+    if sample_tokens is not None:
+        seq_tokens = np.asarray(ds.sequence_lengths, dtype=np.int64)
+        per_doc = [int(seq_tokens[int(docs[d]):int(docs[d + 1])].sum()) for d in range(n_docs)]
+        chosen = spread_indices(per_doc, sample_tokens)
+    for d in chosen:
         parts = [np.asarray(ds[i], dtype=np.int64) for i in range(int(docs[d]), int(docs[d + 1]))]
         toks = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         nbytes = 0
@@ -100,6 +107,17 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
     A line that is not a JSON object with a string under ``key`` is a :class:`DataFormatError`
     naming the file and line (empty lines are skipped).
     """
+    for obj in _jsonl_objects(paths, key, limit):
+        text = obj[key]
+        ids = tokenizer.tokenize(text)
+        if append_eod:
+            ids = list(ids) + [tokenizer.eod]
+        yield np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
+
+
+def _jsonl_objects(paths: Sequence[str], key: str, limit: Optional[int]) -> Iterator[Dict[str, Any]]:
+    """The objects with a non-empty string under ``key`` (an empty one has nothing to score, and no separator:
+    as if the line were absent), the first ``limit``; any other line a DataFormatError naming file:line."""
     try:
         files = expand_inputs(list(paths))
     except FileNotFoundError as e:
@@ -111,36 +129,44 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
                 return
             if not isinstance(obj.get(key), str):
                 raise DataFormatError(f"{path}:{lineno}: expected a JSON object with a string field {key!r}")
-            text = obj[key]
-            if not text:
-                continue  # nothing to score (and no separator: as if the line were absent)
-            ids = tokenizer.tokenize(text)
-            if append_eod:
-                ids = list(ids) + [tokenizer.eod]
-            yield np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
-            n += 1
+            if obj[key]:
+                yield obj
+                n += 1
 
 
-def documents_from_path(path: str, tokenizer, key: str = "text", limit: Optional[int] = None):
-    """An indexed prefix (``path.bin/.idx``) or jsonl file(s) (comma-separated or a glob)."""
+def documents_from_path(path: str, tokenizer, key: str = "text", limit: Optional[int] = None,
+                        sample_tokens: Optional[int] = None):
+    """An indexed prefix (``path.bin/.idx``) or jsonl file(s) (comma-separated or a glob); ``sample_tokens``:
+    documents spread evenly over the set holding about that many tokens (``spread_indices``; a jsonl set's
+    are picked by their length in bytes at the bytes per token of its first documents, and only those are
+    tokenised)."""
     if is_indexed_prefix(path):
-        return indexed_documents(path, tokenizer, limit)
-    return jsonl_documents([p for p in path.split(",") if p], tokenizer, key=key, limit=limit)
+        return indexed_documents(path, tokenizer, limit, sample_tokens)
+    paths = [p for p in path.split(",") if p]
+    if sample_tokens is None:
+        return jsonl_documents(paths, tokenizer, key=key, limit=limit)
+    texts = [obj[key] for obj in _jsonl_objects(paths, key, limit)]
+    probe = texts[:32]
+    per_byte = sum(len(tokenizer.tokenize(t)) + 1 for t in probe) / max(1, sum(len(t.encode("utf-8")) for t in probe))
+    picked = spread_indices([len(t.encode("utf-8")) for t in texts], sample_tokens / max(per_byte, 1e-9))
+    return [(np.asarray(list(tokenizer.tokenize(texts[i])) + [tokenizer.eod], dtype=np.int64),
+             len(texts[i].encode("utf-8"))) for i in picked]
 
 
-def spread_documents(docs: Iterable[Tuple[np.ndarray, int]], tokens: int) -> List[Tuple[np.ndarray, int]]:
-    """Documents spread evenly over the whole set (the ``floor(i * total / k)``-th, in order), with the
-    smallest ``k`` whose documents hold at least ``tokens`` tokens: a subset that follows the set's make-up,
-    where its first documents need not (a set is often grouped by source)."""
-    if tokens < 1:
-        raise ValueError(f"a sample of {tokens} tokens: give at least 1")
-    every = list(docs)
-    lengths = [len(t) for t, _ in every]
-    for k in range(1, len(every) + 1):
-        picked = [i * len(every) // k for i in range(k)]
-        if sum(lengths[i] for i in picked) >= tokens:
-            return [every[i] for i in picked]
-    return every
+def spread_indices(lengths: Sequence[int], target: float) -> List[int]:
+    """Indices of documents spread evenly over the set (the ``floor(i * n / k)``-th), with the smallest ``k``
+    whose documents' ``lengths`` add up to ``target``: a subset that follows the set's make-up, where its first
+    documents need not (a set is often grouped by source). All of them when the set holds less."""
+    if target <= 0:
+        raise ValueError(f"a sample of {target} tokens: give at least 1")
+    n = len(lengths)
+    if sum(lengths) <= target:
+        return list(range(n))
+    for k in range(1, n + 1):
+        picked = [i * n // k for i in range(k)]
+        if sum(lengths[i] for i in picked) >= target:
+            return picked
+    return list(range(n))
 
 
 # ------------------------------------------------------------------------------------------------

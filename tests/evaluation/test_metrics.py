@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_lev.evaluation import (
-    DataFormatError, LogitsScorer, evaluate_lambada, evaluate_multiple_choice, evaluate_perplexity, iter_windows,
-    jsonl_documents, load_mc_examples, parse_edges, spread_documents, stratify, stratify_by_exposure, write_comparison,
+    DataFormatError, LogitsScorer, documents_from_path, evaluate_lambada, evaluate_multiple_choice, evaluate_perplexity, iter_windows,
+    jsonl_documents, load_mc_examples, parse_edges, spread_indices, stratify, stratify_by_exposure, write_comparison,
     write_report,
 )
 from megatron_lev.evaluation.tasks import MC_TASKS, encode_pair, loglikelihood
@@ -96,15 +96,28 @@ def test_per_document_nll_adds_up_and_follows_each_document():
         assert r.nll_by_doc.sum() == pytest.approx(r.nll_sum, rel=1e-9)
 
 
-def test_a_document_sample_is_spread_over_the_set_at_about_the_tokens_asked():
-    docs = [(np.arange(1, 3 + (i % 2) * 2, dtype=np.int64), 1) for i in range(10)]  # 2 or 4 tokens: 30 in all
-    assert [int(len(d[0])) for d in docs[:2]] == [2, 4]
-    sample = spread_documents(iter(docs), 9)  # 3 documents (0th, 3rd, 6th) hold 2 + 4 + 2 = 8 < 9 tokens: 4 of them
-    assert [next(i for i, x in enumerate(docs) if x is d) for d in sample] == [0, 2, 5, 7]
-    assert sum(len(d[0]) for d in sample) >= 9
-    assert len(spread_documents(iter(docs), 1000)) == 10
+def test_a_document_sample_is_spread_over_the_set_at_about_the_tokens_asked(tmp_path, byte_tokenizer):
+    lengths = [2, 4] * 5  # 30 tokens
+    # 3 documents (0th, 3rd, 6th) hold 2 + 4 + 2 = 8 < 9 tokens: the fewest spread ones that hold 9 are 4
+    assert spread_indices(lengths, 9) == [0, 2, 5, 7]
+    assert spread_indices(lengths, 1000) == list(range(10))
     with pytest.raises(ValueError, match="at least 1"):
-        spread_documents(iter(docs), 0)
+        spread_indices(lengths, 0)
+    # A jsonl set: picked by bytes, and only the picked documents are tokenised.
+    texts = [chr(97 + i) * (10 if i % 2 else 30) for i in range(20)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    calls = []
+    tokenize = byte_tokenizer.tokenize
+    byte_tokenizer.tokenize = lambda t: calls.append(t) or tokenize(t)
+    try:
+        docs = documents_from_path(str(path), byte_tokenizer, sample_tokens=100)
+    finally:
+        byte_tokenizer.tokenize = tokenize
+    got = [chr(int(d[0][0])) for d in docs]
+    # 1.05 tokens a byte in the probe: 95 bytes; 4 spread documents hold 80, 5 (0th, 4th, ...) hold 150
+    assert got == ["a", "e", "i", "m", "q"] and sum(len(d[0]) for d in docs) == 5 * 31
+    assert len(calls) <= 20 + len(docs) and [c[0] for c in calls[-len(docs):]] == got  # the probe, then the picked
 
 
 def test_exposure_buckets_count_training_occurrences_scaled_to_the_part_trained():
