@@ -111,17 +111,18 @@ CONFIGS["gpu-science-tiny"] = dict(
 )
 # The seed study on 2 shared CPU cores (docs/results/science_cpu.md): four arms x five seeds in about 45 minutes.
 CONFIGS["cpu-study"] = dict(
-    model=["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128"],
+    model=["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"],
     batch=["--micro-batch-size", "8", "--global-batch-size", "8"],
     train_iters=30, lr="2e-3", min_lr="2e-4", warmup_frac=0.07, save_interval=10**6, log_interval=5,
-    eval_interval=10**6, eval_iters=0, eval_max_tokens=None, eval_sample_tokens=12000,
+    eval_interval=10**6, eval_iters=0, eval_max_tokens=None, eval_sample_tokens=8000,
     eval_limit=None, eval_tasks="", train_docs=None, precision=[],
-    description="2 layers, hidden 64, 4 heads, sequence 128, batch 8 x 128 = 1,024 tokens/step, fp32, 1 process",
+    description="2 layers, hidden 64, 4 heads, sequence 64, batch 8 x 64 = 512 tokens/step, fp32, 1 process",
     why="twenty runs (tied, untied, albert, lev x five seeds) and their evaluations on two CPU cores shared with "
-        "other work (load averages of 10-30 while it ran: 2-15 s per iteration), each run forked from a process "
-        "that holds the imports (`--forked`), so each trains 30 iterations: an early-training comparison whose "
-        "point is the intervals. Evaluation on documents spread evenly over each set, about 12,000 tokens of "
-        "each (a full set costs 5-10 minutes per run here); no downstream tasks.",
+        "other work (load averages of 20-48 when it was sized: 10-16 s per 1,024-token iteration at nice 10), "
+        "each run forked from a process that holds the imports (`--forked`), so each trains 30 iterations of "
+        "512 tokens: an early-training comparison whose point is the intervals, not the paper's regime. "
+        "Evaluation on documents spread evenly over each set, about 8,000 tokens of each (a full set costs "
+        "5-10 minutes per run here); no downstream tasks.",
 )
 TRANSFORMER = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
                "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--weight-decay", "0.1", "--clip-grad", "1.0",
