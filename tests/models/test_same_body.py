@@ -10,6 +10,9 @@ from megatron_lev.testing import run_distributed
 
 from . import _harness as H
 
+# One two-rank launch builds every arm in three layouts (~40 s on 2 cores): not in make test-fast.
+pytestmark = pytest.mark.slow
+
 UNTIED_HEAD = ("untied", "albert", "flat_mlp", "factored_mlp", "lev")
 
 
