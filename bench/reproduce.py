@@ -146,7 +146,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval-limit", type=int, default=None, help="examples per downstream task")
     p.add_argument("--eval-max-tokens", type=int, default=None, help="tokens per perplexity set")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun; data parallel)")
-    p.add_argument("--threads", type=int, default=None, help="OMP/torch threads per process (default CPUs/nproc)")
+    p.add_argument("--threads", type=int, default=None, help="OMP/torch threads per process (default CPUs / "
+                   "(nproc x parallel))")
+    p.add_argument("--parallel", type=int, default=1, help="runs trained (then evaluated) at once, in the order of "
+                   "the runs (a seed's arms together)")
     p.add_argument("--work-dir", default=None, help="default runs/reproduce_<config>")
     p.add_argument("--shared-data", default=str(SHARED))
     p.add_argument("--output", default=None, help="report path (default docs/results/micro_reproduction[_quick].md)")
@@ -180,6 +183,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     a.deadline = None  # time.monotonic() at which every command is killed (bench/gpu_science.py sets it)
     if a.forked and a.nproc != 1:
         p.error("--forked runs one process per run: drop --nproc")
+    if a.parallel < 1:
+        p.error(f"--parallel {a.parallel}: give at least 1")
     return a
 
 
@@ -248,7 +253,7 @@ def eval_command(a, run: Dict[str, Any]) -> List[str]:
 
 
 def _env(a) -> Dict[str, str]:
-    threads = a.threads or max(1, (os.cpu_count() or 1) // a.nproc)
+    threads = a.threads or max(1, (os.cpu_count() or 1) // (a.nproc * a.parallel))
     return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
 
 
@@ -989,7 +994,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{a.train_iters} iterations each, work dir {a.work_dir}, load {meta['load_start']}", flush=True)
     if not a.report_only:
         prepare_data(a)
-        train_and_evaluate(a, runs)
+        train_and_evaluate(a, runs, parallel=a.parallel)
     if a.dry_run:
         return 0
     meta["load_end"] = _load()
