@@ -104,7 +104,9 @@ CONFIGS["gpu-science-tiny"] = dict(
     model=["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32"],
     batch=["--micro-batch-size", "2", "--global-batch-size", "4"], train_iters=3, eval_max_tokens=512,
     train_docs=40, precision=[], extra=["--lev-heads", "2", "--lev-seed-dim", "8", "--lev-knots", "5", "--lev-rank", "4",
-                                        "--lev-init-sample-size", "4096"],
+                                        "--lev-init-sample-size", "4096",
+                                        # no albert width is within 2% of so small a LEV: the narrowest
+                                        "--albert-dim", "1"],
     description="1 layer, hidden 32, 2 heads, sequence 32, batch 4 x 32 = 128 tokens/step, fp32, the first 40 "
                 "training documents (the GPU science run's plumbing on a CPU; numbers not meaningful)",
     why="",
