@@ -145,8 +145,9 @@ def markdown_science(f: Dict[str, Any]) -> List[str]:
         L += [f"{name}:", ""] + [r["statement"] for r in rows] + [""]
     gaps = f.get("curve_gaps") or []
     if gaps:
-        L += ["Learning-curve gap (training loss A - B, five windows, mean over seeds):", "",
-              "| A - B | " + " | ".join(f"window {i + 1}" for i in range(5)) + " |", "|---|" + "---|" * 5]
+        k = len(gaps[0]["windows"])
+        L += [f"Learning-curve gap (training loss A - B, {k} windows, mean over seeds):", "",
+              "| A - B | " + " | ".join(f"window {i + 1}" for i in range(k)) + " |", "|---|" + "---|" * k]
         L += [f"| {g['contrast']} | " + " | ".join(f"{w[0]:+.3f}" for w in g["windows"]) + " |" for g in gaps]
         L.append("")
     L += [f"- {k}: {v['seconds']} s{'' if v['ok'] else ' (failed)'}" for k, v in (f.get("steps") or {}).items()]

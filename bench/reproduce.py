@@ -670,16 +670,18 @@ def curve_gaps(rows, windows: int = CURVE_WINDOWS) -> List[Dict[str, Any]]:
             return None
         its = sorted(tr)
         n = len(its)
-        cuts = [its[i * n // windows:(i + 1) * n // windows] for i in range(windows)]
-        return [sum(tr[i] for i in c) / len(c) if c else None for c in cuts]
+        k = min(windows, n)  # a run shorter than the windows: one iteration a window
+        cuts = [its[i * n // k:(i + 1) * n // k] for i in range(k)]
+        return [sum(tr[i] for i in c) / len(c) for c in cuts]
 
     out = []
     for x, y in CONTRASTS:
         bx, by = _by_seed(rows, x), _by_seed(rows, y)
         pairs = [(window_means(bx[s]), window_means(by[s])) for s in sorted(set(bx) & set(by))]
-        pairs = [(p, q) for p, q in pairs if p and q and None not in p and None not in q]
+        pairs = [(p, q) for p, q in pairs if p and q and len(p) == len(q)]
         if pairs:
-            out.append({"a": x, "b": y, "windows": [st.t_interval([p[w] - q[w] for p, q in pairs]) for w in range(windows)]})
+            k = min(len(p) for p, _ in pairs)
+            out.append({"a": x, "b": y, "windows": [st.t_interval([p[w] - q[w] for p, q in pairs]) for w in range(k)]})
     return out
 
 
@@ -768,8 +770,8 @@ def science_lines(a, rows, pb) -> List[str]:
     if gaps:
         L += ["## Learning-curve gap", "", f"Training loss of A minus B in {CURVE_WINDOWS} equal windows of the "
               "iterations (paired within each seed, then mean and 95% t interval over seeds; nats).", "",
-              "| A - B | " + " | ".join(f"window {w + 1}" for w in range(CURVE_WINDOWS)) + " |",
-              "|---|" + "---|" * CURVE_WINDOWS]
+              "| A - B | " + " | ".join(f"window {w + 1}" for w in range(len(gaps[0]["windows"]))) + " |",
+              "|---|" + "---|" * len(gaps[0]["windows"])]
         for gp in gaps:
             L.append(f"| {gp['a']} - {gp['b']} | " + " | ".join(
                 f"{iv.mean:+.3f}" if iv.lo is None else f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]"
