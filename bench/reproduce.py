@@ -635,7 +635,7 @@ def exposure_differences(a, rows, name: str, counts) -> Dict[str, Any]:
     return {"scale": scale, "labels": labels, "tokens": tokens, "means": means, "contrasts": contrasts}
 
 
-def grad_norm_summary(rows, clip: float = 1.0) -> Dict[str, Dict[str, Optional[float]]]:
+def grad_norm_summary(rows) -> Dict[str, Dict[str, Optional[float]]]:
     """Per arm, means over seeds: each group's gradient norm over the logged iterations (all, and the first
     fifth of training), the global norm, and the fraction of iterations whose gradients were clipped."""
     out = {}
