@@ -88,3 +88,17 @@ def test_the_tiny_run_passes_on_the_cpu(tmp_path):
                     "## Gradient norms and clipping", "mean NLL by exposure"):
         assert section in science, section
     assert "over 2 seeds" in science and "Learning-curve gap" in (out / "gpu_check.md").read_text()
+
+
+def test_gpu_science_takes_arms_and_seeds_and_refuses_bad_ones_in_one_line(capsys):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import gpu_science
+
+    base = ["--out", "o", "--work", "w", "--seconds", "1", "--assume-tflops", "100"]
+    for bad, msg in ((["--arms", "tied,bogus"], "--arms tied,bogus: choose from"),
+                     (["--seeds", "1,x"], "--seeds '1,x': expected comma-separated integers")):
+        with pytest.raises(SystemExit) as e:
+            gpu_science.main(base + bad)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert gpu_science.assumed_rates("gpu-science", 100.0)["albert"] == gpu_science.assumed_rates("gpu-science", 100.0)["untied"]
