@@ -73,7 +73,7 @@ def _paths(a) -> Dict[str, Path]:
 def _ns(a) -> SimpleNamespace:
     """The namespace bench/reproduce.py's helpers read."""
     return SimpleNamespace(work_dir=(a.data_dir.parent if a.data_dir else a.work_dir), shared_data=a.shared_data,
-                           config_name="cpu", dry_run=a.dry_run, nproc=1, threads=None)
+                           config_name="cpu", dry_run=a.dry_run, nproc=1, parallel=1, threads=None)
 
 
 def _train_flags(a, p, iters: int) -> List[str]:

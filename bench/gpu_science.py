@@ -75,7 +75,8 @@ def flops_per_token(shape: Dict[str, int], vocab: int = 50304) -> float:
 def assumed_rates(config: str, tflops: float) -> Dict[str, float]:
     """tokens/s per arm at ``tflops`` achieved (planning without a device)."""
     tied = tflops * 1e12 / flops_per_token(model_shape(config))
-    return {"tied": tied, "untied": tied, "lev": tied / LEV_OVER_TIED_ASSUMED}
+    # albert: untied's head and a small input side, so untied's rate
+    return {"tied": tied, "untied": tied, "albert": tied, "lev": tied / LEV_OVER_TIED_ASSUMED}
 
 
 def corpus_tokens_estimate(shared_data: str) -> int:
@@ -84,17 +85,17 @@ def corpus_tokens_estimate(shared_data: str) -> int:
 
 
 def plan(seconds: float, rates: Dict[str, float], corpus_tokens: int, config: str,
-         max_iters: Optional[int] = None, overhead_s: Optional[float] = None) -> Dict[str, Any]:
+         max_iters: Optional[int] = None, overhead_s: Optional[float] = None, arms=ARMS) -> Dict[str, Any]:
     """Tokens and iterations per arm in ``seconds`` (module doc); ``overhead_s`` replaces the sum of
     OVERHEAD_S (what is still to come once some of it is spent)."""
     shape = model_shape(config)
     per_iter = shape["global_batch"] * shape["seq"]
-    missing = [a for a in ARMS if not rates.get(a)]
+    missing = [a for a in arms if not rates.get(a)]
     if missing:
         raise Skip(f"no tokens/s for {missing}: the throughput stage did not measure them (give --assume-tflops)")
     overhead = sum(OVERHEAD_S.values()) if overhead_s is None else overhead_s
     train_s = max(0.0, seconds - overhead) * TRAIN_SAFETY
-    seconds_per_token = sum(1.0 / rates[a] for a in ARMS)
+    seconds_per_token = sum(1.0 / rates[a] for a in arms)
     by_time = train_s / seconds_per_token
     tokens, limit = by_time, "time"
     if corpus_tokens and corpus_tokens < tokens:
@@ -119,14 +120,14 @@ def _dataset_tokens(prefix: Path) -> int:
 
 def run(config: str, shared_data: str, work: Path, out: Path, deadline: float, rates: Dict[str, float],
         max_iters: Optional[int] = None, min_iters: int = 1, partial: Callable[[Dict[str, Any]], None] = lambda f: None,
-        clock=time.monotonic) -> Dict[str, Any]:
+        clock=time.monotonic, arms=ARMS, seed: str = SEED) -> Dict[str, Any]:
     """Prepare the data, size the runs to what is left before ``deadline`` (``clock`` time), train and
     evaluate tied, untied and lev through ``bench/reproduce.py``; OUT/science.md is its report. Figures:
     the plan, each arm's summary and the validation set's frequency buckets."""
     rep = _reproduce()
     work, out = Path(work), Path(out)
     report = work / "report" / "science.md"
-    a = rep.parse_args(["--config", config, "--arms", ",".join(ARMS), "--seeds", SEED, "--multi-seed-arms", "",
+    a = rep.parse_args(["--config", config, "--arms", ",".join(arms), "--seeds", str(seed), "--multi-seed-arms", "",
                         "--work-dir", str(work), "--shared-data", str(shared_data), "--output", str(report)])
     a.deadline = deadline
     figures: Dict[str, Any] = {"config": config, "description": rep.CONFIGS[config]["description"], "steps": {}}
@@ -147,17 +148,26 @@ def run(config: str, shared_data: str, work: Path, out: Path, deadline: float, r
     # What is left now, less what is still to come after training.
     rest = sum(v for k, v in OVERHEAD_S.items() if k != "preprocessing")
     figures["plan"] = p = plan(deadline - clock(), rates, _dataset_tokens(paths["train"]), config, max_iters,
-                               overhead_s=rest)
+                               overhead_s=rest, arms=arms)
     if p["iterations"] < min_iters:
         raise Skip(f"{p['iterations']} iterations fit in {p['seconds']:.0f} s (fewer than {min_iters}): "
                    "not worth a run")
     a.train_iters = p["iterations"]
     runs = rep.runs_of(a)
     step("train_and_evaluate", lambda: rep.train_and_evaluate(a, runs, parallel=len(runs)))
+    rows = _write_report(a, report, out, f"python bench/reproduce.py --config {config} --arms {','.join(arms)} --seeds "
+                         f"{seed} --multi-seed-arms '' --train-iters {a.train_iters} --work-dir WORK", figures, clock)
+    figures["arms"] = {r["arm"]: dict(rep.summary_metrics(r), **r["log"]) for r in rows}
+    figures["buckets"] = frequency_buckets(rows)
+    figures["report"] = "science.md"
+    return figures
+
+
+def _write_report(a, report: Path, out: Path, command: str, figures: Dict[str, Any], clock) -> List[Dict[str, Any]]:
+    """bench/reproduce.py's report of the runs, copied to OUT/science.md (and its loss curves); the runs' rows."""
+    rep = _reproduce()
     t0 = clock()
     rows = rep.collect(a)
-    command = (f"python bench/reproduce.py --config {config} --arms {','.join(ARMS)} --seeds {SEED} "
-               f"--multi-seed-arms '' --train-iters {a.train_iters} --work-dir WORK")
     rep.build_report(a, rows, report, command, {"machine": _machine(), "load_start": None, "load_end": None})
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(report, out / "science.md")
@@ -165,8 +175,58 @@ def run(config: str, shared_data: str, work: Path, out: Path, deadline: float, r
     if curves.exists():
         shutil.copyfile(curves, out / "science_loss_curves.png")
     figures["steps"]["report"] = {"seconds": round(clock() - t0, 1), "ok": True}
-    figures["arms"] = {r["arm"]: dict(rep.summary_metrics(r), **r["log"]) for r in rows}
-    figures["buckets"] = frequency_buckets(rows)
+    return rows
+
+
+def run_paired(config: str, shared_data: str, work: Path, out: Path, deadline: float, arms_by_seed: Dict[int, List[str]],
+               max_iters: Optional[int] = None, partial: Callable[[Dict[str, Any]], None] = lambda f: None,
+               clock=time.monotonic) -> Dict[str, Any]:
+    """The seed-paired science run (``bench/gpu_check.py --program science``): the arms of each seed
+    (``arms_by_seed``, the first seed's arms a superset of the others') trained at once, one seed after the
+    other, for one pass over the corpus (``max_iters`` at most), every command killed at ``deadline``;
+    OUT/science.md is ``bench/reproduce.py``'s report with its seed-paired intervals and learning-curve gap."""
+    rep = _reproduce()
+    work, out = Path(work), Path(out)
+    report = work / "report" / "science.md"
+    seeds = list(arms_by_seed)
+    first, later = arms_by_seed[seeds[0]], sorted({x for s in seeds[1:] for x in arms_by_seed[s]}, key=rep.ARMS.index)
+    if any(arms_by_seed[s] != later for s in seeds[1:]) or not set(later) <= set(first):
+        raise CheckFailed(f"arms by seed {arms_by_seed}: the later seeds must share one set of arms, within the first's")
+    a = rep.parse_args(["--config", config, "--arms", ",".join(first), "--seeds", ",".join(map(str, seeds)),
+                        "--multi-seed-arms", ",".join(later), "--work-dir", str(work), "--shared-data", str(shared_data),
+                        "--output", str(report)])
+    a.deadline = deadline
+    figures: Dict[str, Any] = {"config": config, "description": rep.CONFIGS[config]["description"], "steps": {},
+                               "arms_by_seed": {str(k): v for k, v in arms_by_seed.items()}}
+
+    def step(name: str, fn) -> None:
+        t0 = clock()
+        try:
+            fn()
+        except SystemExit as e:
+            figures["steps"][name] = {"seconds": round(clock() - t0, 1), "ok": False}
+            raise CheckFailed(f"science {name}: {'killed at the deadline' if clock() >= deadline else e.code}", figures)
+        figures["steps"][name] = {"seconds": round(clock() - t0, 1), "ok": True}
+        partial(figures)
+
+    step("preprocess", lambda: rep.prepare_data(a))
+    per_iter = rep._tokens_per_step(rep.CONFIGS[config])
+    a.train_iters = _dataset_tokens(rep.data_paths(a)["train"]) // per_iter
+    if max_iters is not None:
+        a.train_iters = min(a.train_iters, max_iters)
+    figures["iterations"], figures["tokens_per_arm"] = a.train_iters, a.train_iters * per_iter
+    runs = rep.runs_of(a)
+    step("train_and_evaluate", lambda: rep.train_and_evaluate(a, runs, parallel=len(first)))
+    rows = _write_report(a, report, out, f"python bench/reproduce.py --config {config} --arms {','.join(first)} --seeds "
+                         f"{','.join(map(str, seeds))} --multi-seed-arms {','.join(later)} --train-iters {a.train_iters} "
+                         "--work-dir WORK", figures, clock)
+    figures["contrasts"] = {name: [{"contrast": f"{d['a']}-{d['b']}", "seeds": d["seeds"], "mean": d["t"].mean,
+                                    "t95": [d["t"].lo, d["t"].hi], "bootstrap95": [d["documents"].lo, d["documents"].hi],
+                                    "statement": d["statement"]} for d in rep.paired_differences(rows, name)]
+                            for name, _ in rep.SETS}
+    figures["curve_gaps"] = [{"contrast": f"{g['a']}-{g['b']}", "windows": [[iv.mean, iv.lo, iv.hi] for iv in g["windows"]]}
+                             for g in rep.curve_gaps(rows)]
+    figures["arms"] = {r["name"]: dict(rep.summary_metrics(r), **r["log"]) for r in rows}
     figures["report"] = "science.md"
     return figures
 
@@ -247,14 +307,32 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, required=True, help="the whole run's time, preprocessing to report")
     p.add_argument("--assume-tflops", type=float, default=None, help="achieved TFLOP/s to size the runs with")
     p.add_argument("--tokens-per-s", type=_rates, default=None, help="measured tokens/s per arm: tied=R,untied=R,lev=R")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list (default {','.join(ARMS)})")
+    p.add_argument("--seeds", default=SEED, help="comma list; with several, every arm runs with every seed, the "
+                   "arms of a seed at once, and the report gives seed-paired intervals (one pass over the corpus "
+                   "each: not sized to --seconds)")
     a = p.parse_args(argv)
+    arms = [x for x in a.arms.split(",") if x]
+    bad = [x for x in arms if x not in _reproduce().ARMS]
+    if bad or not arms:
+        p.error(f"--arms {a.arms}: choose from {','.join(_reproduce().ARMS)}")
+    try:
+        seeds = [int(x) for x in a.seeds.split(",") if x]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        p.error(f"--seeds {a.seeds!r}: expected comma-separated integers")
     if a.config not in _reproduce().CONFIGS:
         p.error(f"--config {a.config}: not a bench/reproduce.py configuration ({', '.join(_reproduce().CONFIGS)})")
     if (a.assume_tflops is None) == (a.tokens_per_s is None):
         p.error("give one of --assume-tflops or --tokens-per-s (the rates the runs are sized with)")
     rates = a.tokens_per_s or assumed_rates(a.config, a.assume_tflops)
+    deadline = time.monotonic() + a.seconds
     try:
-        figures = run(a.config, a.shared_data, Path(a.work), Path(a.out), time.monotonic() + a.seconds, rates)
+        if len(seeds) > 1:
+            figures = run_paired(a.config, a.shared_data, Path(a.work), Path(a.out), deadline, {s: arms for s in seeds})
+        else:
+            figures = run(a.config, a.shared_data, Path(a.work), Path(a.out), deadline, rates, arms=arms, seed=str(seeds[0]))
     except (Skip, CheckFailed) as e:
         raise SystemExit(f"bench/gpu_science.py: {e}")
     print("\n".join(markdown(figures)))

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from _check_harness import run_logged  # noqa: E402  (bench/ is this script's directory)
+from _check_harness import TIMEOUT_RC, run_logged  # noqa: E402  (bench/ is this script's directory)
 
 SHARED = REPO.parent / "shared" / "data"
 ARMS = ("tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev")
@@ -77,8 +77,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
 }
 # The science stage of bench/gpu_check.py: tied, untied and lev on one H200 in about 200 s of a 400 s
 # window, three runs at once. Sized so the run answers something: most of one pass over the corpus
-# (21.6 M tokens; 86% at 250 TFLOP/s achieved, all of it at 400), with the input table about 40% of the
-# tied model (the paper's embedding-dominated regime); 12 x 768 (GPT-2 small) would see 40% of the
+# (21.6 M tokens; 86% at 250 TFLOP/s achieved, all of it at 400), with the input table about half of the
+# tied model (the paper's embedding-dominated regime; the report computes it); 12 x 768 (GPT-2 small) would see 40% of the
 # corpus in the same time, so its rare tokens (the buckets where the paper puts LEV's gain) would be
 # seen 2.5x less.
 # ``train_iters`` is a default only: the stage sets it from the throughput it measured (--train-iters).
@@ -86,12 +86,12 @@ CONFIGS["gpu-science"] = dict(
     model=["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "1024"],
     batch=["--micro-batch-size", "32", "--global-batch-size", "64"],
     train_iters=320, lr="1e-3", min_lr="1e-4", warmup_frac=0.02, save_interval=10**6, log_interval=10,
-    eval_interval=10**6, eval_iters=0, eval_max_tokens=262144, eval_limit=None, eval_tasks="", train_docs=None,
+    eval_interval=10**6, eval_iters=0, eval_max_tokens=None, eval_limit=None, eval_tasks="", train_docs=None,
     precision=["--bf16"],
     description="8 layers, hidden 512, 8 heads, sequence 1024, batch 64 x 1024 = 65,536 tokens/step, bf16 (one GPU, "
-                "the three arms at once)",
-    why="with the GPT-2 vocabulary the 50,304 x 512 input table (25.8 M parameters) is about 40% of the tied "
-        "model (the 8-layer transformer is 33.6 M), the embedding-dominated regime of the paper's 200M model; "
+                "the arms of a seed at once)",
+    why="with the GPT-2 vocabulary the 50,304 x 512 input table is about half of the tied model (the counts "
+        "are in the parameter table below), the embedding-dominated regime of the paper's 200M model; "
         "at the throughput measured in the same window the three arms train most of one pass over the corpus "
         "(21.6 M tokens) in about 200 s, so rare tokens are seen about as often as the corpus has them, where "
         "a GPT-2-small model (12 x 768) would see 40% of it in that time. Validation and zero-shot perplexity "
@@ -104,10 +104,27 @@ CONFIGS["gpu-science-tiny"] = dict(
     model=["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32"],
     batch=["--micro-batch-size", "2", "--global-batch-size", "4"], train_iters=3, eval_max_tokens=512,
     train_docs=40, precision=[], extra=["--lev-heads", "2", "--lev-seed-dim", "8", "--lev-knots", "5", "--lev-rank", "4",
-                                        "--lev-init-sample-size", "4096"],
+                                        "--lev-init-sample-size", "4096",
+                                        # no albert width is within 2% of so small a LEV: the narrowest
+                                        "--albert-dim", "1"],
     description="1 layer, hidden 32, 2 heads, sequence 32, batch 4 x 32 = 128 tokens/step, fp32, the first 40 "
                 "training documents (the GPU science run's plumbing on a CPU; numbers not meaningful)",
     why="",
+)
+# The seed study on 2 shared CPU cores (docs/results/science_cpu.md): four arms x five seeds in about 45 minutes.
+CONFIGS["cpu-study"] = dict(
+    model=["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"],
+    batch=["--micro-batch-size", "8", "--global-batch-size", "8"],
+    train_iters=30, lr="2e-3", min_lr="2e-4", warmup_frac=0.07, save_interval=10**6, log_interval=5,
+    eval_interval=10**6, eval_iters=0, eval_max_tokens=None, eval_sample_tokens=8000,
+    eval_limit=None, eval_tasks="", train_docs=None, precision=[],
+    description="2 layers, hidden 64, 4 heads, sequence 64, batch 8 x 64 = 512 tokens/step, fp32, 1 process",
+    why="twenty runs (tied, untied, albert, lev x five seeds) and their evaluations on two CPU cores shared with "
+        "other work (load averages of 20-48 when it was sized: 10-16 s per 1,024-token iteration at nice 10), "
+        "each run forked from a process that holds the imports (`--forked`), so each trains 30 iterations of "
+        "512 tokens: an early-training comparison whose point is the intervals, not the paper's regime. "
+        "Evaluation on documents spread evenly over each set, about 8,000 tokens of each (a full set costs "
+        "5-10 minutes per run here); no downstream tasks.",
 )
 TRANSFORMER = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
                "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--weight-decay", "0.1", "--clip-grad", "1.0",
@@ -120,21 +137,29 @@ def _load() -> List[float]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="cpu", choices=["cpu", "large", "gpu-science", "gpu-science-tiny"])
+    p.add_argument("--config", default="cpu", choices=["cpu", "cpu-study", "large", "gpu-science", "gpu-science-tiny"])
     p.add_argument("--quick", action="store_true", help="the tiny 'quick' configuration (a few minutes)")
     p.add_argument("--arms", default=",".join(ARMS), help="comma list (default: all six)")
-    p.add_argument("--seeds", default="1234,1235", help="first seed: every arm; further seeds: --multi-seed-arms")
-    p.add_argument("--multi-seed-arms", default="tied,lev")
+    p.add_argument("--seeds", default="1234,1235", help="comma list; every arm runs with every seed unless "
+                   "--multi-seed-arms narrows the further seeds")
+    p.add_argument("--multi-seed-arms", default=None, help="arms run with the seeds after the first (default: all "
+                   "of --arms; '' runs the first seed only)")
     p.add_argument("--train-iters", type=int, default=None, help="override the configuration's budget")
     p.add_argument("--eval-limit", type=int, default=None, help="examples per downstream task")
     p.add_argument("--eval-max-tokens", type=int, default=None, help="tokens per perplexity set")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun; data parallel)")
-    p.add_argument("--threads", type=int, default=None, help="OMP/torch threads per process (default CPUs/nproc)")
+    p.add_argument("--threads", type=int, default=None, help="OMP/torch threads per process (default CPUs / "
+                   "(nproc x parallel))")
+    p.add_argument("--parallel", type=int, default=1, help="runs trained (then evaluated) at once, in the order of "
+                   "the runs (a seed's arms together)")
     p.add_argument("--work-dir", default=None, help="default runs/reproduce_<config>")
     p.add_argument("--shared-data", default=str(SHARED))
     p.add_argument("--output", default=None, help="report path (default docs/results/micro_reproduction[_quick].md)")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from existing runs")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--forked", action="store_true", help="one-process runs (--nproc 1 on a CPU) start forked from a "
+                   "process that imported torch and megatron-core once (megatron_lev.testing.run_cli), not as new "
+                   "interpreters: on a loaded CPU their imports cost more than a small run")
     a = p.parse_args(argv)
     a.config_name = "quick" if a.quick else a.config
     cfg = CONFIGS[a.config_name]
@@ -151,13 +176,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--seeds {a.seeds!r}: expected comma-separated integers")
     if not a.seed_list:
         p.error("--seeds: give at least one seed")
-    a.multi = [x for x in a.multi_seed_arms.split(",") if x]
+    a.multi = a.arm_list if a.multi_seed_arms is None else [x for x in a.multi_seed_arms.split(",") if x]
     a.work_dir = Path(a.work_dir or REPO / "runs" / f"reproduce_{a.config_name}")
     a.output = Path(a.output or REPO / "docs" / "results" /
                     ("micro_reproduction_quick.md" if a.quick else
                      "micro_reproduction.md" if a.config == "cpu" else f"micro_reproduction_{a.config}.md"))
     a.shared_data = Path(a.shared_data)
     a.deadline = None  # time.monotonic() at which every command is killed (bench/gpu_science.py sets it)
+    if a.forked and a.nproc != 1:
+        p.error("--forked runs one process per run: drop --nproc")
+    if a.parallel < 1:
+        p.error(f"--parallel {a.parallel}: give at least 1")
     return a
 
 
@@ -212,7 +241,10 @@ def eval_command(a, run: Dict[str, Any]) -> List[str]:
            "--valid-data", f"valid={paths['valid']}", "--token-counts", str(paths["counts"]),
            "--zeroshot-data", f"zeroshot={a.shared_data / 'corpus' / 'zeroshot_wiki.jsonl.zst'}",
            "--output-dir", str(d / "eval"), "--label", run["name"], "--no-progress"]
-    tasks = CONFIGS[a.config_name].get("eval_tasks", "all")
+    cfg = CONFIGS[a.config_name]
+    if cfg.get("eval_sample_tokens"):  # documents spread over each set (not its first ones)
+        cmd += ["--sample-tokens", str(cfg["eval_sample_tokens"])]
+    tasks = cfg.get("eval_tasks", "all")
     if tasks:
         cmd += ["--tasks", tasks, "--downstream-dir", str(a.shared_data / "downstream")]
     if a.eval_limit is not None:
@@ -223,19 +255,36 @@ def eval_command(a, run: Dict[str, Any]) -> List[str]:
 
 
 def _env(a) -> Dict[str, str]:
-    threads = a.threads or max(1, (os.cpu_count() or 1) // a.nproc)
+    threads = a.threads or max(1, (os.cpu_count() or 1) // (a.nproc * a.parallel))
     return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
 
 
-def _run(cmd: List[str], log: Path, env: Dict[str, str], dry: bool, deadline: Optional[float] = None) -> int:
+def _run(cmd: List[str], log: Path, env: Dict[str, str], dry: bool, deadline: Optional[float] = None,
+         forked: bool = False) -> int:
     """Run ``cmd`` with its output appended to ``log``; killed with its process group at ``deadline``
-    (time.monotonic; None: no limit), then it returns TIMEOUT_RC."""
+    (time.monotonic; None: no limit), then it returns TIMEOUT_RC. ``forked``: a ``python script ...`` command
+    runs forked from a process that holds the imports (``megatron_lev.testing.run_cli``)."""
     print("  $ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     if dry:
         return 0
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as f:
         f.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} load {_load()}\n")
+    if forked and cmd[0] == sys.executable and cmd[1].endswith(".py"):
+        import subprocess
+
+        sys.path.insert(0, str(REPO))
+        from megatron_lev.testing import run_cli
+
+        try:
+            done = run_cli(cmd[1], cmd[2:], env=env, cwd=str(REPO),
+                           timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+            rc, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, text = TIMEOUT_RC, f"{e.output or ''}{e.stderr or ''}\nkilled at the deadline\n"
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(text)
+        return rc
     return run_logged(cmd, None if deadline is None else deadline - time.monotonic(), log, env, append=True)[0]
 
 
@@ -296,7 +345,7 @@ def train_run(a, run) -> None:
     print(f"train {run['name']} (from iteration {max(0, _latest_iteration(d / 'ckpt'))} to {a.train_iters}; "
           f"load {_load()})", flush=True)
     t0 = time.time()
-    rc = _run(train_command(a, run), d / "train.log", _env(a), a.dry_run, a.deadline)
+    rc = _run(train_command(a, run), d / "train.log", _env(a), a.dry_run, a.deadline, a.forked)
     if a.dry_run:
         return
     if rc != 0 or _latest_iteration(d / "ckpt") < a.train_iters:
@@ -317,7 +366,7 @@ def eval_run(a, run) -> None:
         except (ValueError, KeyError):
             pass
     print(f"eval {run['name']} (load {_load()})", flush=True)
-    rc = _run(eval_command(a, run), d / "eval.log", _env(a), a.dry_run, a.deadline)
+    rc = _run(eval_command(a, run), d / "eval.log", _env(a), a.dry_run, a.deadline, a.forked)
     if not a.dry_run and (rc != 0 or not res.exists()):
         sys.exit(f"evaluation of {run['name']} failed (exit {rc}); see {d / 'eval.log'}")
 
@@ -329,7 +378,8 @@ def eval_run(a, run) -> None:
 def read_metrics(path: Path) -> Dict[str, Dict[int, float]]:
     """{'train': {iteration: loss}, 'valid': {iteration: loss}}; later lines win (a resumed run
     repeats the iterations after its last checkpoint)."""
-    out: Dict[str, Dict[int, float]] = {"train": {}, "valid": {}}
+    out: Dict[str, Any] = {"train": {}, "valid": {}}
+    records: Dict[int, Dict[str, Any]] = {}  # the training records (grad norms, clipping), by iteration
     if not path.exists():
         return out
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -339,6 +389,9 @@ def read_metrics(path: Path) -> Dict[str, Dict[int, float]]:
             continue
         if r.get("kind") in out and r.get("lm loss") is not None:
             out[r["kind"]][int(r["iteration"])] = float(r["lm loss"])
+        if r.get("kind") == "train":
+            records[int(r["iteration"])] = r
+    out["records"] = [records[i] for i in sorted(records)]
     return out
 
 
@@ -498,6 +551,235 @@ def _ppl_relchange(rows_arm, rows_tied, key):
     return None if (m is None or t is None) else m / t - 1
 
 
+# ------------------------------------------------------------------------------------------------
+# seed-paired science (bench/science_stats.py)
+
+CONTRASTS = (("lev", "albert"), ("lev", "tied"), ("lev", "untied"), ("untied", "tied"))
+SETS = (("valid", "validation"), ("zeroshot", "zero-shot wiki"))
+CURVE_WINDOWS = 5
+
+
+def _per_token(r: Dict[str, Any], name: str) -> Optional[Dict[str, Any]]:
+    """The evaluation's per-token and per-document sums of one set (``<set>_per_token.npz``), or None."""
+    import numpy as np
+
+    path = Path(r["eval_path"]).parent / f"{name}_per_token.npz"
+    if not r.get("eval") or not path.exists():
+        return None
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _by_seed(rows, arm: str) -> Dict[int, Dict[str, Any]]:
+    return {r["seed"]: r for r in rows if r["arm"] == arm}
+
+
+def exposure_scale(a, counts) -> float:
+    """The fraction of the counted training set one run trained on (its tokens over the counts' total)."""
+    total = float(counts.sum())
+    return (a.train_iters * _tokens_per_step(CONFIGS[a.config_name])) / total if total else 0.0
+
+
+def _set_nll(r, name) -> Optional[float]:
+    pt = _per_token(r, name)
+    if pt is None or "nll_by_doc" not in pt:
+        return None
+    return float(pt["nll_by_doc"].sum() / pt["tokens_by_doc"].sum())
+
+
+def paired_differences(rows, name: str) -> List[Dict[str, Any]]:
+    """Per contrast of the arms present: the per-seed differences of mean NLL on set ``name``, their t
+    interval, the document bootstrap and the sentence that states them."""
+    import numpy as np
+    import science_stats as st
+
+    out = []
+    for x, y in CONTRASTS:
+        bx, by = _by_seed(rows, x), _by_seed(rows, y)
+        seeds = sorted(s for s in set(bx) & set(by) if _set_nll(bx[s], name) is not None and _set_nll(by[s], name) is not None)
+        if not seeds:
+            continue
+        diffs = [_set_nll(bx[s], name) - _set_nll(by[s], name) for s in seeds]
+        px, py = [_per_token(bx[s], name) for s in seeds], [_per_token(by[s], name) for s in seeds]
+        docs = st.document_bootstrap(np.stack([p["nll_by_doc"] for p in px]), np.stack([p["nll_by_doc"] for p in py]),
+                                     px[0]["tokens_by_doc"])
+        seeds_iv = st.t_interval(diffs)
+        out.append({"a": x, "b": y, "seeds": seeds, "diffs": diffs, "t": seeds_iv, "documents": docs,
+                    "documents_n": int(px[0]["tokens_by_doc"].size),
+                    "statement": st.verdict(x, y, dict(SETS)[name], seeds_iv, docs)})
+    return out
+
+
+def exposure_differences(a, rows, name: str, counts) -> Dict[str, Any]:
+    """Mean NLL per exposure bucket of each arm (mean over seeds) and each contrast's paired differences."""
+    import science_stats as st
+    from megatron_lev.evaluation import stratify_by_exposure
+
+    scale = exposure_scale(a, counts)
+    table: Dict[str, Dict[int, List[Dict[str, Any]]]] = {}
+    for r in rows:
+        pt = _per_token(r, name)
+        if pt is not None:
+            table.setdefault(r["arm"], {})[r["seed"]] = stratify_by_exposure(pt["nll_by_id"], pt["count_by_id"], counts, scale)
+    if not table:
+        return {}
+    labels = [b["bucket"] for b in next(iter(next(iter(table.values())).values()))]
+    tokens = [b["tokens"] for b in next(iter(next(iter(table.values())).values()))]
+    means = {arm: [_mean([bs[i]["nll"] for bs in per.values()]) for i in range(len(labels))] for arm, per in table.items()}
+    contrasts = {}
+    for x, y in CONTRASTS:
+        if x in table and y in table:
+            seeds = sorted(set(table[x]) & set(table[y]))
+            contrasts[f"{x}-{y}"] = [st.t_interval([table[x][s][i]["nll"] - table[y][s][i]["nll"] for s in seeds])
+                                     if seeds and tokens[i] else None for i in range(len(labels))]
+    return {"scale": scale, "labels": labels, "tokens": tokens, "means": means, "contrasts": contrasts}
+
+
+def grad_norm_summary(rows) -> Dict[str, Dict[str, Optional[float]]]:
+    """Per arm, means over seeds: each group's gradient norm over the logged iterations (all, and the first
+    fifth of training), the global norm, and the fraction of iterations whose gradients were clipped."""
+    out = {}
+    for arm, rs in by_arm(rows).items():
+        per_seed: Dict[str, List[float]] = {}
+        for r in rs:
+            recs = r["metrics"].get("records") or []
+            if not recs:
+                continue
+            last = max(x["iteration"] for x in recs)
+            logged = [x for x in recs if x.get("grad norm input") is not None]
+            early = [x for x in logged if x["iteration"] <= max(1, last // 5)] or logged[:1]
+            for g in ("input", "body", "head"):
+                per_seed.setdefault(g, []).append(_mean([x[f"grad norm {g}"] for x in logged]))
+                per_seed.setdefault(f"{g} early", []).append(_mean([x[f"grad norm {g}"] for x in early]))
+            per_seed.setdefault("global", []).append(_mean([x.get("grad norm") for x in recs]))
+            flags = [x["clipped"] for x in recs if x.get("clipped") is not None]
+            if flags:
+                per_seed.setdefault("clip rate", []).append(sum(flags) / len(flags))
+        out[arm] = {k: _mean(v) for k, v in per_seed.items()}
+    return out
+
+
+def curve_gaps(rows, windows: int = CURVE_WINDOWS) -> List[Dict[str, Any]]:
+    """The within-run learning-curve gap: per contrast, the paired difference of the mean training loss in
+    each of ``windows`` equal windows of the iterations, t interval over seeds."""
+    import science_stats as st
+
+    def window_means(r) -> Optional[List[float]]:
+        tr = r["metrics"]["train"]
+        if not tr:
+            return None
+        its = sorted(tr)
+        n = len(its)
+        k = min(windows, n)  # a run shorter than the windows: one iteration a window
+        cuts = [its[i * n // k:(i + 1) * n // k] for i in range(k)]
+        return [sum(tr[i] for i in c) / len(c) for c in cuts]
+
+    out = []
+    for x, y in CONTRASTS:
+        bx, by = _by_seed(rows, x), _by_seed(rows, y)
+        pairs = [(window_means(bx[s]), window_means(by[s])) for s in sorted(set(bx) & set(by))]
+        pairs = [(p, q) for p, q in pairs if p and q and len(p) == len(q)]
+        if pairs:
+            k = min(len(p) for p, _ in pairs)
+            out.append({"a": x, "b": y, "windows": [st.t_interval([p[w] - q[w] for p, q in pairs]) for w in range(k)]})
+    return out
+
+
+def parameter_statement(pb: Dict[str, Dict[str, Any]]) -> Optional[str]:
+    """The tied model's size from its parameter breakdown: computed, never written by hand."""
+    b = pb.get("tied")
+    if not b or "error" in b:
+        return None
+    table = b["input_side"]
+    return (f"The tied model has {b['total'] / 1e6:.1f} M parameters: a transformer body of {b['transformer'] / 1e6:.1f} M "
+            f"and a {table / 1e6:.1f} M input table (also its head), {100 * table / b['total']:.0f}% of the model.")
+
+
+def science_lines(a, rows, pb) -> List[str]:
+    """The seed-paired sections of the report: differences with intervals and the sentences they support,
+    exposure buckets, gradient norms and clipping, the learning-curve gap."""
+    import science_stats as st
+    from megatron_lev.evaluation import load_token_counts
+
+    L: List[str] = []
+    statement = parameter_statement(pb)
+    if statement:
+        L += [statement, ""]
+    L += ["## Seed-paired differences", "",
+          "Mean NLL per token (nats) of arm A minus arm B, taken within each seed (same body initialisation, data "
+          "order and schedule), then over seeds: mean with its 95% t interval over seeds, and a 95% document "
+          "bootstrap interval (the evaluated documents resampled, paired across arms); in % the same as a "
+          "perplexity change. Negative = A better. A sentence says one arm is better only where both intervals "
+          "exclude 0 on the same side.", ""]
+    statements = []
+    for name, label in SETS:
+        diffs = paired_differences(rows, name)
+        if not diffs:
+            continue
+        L += [f"### {label}", "", "| A - B | seeds | per seed (nats) | mean [95% t, seeds] | PPL change | "
+              "document bootstrap [95%] |", "|---|---|---|---|---|---|"]
+        for d in diffs:
+            t, b = d["t"], d["documents"]
+            ci = "one seed: no interval" if t.lo is None else f"{t.mean:+.4f} [{t.lo:+.4f}, {t.hi:+.4f}]"
+            pc = (f"{st.pct(t.mean):+.2f}%" if t.lo is None else
+                  f"{st.pct(t.mean):+.2f}% [{st.pct(t.lo):+.2f}%, {st.pct(t.hi):+.2f}%]")
+            bs = "–" if b.lo is None else f"{b.mean:+.4f} [{b.lo:+.4f}, {b.hi:+.4f}] ({d['documents_n']} documents)"
+            L.append(f"| {d['a']} - {d['b']} | {len(d['seeds'])} | {', '.join(f'{x:+.4f}' for x in d['diffs'])} | "
+                     f"{ci} | {pc} | {bs} |")
+            statements.append(d["statement"])
+        L.append("")
+    if statements:
+        L += ["### What the intervals support", ""] + statements + [""]
+    counts_path = data_paths(a)["counts"]
+    if counts_path.exists():
+        counts = load_token_counts(str(counts_path))
+        for name, label in SETS:
+            e = exposure_differences(a, rows, name, counts)
+            if not e:
+                continue
+            arms = [x for x in ARMS if x in e["means"]]
+            L += [f"### {label}: mean NLL by exposure", "",
+                  f"Buckets by how often a run saw the target token in training: its count in the training set times "
+                  f"{e['scale']:.4g} (the part of the set one run trained on), rounded. Per arm the mean NLL (nats, mean "
+                  "over seeds); per contrast the paired difference with its 95% t interval over seeds.", "",
+                  "| exposure | tokens | " + " | ".join(arms) + " | " + " | ".join(e["contrasts"]) + " |",
+                  "|---|---|" + "---|" * (len(arms) + len(e["contrasts"]))]
+            for i, lab in enumerate(e["labels"]):
+                cells = [_f(e["means"][x][i], 3) for x in arms]
+                for iv in (c[i] for c in e["contrasts"].values()):
+                    cells.append("–" if iv is None else (f"{iv.mean:+.3f}" if iv.lo is None else
+                                                         f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]"))
+                L.append(f"| {lab} | {e['tokens'][i]:,} | " + " | ".join(cells) + " |")
+            L.append("")
+    g = grad_norm_summary(rows)
+    if any(g.values()):
+        L += ["## Gradient norms and clipping", "",
+              "Per arm, means over seeds of each run's mean over its logged iterations: the gradient norm of the input "
+              "side, the transformer body and the head before clipping (in the first fifth of training and over all of "
+              "it), the global norm, and the fraction of iterations the global clip (1.0) scaled. The tied table's one "
+              "gradient is the input side's (its head gradient included).", "",
+              "| arm | input (first fifth) | body (first fifth) | head (first fifth) | input | body | head | global | "
+              "clip rate |", "|---|---|---|---|---|---|---|---|---|"]
+        for arm in [x for x in ARMS if g.get(x)]:
+            v = g[arm]
+            L.append(f"| {arm} | " + " | ".join(_f(v.get(k), 3) for k in (
+                "input early", "body early", "head early", "input", "body", "head", "global"))
+                + f" | {_f(v.get('clip rate'), 2)} |")
+        L.append("")
+    gaps = curve_gaps(rows)
+    if gaps:
+        L += ["## Learning-curve gap", "", f"Training loss of A minus B in {CURVE_WINDOWS} equal windows of the "
+              "iterations (paired within each seed, then mean and 95% t interval over seeds; nats).", "",
+              "| A - B | " + " | ".join(f"window {w + 1}" for w in range(len(gaps[0]["windows"]))) + " |",
+              "|---|" + "---|" * len(gaps[0]["windows"])]
+        for gp in gaps:
+            L.append(f"| {gp['a']} - {gp['b']} | " + " | ".join(
+                f"{iv.mean:+.3f}" if iv.lo is None else f"{iv.mean:+.3f} [{iv.lo:+.3f}, {iv.hi:+.3f}]"
+                for iv in gp["windows"]) + " |")
+        L.append("")
+    return L
+
+
 def build_report(a, rows, out: Path, command: str, meta: Dict[str, Any]) -> str:
     sys.path.insert(0, str(REPO))
     cfg = CONFIGS[a.config_name]
@@ -521,11 +803,11 @@ def build_report(a, rows, out: Path, command: str, meta: Dict[str, Any]) -> str:
                                                    f"{', '.join(map(str, a.seed_list[1:]))}" if len(a.seed_list) > 1 else "")
           + ". Within a seed every flag except `--input-embedding` is the same, so the data order, tokens, "
           "schedule and transformer are identical; `--seed` sets both the initialisation and the data order.",
-          f"- evaluation (`tools/evaluate.py`): validation PPL on `valid.jsonl.zst` (at most "
-          f"{_f(a.eval_max_tokens, 0) if a.eval_max_tokens else 'all'} tokens) with buckets by the target token's "
-          f"relative frequency in the preprocessed training set; zero-shot PPL on `zeroshot_wiki.jsonl.zst` (same "
-          f"token limit); LAMBADA and {', '.join(MC_TASKS)} with `--limit {a.eval_limit}` examples each "
-          f"(MC accuracy: acc_norm where defined)",
+          f"- evaluation (`tools/evaluate.py`): validation PPL on `valid.jsonl.zst` and zero-shot PPL on "
+          f"`zeroshot_wiki.jsonl.zst`, {_eval_extent(a, cfg)}, with buckets by the target token's relative frequency "
+          "in the preprocessed training set and by its exposure count; per-document NLL for the document bootstrap"
+          + (f"; LAMBADA and {', '.join(MC_TASKS)} with `--limit {a.eval_limit}` examples each (MC accuracy: "
+             "acc_norm where defined)" if cfg.get("eval_tasks", "all") else ""),
           f"- machine: {meta.get('machine')}; load average at start {meta.get('load_start')}, at end "
           f"{meta.get('load_end')} (timings in this page are from a machine shared with other jobs when the "
           "load exceeds the CPU count)", ""]
@@ -643,13 +925,20 @@ def build_report(a, rows, out: Path, command: str, meta: Dict[str, Any]) -> str:
                  f"{_f(z, 2)} | {_pct(sz)} | {_pct(_ppl_relchange(arms[arm], tied, 'zeroshot_ppl'))} |")
         prev = (v, z)
     L.append("")
-    L += ["## Agreement with the paper", ""] + verdict(arms, cmp_md, quick=a.quick,
-                                                          train_tokens=a.train_iters * _tokens_per_step(cfg),
-                                                          where="on one GPU" if cfg["precision"] else "on CPU") + [""]
+    L += science_lines(a, rows, pb)
+    L += ["## Scale", "", scale_note(a.quick, a.train_iters * _tokens_per_step(cfg),
+                                     "on one GPU" if cfg["precision"] else "on CPU"), ""]
     text = "\n".join(L)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     return text
+
+
+def _eval_extent(a, cfg) -> str:
+    if cfg.get("eval_sample_tokens"):
+        return (f"documents spread evenly over each set, about {cfg['eval_sample_tokens']:,} tokens of each "
+                "(`--sample-tokens`)")
+    return f"the first {a.eval_max_tokens:,} tokens of each" if a.eval_max_tokens else "every document of each set"
 
 
 def _tokens_per_step(cfg) -> int:
@@ -658,65 +947,10 @@ def _tokens_per_step(cfg) -> int:
     return int(b[b.index("--global-batch-size") + 1]) * int(s[s.index("--seq-length") + 1])
 
 
-def verdict(arms, cmp, quick: bool = False, train_tokens: Optional[int] = None, where: str = "on CPU") -> List[str]:
-    """Plain statements from the numbers: does LEV beat tied/untied/albert (beyond the seed spread),
-    and is its gain concentrated on rare tokens."""
-    out = []
-    if quick:
-        out.append("*Quick run: about ten thousand training tokens per run; the statements below are generated by "
-                   "the same code as the full run's, and say nothing about the paper.*")
-        out.append("")
-    lev = arms.get("lev")
-    if not lev:
-        return out + ["No lev run: nothing to compare."]
-
-    def spread(rs, key):
-        v = [summary_metrics(r)[key] for r in rs]
-        v = [x for x in v if x is not None]
-        return (max(v) - min(v)) if len(v) > 1 else None
-
-    for key, label in (("valid_ppl", "validation PPL"), ("zeroshot_ppl", "zero-shot PPL")):
-        lv = _mean([summary_metrics(r)[key] for r in lev])
-        if lv is None:
-            continue
-        for base in ("tied", "untied", "albert"):
-            if base not in arms:
-                continue
-            bv = _mean([summary_metrics(r)[key] for r in arms[base]])
-            if bv is None:
-                continue
-            noise = max([x for x in (spread(lev, key), spread(arms[base], key)) if x is not None], default=None)
-            rel = lv / bv - 1
-            if lv < bv:
-                word = "beats" if (noise is None or bv - lv > noise) else "is ahead of, within the seed spread,"
-                if noise is None:
-                    word = "beats (single seed, spread unknown)"
-            else:
-                word = "does not beat" if (noise is None or lv - bv > noise) else "is behind, within the seed spread,"
-            agree = "agrees with" if lv < bv else "disagrees with"
-            out.append(f"- {label}: LEV {lv:.2f} {word} {base} {bv:.2f} ({100 * rel:+.2f}%)"
-                       + (f"; seed spread {noise:.2f}" if noise is not None else "")
-                       + f" — this {agree} the paper (LEV better than {base}).")
-    if cmp:
-        for name, e in cmp["perplexity"].items():
-            if "lev" not in cmp["labels"] or not e.get("buckets"):
-                continue
-            i = cmp["labels"].index("lev")
-            bk = [(b["bucket"], b["relative_change"][i], b["tokens"][0]) for b in e["buckets"]
-                  if b["relative_change"][i] is not None and b["tokens"][0]]
-            if len(bk) < 2:
-                continue
-            rare, freq = bk[0], bk[-1]
-            conc = rare[1] < freq[1]
-            out.append(f"- {name}: LEV vs tied is {100 * rare[1]:+.2f}% in the rarest populated bucket ({rare[0]}, "
-                       f"{rare[2]:,} tokens) and {100 * freq[1]:+.2f}% in the most frequent ({freq[0]}, {freq[2]:,} tokens): "
-                       + ("the gain is larger on rare tokens, as the paper reports." if conc and rare[1] < 0 else
-                          "the change is not concentrated on rare tokens, unlike the paper." if not conc else
-                          "rare tokens fare relatively better but LEV does not gain there, unlike the paper."))
-    budget = f"{train_tokens:,} training tokens per run" if train_tokens else "a small token budget"
-    out.append(f"- Scale: these are micro-scale runs ({budget}, {where}); the paper's claims are "
-               "at 200M+ parameters and billions of tokens, so a disagreement here is a data point, not a refutation.")
-    return out
+def scale_note(quick: bool, train_tokens: int, where: str) -> str:
+    return (("*Quick run: about ten thousand training tokens per run; plumbing only.* " if quick else "")
+            + f"These are micro-scale runs ({train_tokens:,} training tokens per run, {where}); the paper's claims are "
+              "at 200M+ parameters and billions of tokens, so a difference here is a data point about this scale.")
 
 
 def train_and_evaluate(a, runs: List[Dict[str, Any]], parallel: int = 1) -> None:
@@ -764,7 +998,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{a.train_iters} iterations each, work dir {a.work_dir}, load {meta['load_start']}", flush=True)
     if not a.report_only:
         prepare_data(a)
-        train_and_evaluate(a, runs)
+        train_and_evaluate(a, runs, parallel=a.parallel)
     if a.dry_run:
         return 0
     meta["load_end"] = _load()

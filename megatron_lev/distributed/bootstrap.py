@@ -293,8 +293,13 @@ def reset_after_job(env: dict, cwd: str, threads: int) -> None:
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     torch.set_num_threads(threads)
+    # numba's pool is fixed for the process once imported, and numba re-reads its size from the environment
+    # when it compiles: a later job's first compile would otherwise fail ("Cannot set NUMBA_NUM_THREADS").
+    numba_sized = ({k: v for k, v in os.environ.items() if k in ("NUMBA_NUM_THREADS", "MEGATRON_LEV_NUMBA_NUM_THREADS")}
+                   if "numba" in sys.modules else {})
     os.environ.clear()
     os.environ.update(env)
+    os.environ.update(numba_sized)
     os.chdir(cwd)
     if compat.is_applied():
         compat.reset_hit_counts()

@@ -8,6 +8,7 @@ function). Heavy modules (megatron-core, transformers, matplotlib) load only whe
 """
 
 from .perplexity import (
+    EXPOSURE_BUCKETS,
     PAPER_EDGES,
     DataFormatError,
     PerplexityResult,
@@ -18,7 +19,9 @@ from .perplexity import (
     jsonl_documents,
     load_token_counts,
     parse_edges,
+    spread_indices,
     stratify,
+    stratify_by_exposure,
 )
 from .report import compare_results, load_results, write_comparison, write_report
 from .scorer import LogitsScorer, Scorer, TokenScores
@@ -36,6 +39,7 @@ from .tasks import (
 __all__ = [
     "PAPER_EDGES", "DataFormatError", "PerplexityResult", "documents_from_path", "evaluate_perplexity",
     "indexed_documents", "iter_windows", "jsonl_documents", "load_token_counts", "parse_edges", "stratify",
+    "EXPOSURE_BUCKETS", "spread_indices", "stratify_by_exposure",
     "compare_results", "load_results", "write_comparison", "write_report", "LogitsScorer", "Scorer", "TokenScores",
     "ALL_TASKS", "MC_TASKS", "encode_pair", "evaluate_lambada", "evaluate_multiple_choice", "load_lambada",
     "load_mc_examples", "loglikelihood",

@@ -48,6 +48,7 @@ from .perplexity import (
     load_token_counts,
     parse_edges,
     stratify,
+    stratify_by_exposure,
 )
 from .report import write_comparison, write_report
 from .scorer import PROGRESS_SECONDS
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: --seq-length)")
     g.add_argument("--max-tokens", type=int, default=None, help="stop after about this many tokens per set")
     g.add_argument("--max-documents", type=int, default=None, help="documents per set")
+    g.add_argument("--sample-tokens", type=int, default=None, metavar="N",
+                   help="score documents spread evenly over each set, about N tokens of them (unlike "
+                        "--max-documents and --max-tokens, which take its first ones)")
     g.add_argument("--token-counts", default=None, help="training *_token_counts.npy for frequency buckets")
     g.add_argument("--freq-edges", default=None, help="comma-separated relative-frequency edges "
                    "(default the paper's 1e-7,1e-6,1e-5,1e-4)")
@@ -189,6 +193,8 @@ def task_files(args) -> Dict[str, str]:
 def check_inputs(args) -> Dict[str, Any]:
     """Read every task file and check the data paths before any model is loaded, so a malformed
     file fails fast with one line naming the file and line. Returns the parsed task examples."""
+    if args.sample_tokens is not None and args.sample_tokens < 1:
+        raise UsageError(f"--sample-tokens {args.sample_tokens}: give at least 1 token")
     for flag in ("max_documents", "max_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: nothing would be evaluated; "
@@ -241,13 +247,15 @@ def run_evaluation(scorer, tokenizer, args, meta: Dict[str, Any], log=print,
     for name, path in sets:
         announce(f"{name} (perplexity of {path})")
         t0 = time.time()
-        docs = documents_from_path(path, tokenizer, key=args.json_key, limit=args.max_documents)
+        docs = documents_from_path(path, tokenizer, key=args.json_key, limit=args.max_documents,
+                                   sample_tokens=args.sample_tokens)
         res = evaluate_perplexity(scorer, docs, eod=tokenizer.eod, name=name, source=os.path.abspath(path),
                                   seq_length=args.seq_length, stride=args.stride, max_tokens=args.max_tokens,
                                   progress=progress, progress_seconds=seconds)
         entry = res.to_dict()
         if counts is not None:
             entry["frequency_buckets"] = stratify(res.nll_by_id, res.count_by_id, counts, edges)
+            entry["exposure_buckets"] = stratify_by_exposure(res.nll_by_id, res.count_by_id, counts)
             entry["token_counts"] = os.path.abspath(args.token_counts)
             entry["freq_edges"] = list(edges)
         entry["seconds"] = round(time.time() - t0, 2)

@@ -37,6 +37,8 @@ from megatron_lev.jsonl import expand_inputs, iter_lines
 from .scorer import PROGRESS_SECONDS, Scorer, scoring_progress
 
 PAPER_EDGES = (1e-7, 1e-6, 1e-5, 1e-4)
+EXPOSURE_BUCKETS = (("never", 0, 0), ("1-10", 1, 10), ("11-100", 11, 100), ("101-1k", 101, 1000),
+                    ("1k-10k", 1001, 10000), (">10k", 10001, None))
 LN2 = math.log(2.0)
 
 
@@ -67,9 +69,11 @@ def is_indexed_prefix(path: str) -> bool:
     return os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx")
 
 
-def indexed_documents(prefix: str, tokenizer=None, limit: Optional[int] = None) -> Iterator[Tuple[np.ndarray, int]]:
+def indexed_documents(prefix: str, tokenizer=None, limit: Optional[int] = None,
+                      sample_tokens: Optional[int] = None) -> Iterator[Tuple[np.ndarray, int]]:
     """Documents of a megatron indexed dataset (``prefix.bin/.idx``). Bytes come from detokenising each
-    document without its trailing EOD (0 when no tokenizer is given: no bits per byte)."""
+    document without its trailing EOD (0 when no tokenizer is given: no bits per byte). ``sample_tokens``:
+    only the documents ``spread_indices`` picks by their token counts (read from the index)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     if not is_indexed_prefix(prefix):
@@ -80,7 +84,12 @@ def indexed_documents(prefix: str, tokenizer=None, limit: Optional[int] = None) 
     n_docs = len(docs) - 1
     if limit is not None:
         n_docs = min(n_docs, limit)
-    for d in range(n_docs):
+    chosen: Iterable[int] = range(n_docs)
+    if sample_tokens is not None:
+        seq_tokens = np.asarray(ds.sequence_lengths, dtype=np.int64)
+        per_doc = [int(seq_tokens[int(docs[d]):int(docs[d + 1])].sum()) for d in range(n_docs)]
+        chosen = spread_indices(per_doc, sample_tokens)
+    for d in chosen:
         parts = [np.asarray(ds[i], dtype=np.int64) for i in range(int(docs[d]), int(docs[d + 1]))]
         toks = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         nbytes = 0
@@ -98,6 +107,17 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
     A line that is not a JSON object with a string under ``key`` is a :class:`DataFormatError`
     naming the file and line (empty lines are skipped).
     """
+    for obj in _jsonl_objects(paths, key, limit):
+        text = obj[key]
+        ids = tokenizer.tokenize(text)
+        if append_eod:
+            ids = list(ids) + [tokenizer.eod]
+        yield np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
+
+
+def _jsonl_objects(paths: Sequence[str], key: str, limit: Optional[int]) -> Iterator[Dict[str, Any]]:
+    """The objects with a non-empty string under ``key`` (an empty one has nothing to score, and no separator:
+    as if the line were absent), the first ``limit``; any other line a DataFormatError naming file:line."""
     try:
         files = expand_inputs(list(paths))
     except FileNotFoundError as e:
@@ -107,14 +127,9 @@ def jsonl_documents(paths: Sequence[str], tokenizer, key: str = "text", limit: O
         for lineno, obj in iter_json_objects(path):
             if limit is not None and n >= limit:
                 return
-            text = _text(obj, key, path, lineno)
-            if not text:
-                continue  # nothing to score (and no separator: as if the line were absent)
-            ids = tokenizer.tokenize(text)
-            if append_eod:
-                ids = list(ids) + [tokenizer.eod]
-            yield np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
-            n += 1
+            if _text(obj, key, path, lineno):
+                yield obj
+                n += 1
 
 
 def first_document(files: Sequence[str], key: str = "text") -> Optional[Tuple[str, int]]:
@@ -134,11 +149,39 @@ def _text(obj: Dict[str, Any], key: str, path: str, lineno: int) -> str:
     return obj[key]
 
 
-def documents_from_path(path: str, tokenizer, key: str = "text", limit: Optional[int] = None):
-    """An indexed prefix (``path.bin/.idx``) or jsonl file(s) (comma-separated or a glob)."""
+def documents_from_path(path: str, tokenizer, key: str = "text", limit: Optional[int] = None,
+                        sample_tokens: Optional[int] = None):
+    """An indexed prefix (``path.bin/.idx``) or jsonl file(s) (comma-separated or a glob); ``sample_tokens``:
+    documents spread evenly over the set holding about that many tokens (``spread_indices``; a jsonl set's
+    are picked by their length in bytes at the bytes per token of its first documents, and only those are
+    tokenised)."""
     if is_indexed_prefix(path):
-        return indexed_documents(path, tokenizer, limit)
-    return jsonl_documents([p for p in path.split(",") if p], tokenizer, key=key, limit=limit)
+        return indexed_documents(path, tokenizer, limit, sample_tokens)
+    paths = [p for p in path.split(",") if p]
+    if sample_tokens is None:
+        return jsonl_documents(paths, tokenizer, key=key, limit=limit)
+    texts = [obj[key] for obj in _jsonl_objects(paths, key, limit)]
+    probe = texts[:32]
+    per_byte = sum(len(tokenizer.tokenize(t)) + 1 for t in probe) / max(1, sum(len(t.encode("utf-8")) for t in probe))
+    picked = spread_indices([len(t.encode("utf-8")) for t in texts], sample_tokens / max(per_byte, 1e-9))
+    return [(np.asarray(list(tokenizer.tokenize(texts[i])) + [tokenizer.eod], dtype=np.int64),
+             len(texts[i].encode("utf-8"))) for i in picked]
+
+
+def spread_indices(lengths: Sequence[int], target: float) -> List[int]:
+    """Indices of documents spread evenly over the set (the ``floor(i * n / k)``-th), with the smallest ``k``
+    whose documents' ``lengths`` add up to ``target``: a subset that follows the set's make-up, where its first
+    documents need not (a set is often grouped by source). All of them when the set holds less."""
+    if target <= 0:
+        raise ValueError(f"a sample of {target} tokens: give at least 1")
+    n = len(lengths)
+    if sum(lengths) <= target:
+        return list(range(n))
+    for k in range(1, n + 1):
+        picked = [i * n // k for i in range(k)]
+        if sum(lengths[i] for i in picked) >= target:
+            return picked
+    return list(range(n))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,9 +189,11 @@ def documents_from_path(path: str, tokenizer, key: str = "text", limit: Optional
 
 
 def iter_windows(docs: Iterable[Tuple[np.ndarray, int]], seq_length: int, stride: Optional[int], eod: int,
-                 max_tokens: Optional[int] = None, stats: Optional[Dict[str, int]] = None
-                 ) -> Iterator[Tuple[np.ndarray, int]]:
-    """(window tokens, number of leading targets to skip) over the stream ``[eod] + doc1 + doc2 ...``.
+                 max_tokens: Optional[int] = None, stats: Optional[Dict[str, int]] = None,
+                 document_index: bool = False) -> Iterator[Tuple[np.ndarray, ...]]:
+    """(window tokens, number of leading targets to skip) over the stream ``[eod] + doc1 + doc2 ...``;
+    with ``document_index`` a third element, the document (0, 1, ... in stream order) of each window token
+    (a document's trailing EOD is its own; the leading EOD, never a target, is -1).
 
     A window holds up to ``seq_length + 1`` tokens; its targets are tokens ``1..``; the first
     ``skip`` of them were scored by an earlier window. ``max_tokens`` stops adding documents once
@@ -161,6 +206,7 @@ def iter_windows(docs: Iterable[Tuple[np.ndarray, int]], seq_length: int, stride
     stats.setdefault("documents", 0)
     stats.setdefault("bytes", 0)
     buf = np.asarray([eod], dtype=np.int64)  # stream tokens from absolute position `base`
+    dbuf = np.asarray([-1], dtype=np.int64)  # their documents
     base = 0
     start = 0  # absolute start of the next window
     scored_until = 0  # absolute index of the last scored target (targets are 1..)
@@ -182,6 +228,7 @@ def iter_windows(docs: Iterable[Tuple[np.ndarray, int]], seq_length: int, stride
             stats["documents"] += 1
             stats["bytes"] += int(nbytes)
             buf = np.concatenate([buf[start - base:], toks])
+            dbuf = np.concatenate([dbuf[start - base:], np.full(len(toks), stats["documents"] - 1, dtype=np.int64)])
             base = start
             total += len(toks)
         end = min(start + seq_length + 1, total)
@@ -189,7 +236,7 @@ def iter_windows(docs: Iterable[Tuple[np.ndarray, int]], seq_length: int, stride
             return
         window = buf[start - base:end - base]
         skip = max(0, scored_until - start)
-        yield window, skip
+        yield (window, skip, dbuf[start - base:end - base]) if document_index else (window, skip)
         scored_until = end - 1
         if end == total and exhausted:
             return
@@ -212,6 +259,8 @@ class PerplexityResult:
     stride: int
     nll_by_id: np.ndarray = field(repr=False)  # float64 [V]: summed NLL per target id
     count_by_id: np.ndarray = field(repr=False)  # int64 [V]: occurrences per target id
+    nll_by_doc: Optional[np.ndarray] = field(default=None, repr=False)  # float64 [documents]: summed NLL
+    tokens_by_doc: Optional[np.ndarray] = field(default=None, repr=False)  # int64 [documents]: targets scored
 
     @property
     def nll(self) -> float:
@@ -234,7 +283,8 @@ class PerplexityResult:
         from .report import atomic_path
 
         with atomic_path(path) as tmp:  # ends in .npz: numpy keeps the name
-            np.savez_compressed(tmp, nll_by_id=self.nll_by_id, count_by_id=self.count_by_id)
+            per_doc = {} if self.nll_by_doc is None else {"nll_by_doc": self.nll_by_doc, "tokens_by_doc": self.tokens_by_doc}
+            np.savez_compressed(tmp, nll_by_id=self.nll_by_id, count_by_id=self.count_by_id, **per_doc)
 
 
 def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], *, eod: int, name: str = "ppl",
@@ -254,13 +304,23 @@ def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], 
     stats: Dict[str, int] = {}
     nll_sum = 0.0
     tokens = 0
-    windows = iter_windows(docs, seq_length, stride, eod, max_tokens, stats)
+    nll_by_doc = np.zeros(0, dtype=np.float64)
+    tokens_by_doc = np.zeros(0, dtype=np.int64)
+    windows = iter_windows(docs, seq_length, stride, eod, max_tokens, stats, document_index=True)
     shown = scoring_progress(scorer, name, unit="window", enabled=progress, seconds=progress_seconds)
     for chunk in _chunks(windows, chunk_windows):
-        scores = scorer.score([w for w, _ in chunk], progress=shown)
-        for (w, skip), sc in zip(chunk, scores):
+        scores = scorer.score([w for w, _, _ in chunk], progress=shown)
+        for (w, skip, doc), sc in zip(chunk, scores):
             tgt = w[1 + skip:]
             nll = -sc.logprobs[skip:]
+            tdoc = doc[1 + skip:]  # targets are never the leading EOD: every one has a document
+            if tdoc.size:
+                top = int(tdoc.max()) + 1
+                if top > nll_by_doc.size:
+                    nll_by_doc = np.concatenate([nll_by_doc, np.zeros(top - nll_by_doc.size)])
+                    tokens_by_doc = np.concatenate([tokens_by_doc, np.zeros(top - tokens_by_doc.size, dtype=np.int64)])
+                nll_by_doc[:top] += np.bincount(tdoc, weights=nll, minlength=top)
+                tokens_by_doc[:top] += np.bincount(tdoc, minlength=top)
             if tgt.size and tgt.max() >= V:
                 grow = int(tgt.max()) + 1
                 nll_by_id = np.concatenate([nll_by_id, np.zeros(grow - V)])
@@ -275,7 +335,8 @@ def evaluate_perplexity(scorer: Scorer, docs: Iterable[Tuple[np.ndarray, int]], 
         raise DataFormatError(f"{source or name}: 0 tokens to score (no document with text); nothing to evaluate")
     return PerplexityResult(name=name, source=source, tokens=tokens, documents=stats.get("documents", 0),
                             bytes=stats.get("bytes", 0), nll_sum=nll_sum, seq_length=seq_length, stride=stride,
-                            nll_by_id=nll_by_id, count_by_id=count_by_id)
+                            nll_by_id=nll_by_id, count_by_id=count_by_id,
+                            nll_by_doc=nll_by_doc, tokens_by_doc=tokens_by_doc)
 
 
 def _chunks(it: Iterable, n: int) -> Iterator[List]:
@@ -349,5 +410,28 @@ def stratify(nll_by_id: np.ndarray, count_by_id: np.ndarray, token_counts: np.nd
         nll = s / n if n else None
         out.append({"bucket": label, "lo": edges[b - 1] if b > 0 else 0.0,
                     "hi": edges[b] if b < len(edges) else None, "tokens": n, "vocab_ids": int((sel & (count_by_id > 0)).sum()),
+                    "nll": nll, "ppl": math.exp(min(nll, 700.0)) if nll is not None else None})
+    return out
+
+
+def stratify_by_exposure(nll_by_id: np.ndarray, count_by_id: np.ndarray, token_counts: np.ndarray,
+                         scale: float = 1.0) -> List[Dict[str, Any]]:
+    """Per-bucket tokens / mean NLL / PPL by how often the target id was trained on: its training count
+    times ``scale`` (the fraction of the counted set a run trained on; 1: the count as it is), rounded;
+    buckets ``EXPOSURE_BUCKETS`` (never, 1-10, ..., >10k). Where the relative-frequency buckets depend on
+    the size of the training set, these say how many times the model saw the token."""
+    if scale < 0:
+        raise ValueError(f"exposure scale {scale}: expected a fraction >= 0")
+    counts = np.zeros(len(count_by_id), dtype=np.float64)
+    given = np.asarray(token_counts, dtype=np.float64).reshape(-1)
+    n = min(len(counts), given.size)
+    counts[:n] = given[:n]
+    seen = np.rint(counts * scale)
+    out = []
+    for label, lo, hi in EXPOSURE_BUCKETS:
+        sel = (seen >= lo) & (seen <= (np.inf if hi is None else hi))
+        k = int(count_by_id[sel].sum())
+        nll = float(nll_by_id[sel].sum()) / k if k else None
+        out.append({"bucket": label, "lo": lo, "hi": hi, "tokens": k, "vocab_ids": int((sel & (count_by_id > 0)).sum()),
                     "nll": nll, "ppl": math.exp(min(nll, 700.0)) if nll is not None else None})
     return out

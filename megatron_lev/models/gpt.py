@@ -13,6 +13,12 @@ megatron-core has no spec slot for the embedding, so this subclasses ``GPTModel`
   stage with its own input module (``_set_input_module``): no V x D table is ever allocated for these
   arms. The output head is megatron's untied vocab-parallel ColumnParallelLinear.
 
+Initial weights (``init_streams.InputSideStreams``): the input side of every arm draws from streams forked
+from the generators, and the decoder and head from the generators as the seed left them, so every arm of a
+seed starts from the same transformer body and the untied-head arms from the same head (TP, PP alike; the
+arms' own input modules still allocate nothing V x D). With MTP the block of an arm of ours is built after
+the head (megatron's before it), so there the head and the MTP block differ between arm families.
+
 Untied arms and pipeline parallelism (checked against megatron-core 0.16.1): ``GPTModel`` builds the
 embedding only where ``pre_process`` and the head only where ``post_process``;
 ``setup_embeddings_and_output_layer`` returns before allocating or all-reducing a last-stage copy
@@ -56,6 +62,7 @@ from megatron_lev.parallel.linear_cross_entropy import DeferredLogits, LinearCro
 
 from .config import MEGATRON_ARMS, LevModelConfig, check_mtp_stage, linear_cross_entropy_on
 from .embedding import InputArmEmbedding
+from .init_streams import InputSideStreams
 from .specs import get_block_spec, get_mtp_block_spec
 
 class LevGPTModel(GPTModel):
@@ -92,6 +99,12 @@ class LevGPTModel(GPTModel):
         mtp_spec = get_mtp_block_spec(config, model_config, transformer_layer_spec, vp_stage=vp_stage)
         if mtp_spec is not None and not pre_process:
             check_mtp_stage(arm, config.mtp_num_layers, config.pipeline_model_parallel_size)
+        # The same body and head for every arm of a seed: the input side draws from streams of its own
+        # (init_streams). megatron builds its embedding first: switched back in __setattr__ once it is set.
+        streams = InputSideStreams()
+        if not own_input and (pre_process or mtp_spec is not None):
+            object.__setattr__(self, "_init_streams", streams)
+            streams.input_side()
         super().__init__(
             config=config,
             transformer_layer_spec=transformer_layer_spec,
@@ -113,7 +126,9 @@ class LevGPTModel(GPTModel):
             # An arm of ours: megatron would build a LanguageModelEmbedding for the MTP block.
             mtp_block_spec=None if own_input else mtp_spec,
         )
+        object.__setattr__(self, "_init_streams", None)
         if own_input and pre_process:
+            streams.input_side()
             self._set_input_module(InputArmEmbedding(
                 config=self.config,
                 model_config=model_config,
@@ -122,10 +137,16 @@ class LevGPTModel(GPTModel):
                 position_embedding_type=model_config.position_embedding_type,
                 tp_group=self.pg_collection.tp,
             ))
+            streams.body()
         if own_input and mtp_spec is not None:
             self._set_mtp_block(mtp_spec, vp_stage)
         if self.post_process and linear_cross_entropy_on(config):
             LinearCrossEntropyHead.adopt(self.output_layer, model_config.linear_cross_entropy_chunk_size)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "embedding" and self.__dict__.get("_init_streams") is not None:
+            self._init_streams.body()  # megatron's table is drawn: the decoder and head draw from the seed's streams
 
     # -- the loss without the logits (linear cross-entropy)
     def _postprocess(self, *args, **kwargs):

@@ -57,7 +57,7 @@ from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
 from megatron_lev.parallel.collectives import all_gather_objects, all_reduce_, broadcast_object, group_device
 from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
-from . import faults, profiling
+from . import faults, grad_groups, profiling
 from .data import build_datasets, build_tokenizer_from_args, close_iterators, get_batch, train_iterators, \
     valid_iterators
 from .faults import EXIT_CONFIG_ERROR, EXIT_NAN, EXIT_SAVE_FAILED, NanDetected, Terminated, rank_is0
@@ -83,6 +83,9 @@ class _State:
     """The last optimizer step's zero gradient entries (--log-num-zeros-in-grad; not saved)."""
     floating_point_operations: float = 0.0
     """Of every step so far, resumes included (Megatron-LM's num_floating_point_operations_so_far)."""
+    grad_group_squares: Optional[torch.Tensor] = None
+    """The last step's squared gradient norms of the input side, body and head before clipping, on the device
+    (``grad_groups``; computed on the logged steps only; not saved)."""
 
     def counters(self) -> Dict[str, Any]:
         return {"skipped_iterations": self.skipped_iterations, "nan_iterations": self.nan_iterations,
@@ -336,11 +339,15 @@ def _train_step(rc: RunConfig, state, model, optimizer, scheduler, train_iter, t
             micro_batch_size=rc.schedule.micro_batch_size, decoder_seq_length=rc.data.seq_length, forward_only=False,
         )
     _empty_cuda_cache(rc, 1)
+    state.grad_group_squares = None
     with profiling.span("loss"):
         loss = _reduce_losses(losses_reduced)
         nonfinite = faults.nonfinite_before_step(rc, loss, model, optimizer)
     if nonfinite is not None:
         return faults.nan_step(rc, state.iteration, nonfinite, loss)
+    if grad_groups_due(rc, state.iteration + 1):
+        # Before the step, which clips the gradients in place; read on the host only by the log line.
+        state.grad_group_squares = grad_groups.group_squares(model, experts=bool(rc.model.num_experts))
     try:
         with profiling.span("optimizer"):
             update_successful, grad_norm, state.num_zeros_in_grad = optimizer.step()
@@ -833,6 +840,14 @@ def params_norm_due(rc: RunConfig, iteration: int) -> bool:
     return line_due or (scalars_wanted and iteration % rc.logging.tensorboard_log_interval == 0)
 
 
+def grad_groups_due(rc: RunConfig, iteration: int) -> bool:
+    """Whether the step of ``iteration`` computes the per-group gradient norms: on the log line's steps, where
+    every gradient is whole on its rank (``grad_groups.supported``). Decided on the arguments alone, as the
+    norms' reduction is a collective over the model-parallel ranks."""
+    return (iteration % rc.logging.log_interval == 0
+            and grad_groups.supported(rc.optimizer.use_distributed_optimizer, rc.layout.dp))
+
+
 def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_norm, ok: bool, got_nan: bool,
                    global_batch_size: int) -> None:
     """The per-iteration record, and every --log-interval iterations the log line and scalars."""
@@ -847,6 +862,10 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
     # The loss scale is a device tensor: read (a host sync) only on the steps that log it.
     loss_scale = float(run.optimizer.get_loss_scale().item()) if scalars_due or line_due else None
     num_zeros = state.num_zeros_in_grad if ok and rc.logging.log_num_zeros_in_grad else None
+    groups = {}
+    if line_due and ok and state.grad_group_squares is not None:
+        # The one host read of the group norms, on the logged steps only (the loss scale's comes just above).
+        groups = grad_groups.norms(state.grad_group_squares.tolist())
     params_norm = None
     if params_norm_due(rc, state.iteration):
         # A collective over the model's ranks (so on a condition every rank shares), on the logged steps only.
@@ -854,7 +873,8 @@ def _log_iteration(run: _Run, state: _State, interval: _Interval, loss, grad_nor
             params_norm = params_l2_norm(run.model)
     logger.record("train", state.iteration, {
         "lm loss": loss, "lm loss hex": float(loss).hex() if loss is not None else None,
-        "grad norm": grad_norm, "lr": lr, "skipped": not ok, "nan": got_nan,
+        "grad norm": grad_norm, "clipped": grad_groups.clipped(grad_norm, rc.optimizer.clip_grad) if ok else None,
+        **groups, "lr": lr, "skipped": not ok, "nan": got_nan,
         "consumed_samples": state.consumed_train_samples, "global_batch_size": global_batch_size,
         **{name: values[-1] for name, values in interval.aux_losses.items()},
         **({"num zeros": num_zeros} if num_zeros is not None else {}),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.bench import load_bench
@@ -29,8 +30,10 @@ def tp():
 def test_runs_and_outputs(rep, tmp_path):
     a = rep.parse_args(["--quick", "--work-dir", str(tmp_path)])
     names = [r["name"] for r in rep.runs_of(a)]
-    assert names == ["tied_s1234", "untied_s1234", "albert_s1234", "flat_mlp_s1234", "factored_mlp_s1234",
-                     "lev_s1234", "tied_s1235", "lev_s1235"]
+    arms = ["tied", "untied", "albert", "flat_mlp", "factored_mlp", "lev"]
+    assert names == [f"{x}_s{s}" for s in (1234, 1235) for x in arms]  # every arm with every seed
+    narrowed = rep.parse_args(["--quick", "--work-dir", str(tmp_path), "--multi-seed-arms", "tied,lev"])
+    assert [r["name"] for r in rep.runs_of(narrowed)][len(arms):] == ["tied_s1235", "lev_s1235"]
     assert a.output.name == "micro_reproduction_quick.md"
     assert rep.parse_args([]).output.name == "micro_reproduction.md"
     with pytest.raises(SystemExit):
@@ -55,6 +58,11 @@ def test_arms_share_every_flag_but_the_input_embedding(rep, tmp_path):
     ev = rep.eval_command(a, runs[0])
     for flag in ("--token-counts", "--zeroshot-data", "--tasks", "--limit", "--max-tokens"):
         assert flag in ev
+    # The science configurations score whole sets (GPU) or documents spread over them (CPU), never their head.
+    for config, flag in (("gpu-science", None), ("cpu-study", "--sample-tokens")):
+        b = rep.parse_args(["--config", config, "--work-dir", str(tmp_path)])
+        ev = rep.eval_command(b, rep.runs_of(b)[0])
+        assert "--max-tokens" not in ev and (flag is None or flag in ev), (config, ev)
 
 
 def _fake_results(ppl: float, rare: float, label: str):
@@ -70,24 +78,44 @@ def test_report_from_fake_runs(rep, tmp_path):
     a = rep.parse_args(["--quick", "--work-dir", str(tmp_path / "w"), "--output", str(tmp_path / "out" / "r.md")])
     vals = {"tied": (100.0, 1000.0), "untied": (98.0, 900.0), "albert": (110.0, 1200.0), "flat_mlp": (105.0, 1100.0),
             "factored_mlp": (102.0, 950.0), "lev": (95.0, 700.0)}
+    # Per-document NLL sums: lev 0.1 nats per token below tied in every document and seed; untied - tied
+    # changes sign between the seeds (+0.05, -0.05 nats), so its interval contains 0.
+    tokens = np.array([50, 80, 120, 60, 90])
+    shift = {"tied": lambda s: 0.0, "lev": lambda s: -0.1 - 0.01 * (s - 1234), "untied": lambda s: 0.05 * (1 if s == 1234 else -1),
+             "albert": lambda s: 0.2, "flat_mlp": lambda s: 0.1, "factored_mlp": lambda s: 0.05}
+    counts_path = rep.data_paths(a)["counts"]
+    counts_path.parent.mkdir(parents=True)
+    np.save(counts_path, np.arange(256) * 1000)
     for r in rep.runs_of(a):
         d = a.work_dir / r["name"]
         (d / "eval").mkdir(parents=True)
         ppl, rare = vals[r["arm"]]
         ppl += r["seed"] - 1234
         (d / "eval" / "results.json").write_text(json.dumps(_fake_results(ppl, rare, r["name"])))
+        per_token = 5.0 + shift[r["arm"]](r["seed"])
+        for name in ("valid", "zeroshot"):
+            np.savez(d / "eval" / f"{name}_per_token.npz", nll_by_id=np.full(256, per_token * 2), count_by_id=np.full(256, 2),
+                     nll_by_doc=tokens * (per_token + 0.01 * np.arange(5)), tokens_by_doc=tokens)
         with open(d / "metrics.jsonl", "w") as f:
             for it in range(1, 21):
-                f.write(json.dumps({"kind": "train", "iteration": it, "lm loss": 10.0 - it * 0.1}) + "\n")
+                f.write(json.dumps({"kind": "train", "iteration": it, "lm loss": 10.0 - it * 0.1 + shift[r["arm"]](r["seed"]),
+                                    "grad norm": 2.0 if it < 5 else 0.5, "clipped": it < 5,
+                                    **({"grad norm input": 1.0, "grad norm body": 0.5, "grad norm head": 0.2}
+                                       if it % 5 == 0 else {})}) + "\n")
             f.write(json.dumps({"kind": "valid", "iteration": 20, "lm loss": 8.0}) + "\n")
         (d / "train.log").write_text(" iteration 5/ 20 | elapsed time per iteration (ms): 120.0 | tokens per second: 4000.0 |\n")
     text = rep.build_report(a, rep.collect(a), a.output, "python bench/reproduce.py --quick", {"load_start": [1, 1, 1]})
     assert "QUICK RUN" in text
     for section in ("## Parameters of each arm", "## Final metrics", "### Seed spread", "## Loss curves",
-                    "## Perplexity by training frequency", "## Ablation ladder", "## Agreement with the paper"):
+                    "## Perplexity by training frequency", "## Ablation ladder", "## Seed-paired differences",
+                    "### What the intervals support", "### validation: mean NLL by exposure",
+                    "## Gradient norms and clipping", "## Learning-curve gap"):
         assert section in text, section
-    assert "LEV 95.50 beats tied 100.50" in text  # seed means: (95 + 96) / 2 vs (100 + 101) / 2
-    assert "the gain is larger on rare tokens" in text
+    assert "- validation, lev - tied over 2 seeds: -0.1050 [" in text
+    assert "lev is better than tied (both intervals below 0)" in text
+    assert "untied - tied over 2 seeds: +0.0000 [" in text and "no difference shown (an interval contains 0)" in text
+    assert "agrees with the paper" not in text and "beats" not in text  # no judgement from single runs
+    assert "| lev | 1.000 | 0.500 | 0.200 | 1.000 | 0.500 | 0.200 | 0.800 | 0.20 |" in text  # global: (4 x 2 + 16 x 0.5) / 20
     fig = a.output.parent / a.output.stem
     assert (fig / "loss_curves.png").stat().st_size > 0
     assert (fig / "compare_valid.png").stat().st_size > 0

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from megatron_lev.evaluation import (
-    DataFormatError, LogitsScorer, evaluate_lambada, evaluate_multiple_choice, evaluate_perplexity, iter_windows,
-    jsonl_documents, load_mc_examples, parse_edges, stratify, write_comparison, write_report,
+    DataFormatError, LogitsScorer, documents_from_path, evaluate_lambada, evaluate_multiple_choice, evaluate_perplexity, iter_windows,
+    jsonl_documents, load_mc_examples, parse_edges, spread_indices, stratify, stratify_by_exposure, write_comparison,
+    write_report,
 )
 from megatron_lev.evaluation.tasks import MC_TASKS, encode_pair, loglikelihood
 
@@ -80,6 +81,58 @@ def test_perplexity_is_exp_mean_nll_and_stride_invariant_for_context_free_model(
     r = evaluate_perplexity(scorer, jsonl_documents([str(path)], byte_tokenizer), eod=0, seq_length=16,
                             max_tokens=5, progress=False)
     assert r.documents == 1 and r.tokens == len(texts[0].encode()) + 1
+
+
+def test_per_document_nll_adds_up_and_follows_each_document():
+    """Each document's summed NLL and target count (its trailing EOD included), under every stride."""
+    scorer, logp = unigram_scorer({"a": 0.5, "b": 0.01, 0: 0.1})
+    texts = ["aaaaaaaaaaaaaaaaaaaaa", "b", "bbbbbbbbbbbb", "ab"]
+    docs = [(np.asarray(list(t.encode()) + [0], dtype=np.int64), len(t)) for t in texts]
+    expect = [-sum(logp[i] for i in d) for d, _ in docs]
+    for stride in (None, 3, 1):
+        r = evaluate_perplexity(scorer, iter(docs), eod=0, seq_length=8, stride=stride, progress=False)
+        assert r.tokens_by_doc.tolist() == [len(d) for d, _ in docs]
+        assert r.nll_by_doc == pytest.approx(expect, rel=1e-6)
+        assert r.nll_by_doc.sum() == pytest.approx(r.nll_sum, rel=1e-9)
+
+
+def test_a_document_sample_is_spread_over_the_set_at_about_the_tokens_asked(tmp_path, byte_tokenizer):
+    lengths = [2, 4] * 5  # 30 tokens
+    # 3 documents (0th, 3rd, 6th) hold 2 + 4 + 2 = 8 < 9 tokens: the fewest spread ones that hold 9 are 4
+    assert spread_indices(lengths, 9) == [0, 2, 5, 7]
+    assert spread_indices(lengths, 1000) == list(range(10))
+    with pytest.raises(ValueError, match="at least 1"):
+        spread_indices(lengths, 0)
+    # A jsonl set: picked by bytes, and only the picked documents are tokenised.
+    texts = [chr(97 + i) * (10 if i % 2 else 30) for i in range(20)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    calls = []
+    tokenize = byte_tokenizer.tokenize
+    byte_tokenizer.tokenize = lambda t: calls.append(t) or tokenize(t)
+    try:
+        docs = documents_from_path(str(path), byte_tokenizer, sample_tokens=100)
+    finally:
+        byte_tokenizer.tokenize = tokenize
+    got = [chr(int(d[0][0])) for d in docs]
+    # 1.05 tokens a byte in the probe: 95 bytes; 4 spread documents hold 80, 5 (0th, 4th, ...) hold 150
+    assert got == ["a", "e", "i", "m", "q"] and sum(len(d[0]) for d in docs) == 5 * 31
+    assert len(calls) <= 20 + len(docs) and [c[0] for c in calls[-len(docs):]] == got  # the probe, then the picked
+
+
+def test_exposure_buckets_count_training_occurrences_scaled_to_the_part_trained():
+    nll_by_id = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 0.0])
+    count_by_id = np.array([1, 1, 2, 2, 4, 8, 0])
+    counts = np.array([0, 10, 11, 1000, 1001, 20000])  # id 6 past the counts: never seen
+    rows = {b["bucket"]: b for b in stratify_by_exposure(nll_by_id, count_by_id, counts)}
+    assert [rows[k]["tokens"] for k in ("never", "1-10", "11-100", "101-1k", "1k-10k", ">10k")] == [1, 1, 2, 2, 4, 8]
+    assert rows["11-100"]["nll"] == pytest.approx(2.0) and rows["never"]["vocab_ids"] == 1
+    assert sum(b["tokens"] for b in rows.values()) == count_by_id.sum()
+    half = {b["bucket"]: b["tokens"] for b in stratify_by_exposure(nll_by_id, count_by_id, counts, scale=0.01)}
+    # 0.1 and 0.11 expected sightings round to never; 10 and 10.01 to 1-10; 200 to 101-1k
+    assert half == {"never": 1 + 1 + 2, "1-10": 2 + 4, "11-100": 0, "101-1k": 8, "1k-10k": 0, ">10k": 0}
+    with pytest.raises(ValueError, match="scale"):
+        stratify_by_exposure(nll_by_id, count_by_id, counts, scale=-1)
 
 
 def test_sliding_windows_give_more_context():

@@ -377,3 +377,21 @@ def two_rank_run(arms, root: str) -> Dict[str, Any]:
 
 def tp2pp2_run(arms, root: str) -> Dict[str, Any]:
     return {"tp2pp2sp": layout_run(arms, root, "tp2pp2sp", sp=True)}
+
+
+def initial_weights_run(arms) -> Dict[str, Any]:
+    """Each arm built on seed 1234 in the layouts TP=1, TP=2 and PP=2 (two ranks, one launch): this rank's
+    initial decoder and output-head weights by parameter name, per layout and arm."""
+    from megatron_lev.distributed.bootstrap import set_seed
+
+    out: Dict[str, Any] = {}
+    for layout, sizes in (("tp1", {}), ("tp2", {"tp": 2}), ("pp2", {"pp": 2})):
+        _reinit(**sizes)
+        out[layout] = {}
+        for arm in arms:
+            set_seed(1234)
+            mc = model_config(arm)
+            (model,) = build_chunks(mc, transformer_config(mc))
+            out[layout][arm] = {n: p.detach().clone() for n, p in model.named_parameters()
+                                if n.startswith(("decoder.", "output_layer."))}
+    return out

@@ -346,6 +346,48 @@ def test_params_norm_is_the_l2_norm_of_every_parameter(one_rank):
     assert params_l2_norm(model) == pytest.approx(float(expected), rel=1e-6)
 
 
+@pytest.mark.parametrize("extra, due", [
+    ([], [10, 20]),
+    (["--use-distributed-optimizer"], [10, 20]),  # one data-parallel rank: its shard is every gradient
+])
+def test_grad_group_norms_run_on_the_logged_iterations_only(extra, due):
+    from megatron_lev.training.loop import grad_groups_due
+
+    rc = RunConfig.from_args(_parse(["--log-interval", "10"] + extra))
+    assert [i for i in range(1, 21) if grad_groups_due(rc, i)] == due
+
+
+@pytest.mark.parametrize("arm", ["tied", "lev"])
+def test_grad_group_norms_split_the_global_norm_by_input_side_body_and_head(one_rank, arm):
+    from megatron_lev import checkpoint
+    from megatron_lev.training import grad_groups
+    from megatron_lev.training.loop import _setup_configs
+
+    lev = ["--lev-seed-dim", "8", "--lev-rank", "4", "--lev-heads", "2", "--lev-knots", "5"] if arm == "lev" else []
+    _, _, config, model_config = _setup_configs(MODEL + MOCK + ["--input-embedding", arm] + lev)
+    (model,) = checkpoint.build_model_chunks(config, model_config)
+    tokens = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).sum().backward()
+    squares = grad_groups.group_squares([model]).tolist()
+    by_group = {g: 0.0 for g in grad_groups.GROUPS}
+    for name, p in model.named_parameters():
+        by_group[grad_groups.group_of(name)] += float(p.grad.double().square().sum())
+    assert squares == pytest.approx([by_group[g] for g in grad_groups.GROUPS], rel=1e-5)
+    assert all(v > 0 for k, v in by_group.items() if k != "head" or arm != "tied")
+    assert (by_group["head"] == 0) == (arm == "tied")  # the tied table is the input side's (its head gradient too)
+    total = sum(float(p.grad.double().square().sum()) for p in model.parameters()) ** 0.5
+    norms = grad_groups.norms(squares)
+    assert sum(v * v for v in norms.values()) ** 0.5 == pytest.approx(total, rel=1e-5)
+
+
+def test_clipping_is_recorded_where_megatrons_coefficient_is_below_one():
+    from megatron_lev.training.grad_groups import clipped
+
+    assert clipped(1.5, 1.0) is True and clipped(0.5, 1.0) is False
+    assert clipped(1.0, 1.0) is True and clipped(0.999998, 1.0) is False  # megatron scales when 1 / (norm + 1e-6) < 1
+    assert clipped(None, 1.0) is None and clipped(2.0, 0.0) is None  # no norm, or clipping off
+
+
 # ------------------------------------------------------------------------------------------ log writers
 
 
