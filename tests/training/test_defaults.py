@@ -64,6 +64,8 @@ DIFFERS = {
     ("fp8_recipe", "OptimizerConfig"): "the optimizer gets the recipe only with --fp8-format (TransformerConfig's "
                                        "default is the flag's)",
     ("min_lr", "OptimizerConfig"): "Megatron-LM's command line: the schedule decays to 0.0 (None: unset)",
+    ("use_cpu_initialization", "TransformerConfig"): "None: megatron-core's (on the device) where there is a GPU, "
+                                                     "the CPU where there is none (models.config)",
 }
 
 
