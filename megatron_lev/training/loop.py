@@ -61,7 +61,7 @@ from . import faults, profiling
 from .data import build_datasets, build_tokenizer_from_args, close_iterators, get_batch, train_iterators, \
     valid_iterators
 from .faults import EXIT_CONFIG_ERROR, EXIT_NAN, EXIT_SAVE_FAILED, NanDetected, Terminated, rank_is0
-from .flops import flops_per_iteration, peak_tflops_per_device
+from .flops import flops_per_iteration, peak_statement, peak_tflops_per_device
 from .logger import LogWriterError, TrainingLogger, memory_scalars
 from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
 from .params_norm import params_l2_norm
@@ -668,7 +668,7 @@ def _start_data(run: _Run, state: _State, tokenizer) -> None:
         f"[after start-up] {time.time() - run.t_start:.1f} s; training from iteration {state.iteration} "
         f"to {rc.schedule.train_iters} ({run.batches.get()} micro-batches of {rc.schedule.micro_batch_size} per "
         f"data-parallel rank, DP={rc.layout.dp}, TP={rc.layout.tp}, "
-        f"PP={rc.layout.pp})")
+        f"PP={rc.layout.pp}); {peak_statement(rc.logging.peak_tflops_per_device)}")
 
 
 class _Memo(dict):
