@@ -1,0 +1,28 @@
+"""bench/step_ops.py counts the aten operators of a pretrain_lev.py step by part (forward, backward,
+optimizer), with torch's optimizer taking its CUDA implementation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_lev.testing import run_cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_step_ops_counts_each_part_of_a_training_step(tmp_path):
+    out = tmp_path / "ops.json"
+    r = run_cli(REPO / "bench" / "step_ops.py", ["--arms", "tied", "--layers", "2", "--hidden", "32", "--seq", "16",
+                                                  "--steps", "2", "--vocab", "200", "--json", out], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["tied"]
+    top = res["top_launching"]
+    # Two layers' four GEMMs each forward (QKV, projection, MLP in and out) plus the head; twice that backward.
+    assert top["forward:mm"] == 2 * 4 + 1 and top["backward:mm"] == 2 * top["forward:mm"]
+    assert top["forward:silu"] == 2 and top["backward:silu_backward"] == 2
+    assert "optimizer:_foreach_addcdiv_" in top  # torch's AdamW as on CUDA (its CPU default is per tensor)
+    assert not [k for k in top if k.startswith("optimizer:") and k.endswith("_backward")]
+    assert res["total"]["ops"] == sum(res[p]["ops"] for p in ("forward", "backward", "optimizer", "other"))
+    assert res["total"]["launching"] < res["total"]["ops"]
+    assert "| tied | total |" in r.stdout
