@@ -176,3 +176,42 @@ def keep_grad_norm_on_device() -> bool:
         return False
     clip_grads.l2_norm_impl = device_multi_tensor_l2_norm
     return True
+
+
+def device_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``amp_C.multi_tensor_scale``'s contract, ``tensor_lists[1][i] = tensor_lists[0][i] * scale``, in torch's
+    foreach operators: one launch per operator and dtype group instead of megatron-core's stand-in
+    (``megatron.core.utils.local_multi_tensor_scale``), which issues a multiply and a copy per tensor (the
+    distributed optimizer copies its fp32 shards into the bf16 parameters this way, and clipping scales
+    every gradient; 2 x 146 launches a step at gpu-400m's 24 layers). The same products, rounded to the
+    destination's dtype as ``copy_`` rounds them; a scale of 1 is a copy."""
+    src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if not dst:
+        return
+    if scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def keep_multi_tensor_scale_batched() -> bool:
+    """Give megatron-core's parameter copies and gradient clipping :func:`device_multi_tensor_scale` where they
+    would use its per-tensor stand-in (no Transformer Engine, no Apex); True when they do. TE's and Apex's
+    kernels are kept."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    local = getattr(utils, "local_multi_tensor_scale", None)
+    installed = False
+    for module in (clip_grads, megatron_optimizer):
+        impl = getattr(module, "multi_tensor_scale_impl", None)
+        if impl is device_multi_tensor_scale:
+            installed = True
+        elif impl is local and local is not None:
+            module.multi_tensor_scale_impl = device_multi_tensor_scale
+            installed = True
+    return installed
+
