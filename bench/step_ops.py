@@ -17,8 +17,9 @@ kernel on a GPU (views, ``empty*``, ``detach``) and the host reads; ``host reads
 tensors, this way, two per parameter, which costs no sync). What the CPU decomposes and CUDA does not is
 counted as the CPU runs it: torch's ``rms_norm`` (one fused kernel forward and one backward on CUDA, about 9
 and 20 operators here). Counted on one steady step (``--steps``, the last; the first steps
-compile and allocate lazily), a step that does not log unless ``--log-interval 1``. torch's optimizers take
-the implementation they take on CUDA (``foreach``; their CPU default is a per-tensor loop).
+compile and allocate lazily), a step that does not log unless ``--log-interval 1``. torch's AdamW runs as
+on CUDA: ``--adam-impl fused`` (auto's choice there); with ``--adam-impl foreach`` its foreach implementation
+(on CPU tensors torch would take its per-tensor loop).
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def pretrain_argv(arm: str, *, layers: int, hidden: int, heads: int, seq: int, m
             "--global-batch-size", str(micro_batch), "--mock-data", "--vocab-size", str(vocab),
             "--train-iters", str(steps), "--lr", "3e-4", "--lr-warmup-iters", "1", *TRANSFORMER, "--bf16",
             "--transformer-impl", "local", "--use-distributed-optimizer", "--overlap-grad-reduce",
-            "--log-interval", str(log_interval), "--eval-iters", "0", "--quiet-config", "--input-embedding", arm]
+            "--log-interval", str(log_interval), "--eval-iters", "0", "--quiet-config", "--input-embedding", arm,
+            "--adam-impl", "fused"]  # what --adam-impl auto takes on CUDA
     if arm == "lev":
         argv += ["--lev-init-sample-size", "4096"]
     return argv + list(extra)

@@ -217,6 +217,10 @@ class OptimizerRunConfig:
     sgd_momentum: float = field(default=0.9, metadata={"min": 0, "below": 1})
     """SGD's momentum."""
 
+    adam_impl: str = field(default="auto", metadata={"choices": ("auto", "fused", "foreach")})
+    """torch's AdamW, which megatron-core builds without Transformer Engine or Apex: fused (one kernel per
+    dtype and device a step, torch's fused=True), foreach (torch's own default) or auto: fused on CUDA"""
+
     clip_grad: float = field(default=1.0, metadata={"min": 0})
     """gradient-norm clip (0: no clipping)"""
 

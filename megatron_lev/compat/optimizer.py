@@ -215,3 +215,40 @@ def keep_multi_tensor_scale_batched() -> bool:
             installed = True
     return installed
 
+
+def _torch_adams(optimizer):
+    """The torch Adam/AdamW instances inside megatron-core's (chained) optimizer."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    subs = getattr(optimizer, "chained_optimizers", []) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    inner = [getattr(sub, "optimizer", None) for sub in subs]
+    return [o for o in inner if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def use_adam_impl(optimizer, impl: str) -> str:
+    """Run the torch AdamW inside megatron-core's ``optimizer`` (built without Transformer Engine or Apex) as
+    ``impl``: ``fused`` (torch's fused=True: one kernel per dtype and device a step, the step counts on the
+    device, so no per-parameter host read of them), ``foreach`` (torch's default), ``auto`` (fused where every
+    parameter is on CUDA). Called after the build and again after a checkpoint's load, whose saved groups
+    carry the implementation they were saved with. Returns the implementation in use ('' without a torch Adam)."""
+    adams = _torch_adams(optimizer)
+    if not adams:
+        return ""
+    if impl == "auto":
+        devices = {p.device.type for o in adams for g in o.param_groups for p in g["params"]}
+        impl = "fused" if devices == {"cuda"} else "foreach"
+    fused = impl == "fused"
+    for o in adams:
+        for group in [*o.param_groups, o.defaults]:
+            group["fused"], group["foreach"] = fused, not fused
+        o._step_supports_amp_scaling = fused
+        for group in o.param_groups:
+            for p in group["params"]:
+                state = o.state.get(p, {})
+                step = state.get("step")
+                if isinstance(step, torch.Tensor):
+                    # torch keeps the count on the parameter's device for the fused kernel, on the host otherwise
+                    state["step"] = (step.to(device=p.device, dtype=torch.float32) if fused
+                                     else torch.tensor(float(step)))
+    return impl
+

@@ -48,7 +48,7 @@ from megatron_lev.arguments.groups import ScheduleConfig
 from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, keep_grad_norm_on_device, \
-    keep_multi_tensor_scale_batched
+    keep_multi_tensor_scale_batched, use_adam_impl
 from megatron_lev.compat.versions import fallback_notice
 from megatron_lev.data.datasets import DatasetValidationError
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
@@ -176,6 +176,7 @@ def _build_optimizer(rc: RunConfig, config, model):
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=weight_decay_overrides(opt_config))
     keep_grad_norm_on_device()  # without TE or Apex, megatron's grad norm reads each gradient's norm on the host
     keep_multi_tensor_scale_batched()  # ... and its parameter copies and clipping launch twice per tensor
+    use_adam_impl(optimizer, rc.optimizer.adam_impl)
     if rc.distributed.check_for_nan_in_loss_and_grad and not rc.model.fp16:
         # The gradients' NaN/Inf check rides on the grad norm that step() computes (one read of the grads).
         check_grads_in_step(optimizer, config)
@@ -523,6 +524,9 @@ def _run_recorded(rc: RunConfig, tokenizer, config, model_config) -> int:
     run = _start(rc, config, model_config)
     state = _State()
     _load(run, state)
+    impl = use_adam_impl(run.optimizer, rc.optimizer.adam_impl)  # a loaded checkpoint's groups carry the saved one
+    if impl:
+        run.logger.log(f"optimizer: torch's AdamW, {impl} (--adam-impl {rc.optimizer.adam_impl})")
     _start_data(run, state, tokenizer)
     try:
         return _train(run, state)

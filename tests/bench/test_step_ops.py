@@ -1,5 +1,5 @@
 """bench/step_ops.py counts the aten operators of a pretrain_lev.py step by part (forward, backward,
-optimizer), with torch's optimizer taking its CUDA implementation."""
+optimizer), with torch's AdamW as it runs on CUDA."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def test_step_ops_counts_each_part_of_a_training_step(tmp_path):
     # Two layers' four GEMMs each forward (QKV, projection, MLP in and out) plus the head; twice that backward.
     assert top["forward:mm"] == 2 * 4 + 1 and top["backward:mm"] == 2 * top["forward:mm"]
     assert top["forward:silu"] == 2 and top["backward:silu_backward"] == 2
-    assert "optimizer:_foreach_addcdiv_" in top  # torch's AdamW as on CUDA (its CPU default is per tensor)
+    # torch's AdamW as --adam-impl auto runs it on CUDA: fused, one kernel per parameter group
+    assert top["optimizer:_fused_adamw_"] == 2 and "optimizer:_foreach_addcdiv_" not in top
     assert not [k for k in top if k.startswith("optimizer:") and k.endswith("_backward")]
     assert res["total"]["ops"] == sum(res[p]["ops"] for p in ("forward", "backward", "optimizer", "other"))
     assert res["total"]["launching"] < res["total"]["ops"]
