@@ -19,7 +19,8 @@ counted as the CPU runs it: torch's ``rms_norm`` (one fused kernel forward and o
 and 20 operators here). Counted on one steady step (``--steps``, the last; the first steps
 compile and allocate lazily), a step that does not log unless ``--log-interval 1``. torch's AdamW runs as
 on CUDA: ``--adam-impl fused`` (auto's choice there); with ``--adam-impl foreach`` its foreach implementation
-(on CPU tensors torch would take its per-tensor loop).
+(on CPU tensors torch would take its per-tensor loop). RoPE is megatron's fused one (``--rope-fusion``, its
+CUDA default; without Transformer Engine ``models.rope``, eager here, compiled on CUDA).
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def pretrain_argv(arm: str, *, layers: int, hidden: int, heads: int, seq: int, m
             "--train-iters", str(steps), "--lr", "3e-4", "--lr-warmup-iters", "1", *TRANSFORMER, "--bf16",
             "--transformer-impl", "local", "--use-distributed-optimizer", "--overlap-grad-reduce",
             "--log-interval", str(log_interval), "--eval-iters", "0", "--quiet-config", "--input-embedding", arm,
-            "--adam-impl", "fused"]  # what --adam-impl auto takes on CUDA
+            # What --adam-impl auto and the RoPE fusion's default take on CUDA.
+            "--adam-impl", "fused", "--rope-fusion"]
     if arm == "lev":
         argv += ["--lev-init-sample-size", "4096"]
     return argv + list(extra)
