@@ -21,6 +21,9 @@ def test_step_ops_counts_each_part_of_a_training_step(tmp_path):
     # Two layers' four GEMMs each forward (QKV, projection, MLP in and out) plus the head; twice that backward.
     assert top["forward:mm"] == 2 * 4 + 1 and top["backward:mm"] == 2 * top["forward:mm"]
     assert top["forward:silu"] == 2 and top["backward:silu_backward"] == 2
+    # torch's rms_norm as CUDA runs it: one kernel each way per norm (2 a layer and the final one)
+    assert top["forward:_fused_rms_norm"] == top["backward:_fused_rms_norm_backward"] == 2 * 2 + 1
+    assert "forward:rsqrt" not in top and "backward:pow" not in top
     # torch's AdamW as --adam-impl auto runs it on CUDA: fused, one kernel per parameter group
     assert top["optimizer:_fused_adamw_"] == 2 and "optimizer:_foreach_addcdiv_" not in top
     assert not [k for k in top if k.startswith("optimizer:") and k.endswith("_backward")]
