@@ -48,7 +48,7 @@ from megatron_lev.arguments.groups import ScheduleConfig
 from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, keep_grad_norm_on_device, \
-    keep_multi_tensor_scale_batched, use_adam_impl
+    copy_main_params_in_one_launch, keep_multi_tensor_scale_batched, use_adam_impl
 from megatron_lev.compat.versions import fallback_notice
 from megatron_lev.data.datasets import DatasetValidationError
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
@@ -177,6 +177,7 @@ def _build_optimizer(rc: RunConfig, config, model):
     keep_grad_norm_on_device()  # without TE or Apex, megatron's grad norm reads each gradient's norm on the host
     keep_multi_tensor_scale_batched()  # ... and its parameter copies and clipping launch twice per tensor
     use_adam_impl(optimizer, rc.optimizer.adam_impl)
+    copy_main_params_in_one_launch(optimizer)  # the distributed optimizer copies its shards one by one
     if rc.distributed.check_for_nan_in_loss_and_grad and not rc.model.fp16:
         # The gradients' NaN/Inf check rides on the grad norm that step() computes (one read of the grads).
         check_grads_in_step(optimizer, config)

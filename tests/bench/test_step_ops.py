@@ -27,6 +27,8 @@ def test_step_ops_counts_each_part_of_a_training_step(tmp_path):
     # torch's AdamW as --adam-impl auto runs it on CUDA: fused, one kernel per parameter group
     assert top["optimizer:_fused_adamw_"] == 2 and "optimizer:_foreach_addcdiv_" not in top
     assert not [k for k in top if k.startswith("optimizer:") and k.endswith("_backward")]
+    # the distributed optimizer's copies of its updated shards into the parameters: one foreach copy
+    assert "optimizer:copy_" not in top and top["optimizer:_foreach_copy_"] == 1
     assert res["total"]["ops"] == sum(res[p]["ops"] for p in ("forward", "backward", "optimizer", "other"))
     assert res["total"]["launching"] < res["total"]["ops"]
     assert "| tied | total |" in r.stdout
