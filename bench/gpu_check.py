@@ -7,6 +7,15 @@
     python bench/gpu_check.py --prepare-wheels wheels        # here (with PyPI): the wheels the GPU box lacks
     python bench/gpu_check.py --prepare-data .cache/gpu_data  # here: the shared data the stages read, to carry
     python bench/gpu_check.py --out OUT --sizes tiny --budget-s 2000     # every stage at tiny sizes (CPU too)
+    python bench/gpu_check.py --program NAME ...   # another program's stages (PROGRAMS), same options
+
+Programs: ``PROGRAMS`` maps a name to the module that holds its stages. ``default`` is this module (the
+stages below); another program is a module ``bench/gpu_program_<name>.py`` with ``STAGES`` (a tuple of
+``Stage``) and ``plan(budget_s, sizes, assume_tflops, shared_data)`` (one entry per stage: name,
+planned_s, what), and optionally ``BUDGET_S``, ``SIZES``, ``stage_seconds``, ``plan_lines``,
+``CHILD_FUNCS`` (what ``in_child`` runs), ``MARKDOWN`` (each stage's report section) and
+``not_run_notes`` (``load_program`` says what stands in for each). ``--plan``, ``--only``, ``--skip``,
+``--sizes`` and the report work per program.
 
 Stages, in the order of what each figure is worth, each with its own time limit (``BASE_S`` at a 400 s
 budget, in proportion at others; ``plan``):
@@ -41,7 +50,7 @@ whose process group is killed at it. Output: ``OUT/gpu_check.json`` and ``OUT/gp
 (tmp file + rename) before the first stage and after every stage, so a killed run keeps what it learnt;
 ``throughput.md``, ``science.md`` and ``science_loss_curves.png`` beside them (the device returns at most
 8 files). Logs and scratch files go to ``--work`` (default ``OUT/../gpu_check_work``). The JSON:
-``{"state": "running"|"done", "created", "command", "budget_s", "sizes", "elapsed_s", "plan", "stages":
+``{"state": "running"|"done", "created", "command", "program", "budget_s", "sizes", "elapsed_s", "plan", "stages":
 [{"name", "status": ok|failed|skipped, "reason", "planned_s", "limit_s", "seconds", "figures", "log_tail"}],
 "pending": [...], "not_run": [...]}``. Exit status 0 when no stage failed.
 """
@@ -72,6 +81,11 @@ sys.path.insert(0, str(REPO / "bench"))
 from _check_harness import (CheckFailed, CheckTimeout, Skip, TIMEOUT_RC, run_logged, run_parallel,  # noqa: E402
                             tail, write_json, write_text)
 
+# Program name -> the module holding its STAGES and plan (see the docstring); imported when chosen.
+PROGRAMS: Dict[str, str] = {
+    "default": "gpu_check",
+}
+
 SHARED = REPO.parent / "shared" / "data"
 # What a bare GPU image (torch, triton, transformers, tokenizers, sentencepiece, safetensors) may lack;
 # megatron-core is the newest release make test-next tests (the Makefile's MCORE_NEXT), so the device runs
@@ -79,6 +93,7 @@ SHARED = REPO.parent / "shared" / "data"
 WHEELS = ("megatron-core>=0.19,<0.20", "tiktoken", "zstandard", "psutil", "pyyaml")
 MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml"}
 PLAN_BUDGET_S = 400.0
+BUDGET_S = PLAN_BUDGET_S  # the default program's --budget-s
 # Each stage's limit at a 400 s budget (in proportion at others); the science stage gets the rest.
 BASE_S = {"env": 15.0, "correctness": 55.0, "kernels": 30.0, "throughput": 50.0, "profile": 40.0}
 RESERVE_S = 5.0  # kept back from the budget for the last report write
@@ -137,6 +152,8 @@ class Stage:
     """run(ctx, limit_s) -> figures; raises Skip, CheckFailed or CheckTimeout."""
     cuda: bool = True
     """At the device sizes, skipped with "no CUDA device" where torch sees none."""
+    rest: bool = False
+    """Its limit is what is left of the budget, not its planned share (the default program's science)."""
 
 
 @dataclass
@@ -152,10 +169,11 @@ class Ctx:
     timeout_s: Optional[float] = None  # the running child's limit
     deadline: Optional[float] = None  # and its end in time.monotonic() (one clock for every process)
     results: Optional[Dict[str, Dict[str, Any]]] = None  # earlier stages' entries, by name
+    program: str = "default"  # whose stages run (PROGRAMS); a child runs that program's CHILD_FUNCS
 
     @property
     def size(self) -> Dict[str, Any]:
-        return SIZES[self.sizes]
+        return load_program(self.program).sizes[self.sizes]
 
     @property
     def device(self) -> str:
@@ -183,7 +201,7 @@ class Ctx:
 
 
 def in_child(name: str, **extra_env: str) -> Callable[[Ctx, float], Dict[str, Any]]:
-    """Run CHILD_FUNCS[name](ctx, partial) in a fresh process (its own CUDA context, killable at the limit).
+    """Run the program's CHILD_FUNCS[name](ctx, partial) in a fresh process (its own CUDA context, killable at the limit).
 
     The child writes its figures (or its error) to a JSON file; it may rewrite that file while it runs
     (``partial``), so a timeout still reports what it measured."""
@@ -194,8 +212,8 @@ def in_child(name: str, **extra_env: str) -> Callable[[Ctx, float], Dict[str, An
         result.unlink(missing_ok=True)
         ctx.timeout_s, ctx.deadline = timeout, time.monotonic() + timeout
         write_json(ctx_file, ctx.__dict__)
-        rc, output = run_logged([sys.executable, str(Path(__file__).resolve()), "--child", name, "--child-ctx",
-                                 str(ctx_file), "--child-result", str(result)], timeout,
+        rc, output = run_logged([sys.executable, str(Path(__file__).resolve()), "--program", ctx.program, "--child", name,
+                                 "--child-ctx", str(ctx_file), "--child-result", str(result)], timeout,
                                 work / "logs" / f"{name}.log", ctx.env(**extra_env))
         res = json.loads(result.read_text()) if result.exists() else {}
         figures = res.get("figures", {})
@@ -220,7 +238,7 @@ def child_main(name: str, ctx_file: str, result_file: str) -> int:
         write_json(out, {"status": "running", "figures": figures})
 
     try:
-        figures = CHILD_FUNCS[name](ctx, partial)
+        figures = load_program(ctx.program).children[name](ctx, partial)
         write_json(out, {"status": "ok", "figures": figures})
     except Skip as e:
         write_json(out, {"status": "skipped", "reason": str(e)})
@@ -645,7 +663,7 @@ STAGES: Tuple[Stage, ...] = (
     Stage("kernels", stage_kernels),
     Stage("throughput", in_child("throughput")),
     Stage("profile", stage_profile),
-    Stage("science", in_child("science")),
+    Stage("science", in_child("science"), rest=True),
 )
 NAMES = tuple(s.name for s in STAGES)
 
@@ -732,11 +750,13 @@ def _science_lev_factor() -> float:
 
 
 def run_stages(stages: Sequence[Stage], ctx: Ctx, budget_s: float, *, clock=time.monotonic, start: Optional[float] = None,
-               on_result: Callable[[List[Dict[str, Any]]], None] = lambda results: None, log=print):
+               on_result: Callable[[List[Dict[str, Any]]], None] = lambda results: None, log=print,
+               limits: Optional[Dict[str, float]] = None):
     """Run ``stages`` in order within ``budget_s`` seconds of ``clock`` from ``start``; ``on_result(results)``
-    after each. A stage runs under min(its limit, what is left); the science stage's limit is what is left."""
+    after each. A stage runs under min(its limit, what is left); a ``rest`` stage's limit (the science
+    stage's), or one without a limit in ``limits`` (default: this program's ``stage_seconds``), is what is left."""
     start = clock() if start is None else start
-    limits = stage_seconds(budget_s)
+    limits = stage_seconds(budget_s) if limits is None else limits
     results: List[Dict[str, Any]] = []
     ctx.results = {}
     for stage in stages:
@@ -748,7 +768,7 @@ def run_stages(stages: Sequence[Stage], ctx: Ctx, budget_s: float, *, clock=time
         try:
             if stage.cuda and not ctx.cuda and ctx.sizes == "device":
                 raise Skip("no CUDA device")
-            limit = min(left, left if stage.name == "science" else planned)
+            limit = left if stage.rest else min(left, planned)
             entry["limit_s"] = round(limit)
             if limit < 1:
                 raise Skip(f"budget: {max(0.0, left):.0f} s left")
@@ -769,6 +789,49 @@ def run_stages(stages: Sequence[Stage], ctx: Ctx, budget_s: float, *, clock=time
     return results
 
 
+@dataclass(frozen=True)
+class Program:
+    """A named tuple of stages and the functions that plan and report them (one module's, see PROGRAMS)."""
+    name: str
+    stages: Tuple[Stage, ...]
+    plan: Callable[..., List[Dict[str, Any]]]
+    """plan(budget_s, sizes, assume_tflops, shared_data) -> one entry per stage: name, planned_s, what."""
+    budget_s: float
+    sizes: Dict[str, Dict[str, Any]]
+    stage_seconds: Callable[[float], Dict[str, float]]
+    plan_lines: Callable[..., List[str]]
+    children: Dict[str, Callable]
+    markdown: Dict[str, Callable]
+    notes: Callable[[Ctx], List[str]]
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+
+def load_program(name: str) -> Program:
+    """The program registered as ``name`` in PROGRAMS, read from its module now (a test may have replaced
+    its STAGES). What a module leaves out: the default sizes and budget, limits from its plan, one plan
+    line per stage, no child functions, each stage's figures as JSON in the report, no notes."""
+    import importlib
+
+    m = importlib.import_module(PROGRAMS[name])
+
+    def seconds_from_plan(budget_s: float) -> Dict[str, float]:
+        return {e["name"]: e["planned_s"] for e in m.plan(budget_s, "device", None, str(SHARED))}
+
+    return Program(name=name, stages=tuple(m.STAGES), plan=m.plan, budget_s=getattr(m, "BUDGET_S", PLAN_BUDGET_S),
+                   sizes=getattr(m, "SIZES", SIZES), stage_seconds=getattr(m, "stage_seconds", seconds_from_plan),
+                   plan_lines=getattr(m, "plan_lines", stage_plan_lines), children=getattr(m, "CHILD_FUNCS", {}),
+                   markdown=getattr(m, "MARKDOWN", {}), notes=getattr(m, "not_run_notes", lambda ctx: []))
+
+
+def stage_plan_lines(entries: List[Dict[str, Any]], budget_s: float, sizes: str, assume_tflops: Optional[float]) -> List[str]:
+    """A program's plan as printed by --plan when its module has no plan_lines of its own."""
+    return ([f"plan: budget {budget_s:g} s at the {sizes} sizes, {RESERVE_S:g} s kept for the last report write"]
+            + [f"stage {e['name']}: planned {e['planned_s']:.0f} s - {e['what']}" for e in entries])
+
+
 def not_run_notes(ctx: Ctx) -> List[str]:
     notes = ["Multi-rank collectives: one GPU runs TP=1 over NCCL at most (NCCL refuses two ranks on one device); "
              "tensor/pipeline-parallel LEV and its gradient reductions are tested on CPU (gloo) only."]
@@ -785,11 +848,13 @@ def not_run_notes(ctx: Ctx) -> List[str]:
 # ------------------------------------------------------------------------------------------ report
 
 
-def write_report(out: Path, report: Dict[str, Any]) -> None:
+def write_report(out: Path, report: Dict[str, Any], markdown: Optional[Dict[str, Callable]] = None) -> None:
+    """``OUT/gpu_check.json`` and ``OUT/gpu_check.md``; ``markdown``: each stage's section (default: this program's)."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "gpu_check.json", report)
     env = next((c["figures"] for c in report["stages"] if c["name"] == "env" and c["status"] == "ok"), {})
-    L = ["# GPU check", "", f"`{report['command']}`, started {report['created']}; state **{report['state']}**, "
+    program = report.get("program", "default")
+    L = ["# GPU check" + ("" if program == "default" else f": program {program}"), "", f"`{report['command']}`, started {report['created']}; state **{report['state']}**, "
          f"{report['elapsed_s']} s of a {report['budget_s']} s budget, {report['sizes']} sizes.", "",
          f"Device: {env.get('device') or 'none (no CUDA device)'}"
          + (f" (sm {env.get('capability')}, {env.get('memory_gib')} GiB; bf16 matmul {env.get('bf16_matmul_tflops')} "
@@ -806,13 +871,13 @@ def write_report(out: Path, report: Dict[str, Any]) -> None:
         L += ["", "## Not proved by this check", ""] + [f"- {x}" for x in report["not_run"]]
     for c in report["stages"]:
         if c.get("figures"):
-            L += ["", f"## {c['name']}", ""] + _figures_md(c["name"], c["figures"])
+            L += ["", f"## {c['name']}", ""] + _figures_md(c["name"], c["figures"], markdown)
     write_text(out / "gpu_check.md", "\n".join(L) + "\n")
 
 
-def _figures_md(name: str, f: Dict[str, Any]) -> List[str]:
+def _figures_md(name: str, f: Dict[str, Any], markdown: Optional[Dict[str, Callable]] = None) -> List[str]:
     try:
-        return MARKDOWN[name](f)
+        return (MARKDOWN if markdown is None else markdown)[name](f)
     except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError):  # a partial run's figures: as JSON
         return ["```json", json.dumps(f, indent=1, default=str)[:6000], "```"]
 
@@ -953,9 +1018,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                             "every stage (bench/gpu_check.py's docstring says what each does).")
     p.add_argument("--out", default=None, help="folder for gpu_check.json / gpu_check.md (required to run)")
     p.add_argument("--work", default=None, help="logs and scratch files (default OUT/../gpu_check_work)")
-    p.add_argument("--budget-s", type=float, default=PLAN_BUDGET_S,
-                   help=f"wall-clock budget of the whole run (default {PLAN_BUDGET_S:g})")
-    p.add_argument("--sizes", default="device", choices=sorted(SIZES),
+    p.add_argument("--program", default="default", choices=sorted(PROGRAMS),
+                   help="which stages to run (default: the stages below; PROGRAMS in bench/gpu_check.py)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"wall-clock budget of the whole run (default: the program's, {PLAN_BUDGET_S:g} for default)")
+    p.add_argument("--sizes", default="device",
                    help="device (one GPU, default) or tiny (every stage in seconds, on a CPU too)")
     p.add_argument("--wheels", default=str(REPO / "wheels"), help="wheels to install with --no-deps (default wheels/)")
     p.add_argument("--shared-data", default=str(SHARED), help=f"shared data folder (default {SHARED})")
@@ -964,7 +1031,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "measured nothing")
     p.add_argument("--plan", action="store_true", help="print each stage's planned seconds (and the science run's "
                                                        "tokens per arm at --assume-tflops), then exit; no GPU needed")
-    p.add_argument("--only", default=None, help=f"comma list of stages to run ({','.join(NAMES)})")
+    p.add_argument("--only", default=None, help=f"comma list of the program's stages to run (default's: {','.join(NAMES)})")
     p.add_argument("--skip", default="", help="comma list of stages to leave out")
     p.add_argument("--prepare-wheels", default=None, metavar="DIR",
                    help="download the wheels the GPU machine lacks into DIR, then exit")
@@ -976,11 +1043,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.child or a.prepare_wheels or a.prepare_data:
         return a
+    prog = load_program(a.program)
+    if a.sizes not in prog.sizes:
+        p.error(f"--sizes {a.sizes}: program {a.program} has the sizes {','.join(sorted(prog.sizes))}")
+    a.budget_s = prog.budget_s if a.budget_s is None else a.budget_s
     if not a.budget_s > 0:
         p.error(f"--budget-s must be a positive number of seconds (got {a.budget_s})")
     if a.assume_tflops is not None and not a.assume_tflops > 0:
         p.error(f"--assume-tflops must be a positive number (got {a.assume_tflops})")
-    if stage_seconds(a.budget_s)["science"] < 0:
+    if min(prog.stage_seconds(a.budget_s).values(), default=0.0) < 0:
         p.error(f"--budget-s {a.budget_s:g} leaves nothing once {RESERVE_S:g} s are kept for the report")
     if a.plan:
         return a
@@ -989,11 +1060,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--wheels {a.wheels}: several wheels of {twice[0]} ({', '.join(twice[1])}); keep one")
     if a.out is None:
         p.error("--out DIR is required (or --plan, --prepare-wheels DIR, --prepare-data DIR)")
-    chosen, skip = (_csv(a.only) or list(NAMES)), _csv(a.skip)
-    unknown = [c for c in chosen + skip if c not in NAMES]
+    names = prog.names
+    chosen, skip = (_csv(a.only) or list(names)), _csv(a.skip)
+    unknown = [c for c in chosen + skip if c not in names]
     if unknown:
-        p.error(f"unknown stage(s) {unknown}; choose from {','.join(NAMES)}")
-    a.stages = [c for c in NAMES if c in chosen and c not in skip]
+        p.error(f"unknown stage(s) {unknown}" + ("" if a.program == "default" else f" of program {a.program}")
+                + f"; choose from {','.join(names)}")
+    a.stages = [c for c in names if c in chosen and c not in skip]
     return a
 
 
@@ -1006,9 +1079,10 @@ def main(argv=None) -> int:
         return prepare_wheels(a.prepare_wheels)
     if a.prepare_data:
         return prepare_data(a.prepare_data, a.shared_data)
+    prog = load_program(a.program)
     if a.plan:
-        print("\n".join(plan_lines(plan(a.budget_s, a.sizes, a.assume_tflops, a.shared_data), a.budget_s, a.sizes,
-                                   a.assume_tflops)))
+        print("\n".join(prog.plan_lines(prog.plan(a.budget_s, a.sizes, a.assume_tflops, a.shared_data), a.budget_s,
+                                        a.sizes, a.assume_tflops)))
         return 0
     import torch
 
@@ -1017,21 +1091,22 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     ctx = Ctx(out=str(out), work=str(work), wheels=a.wheels, shared_data=a.shared_data, sizes=a.sizes,
-              cuda=torch.cuda.is_available(), assume_tflops=a.assume_tflops)
+              cuda=torch.cuda.is_available(), assume_tflops=a.assume_tflops, program=a.program)
     report: Dict[str, Any] = {
         "state": "running", "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": "python bench/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "budget_s": a.budget_s, "sizes": a.sizes, "elapsed_s": 0.0,
-        "plan": {e["name"]: round(e["planned_s"]) for e in plan(a.budget_s, a.sizes, None, a.shared_data)},
+        "program": a.program, "budget_s": a.budget_s, "sizes": a.sizes, "elapsed_s": 0.0,
+        "plan": {e["name"]: round(e["planned_s"]) for e in prog.plan(a.budget_s, a.sizes, None, a.shared_data)},
         "stages": [], "pending": list(a.stages), "not_run": []}
 
     def on_result(results):
         report.update(stages=results, pending=a.stages[len(results):], elapsed_s=round(time.monotonic() - t0, 1),
-                      not_run=not_run_notes(ctx))
-        write_report(out, report)
+                      not_run=prog.notes(ctx))
+        write_report(out, report, prog.markdown)
 
-    write_report(out, report)
-    results = run_stages([s for s in STAGES if s.name in a.stages], ctx, a.budget_s, start=t0, on_result=on_result)
+    write_report(out, report, prog.markdown)
+    results = run_stages([s for s in prog.stages if s.name in a.stages], ctx, a.budget_s, start=t0, on_result=on_result,
+                         limits=prog.stage_seconds(a.budget_s))
     report.update(state="done")
     on_result(results)
     print(f"gpu_check: report in {out / 'gpu_check.md'} ({report['elapsed_s']} s)")
@@ -1039,4 +1114,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module ``gpu_check`` (bench/ is on the path): a program's module imports it, and gets
+    # this one's registry and helpers rather than a second copy of the script.
+    import gpu_check
+
+    sys.exit(gpu_check.main())

@@ -131,6 +131,59 @@ def test_stage_limits_follow_the_budget_and_the_science_stage_gets_the_rest(gc):
     assert s2["correctness"] == 2 * s["correctness"] and s2["science"] > 2 * s["science"]
 
 
+DEMO_PROGRAM = """
+from gpu_check import Stage
+
+def _one(ctx, limit):
+    return {"limit": limit, "program": ctx.program, "n": ctx.size["n"]}
+
+STAGES = (Stage("alpha", _one, cuda=False), Stage("beta", _one, cuda=False))
+SIZES = {"device": {"n": 100}, "tiny": {"n": 1}}
+BUDGET_S = 60.0
+
+def plan(budget_s, sizes, assume_tflops, shared_data):
+    return [{"name": "alpha", "planned_s": budget_s / 2 - 5, "what": f"alpha at n={SIZES[sizes]['n']}"},
+            {"name": "beta", "planned_s": budget_s / 2, "what": "beta"}]
+
+MARKDOWN = {"alpha": lambda f: [f"alpha ran at n={f['n']}"]}
+"""
+
+
+def test_a_program_is_a_module_with_stages_and_a_plan_registered_by_name(gc, capsys, tmp_path, monkeypatch):
+    """--program NAME: its stages, plan, sizes, budget and report sections; --only/--skip against its stages."""
+    (tmp_path / "gpu_program_demo.py").write_text(DEMO_PROGRAM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(gc.PROGRAMS, "demo", "gpu_program_demo")
+    lines, stages = _plan(gc, capsys, "--program", "demo", "--sizes", "tiny")
+    assert stages == {"alpha": (25, " - alpha at n=1"), "beta": (30, " - beta")}
+    assert lines[0].startswith("plan: budget 60 s at the tiny sizes")
+    out = tmp_path / "out"
+    assert gc.main(["--program", "demo", "--out", str(out), "--sizes", "tiny", "--skip", "beta"]) == 0
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["program"] == "demo" and report["budget_s"] == 60 and report["plan"] == {"alpha": 25, "beta": 30}
+    assert [(c["name"], c["status"], c["limit_s"], c["figures"]) for c in report["stages"]] == [
+        ("alpha", "ok", 25, {"limit": 25.0, "program": "demo", "n": 1})]
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# GPU check: program demo") and "alpha ran at n=1" in md
+    for bad, msg in ((["--only", "env"], "unknown stage(s) ['env'] of program demo; choose from alpha,beta"),
+                     (["--sizes", "huge"], "--sizes huge: program demo has the sizes device,tiny"),
+                     (["--budget-s", "9"], "--budget-s 9 leaves nothing")):
+        with pytest.raises(SystemExit) as e:
+            gc.parse_args(["--program", "demo", "--out", "x", *bad])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--program", "nope", "--plan"])
+    assert "argument --program: invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_without_program_the_default_program_runs_and_plans_as_before(gc, capsys):
+    assert gc.PROGRAMS["default"] == "gpu_check" and gc.load_program("default").names == gc.NAMES
+    plain, _ = _plan(gc, capsys, "--assume-tflops", "250")
+    named, _ = _plan(gc, capsys, "--program", "default", "--assume-tflops", "250")
+    assert plain == named and plain[0].startswith("plan: budget 400 s at the device sizes")
+    assert gc.parse_args(["--out", "x"]).budget_s == gc.PLAN_BUDGET_S
+
+
 # -------------------------------------------------------------------------------- the runner
 
 

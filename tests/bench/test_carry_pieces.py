@@ -1,0 +1,143 @@
+"""bench/_carry.py and bench/carry_pieces.py: a folder split into pieces, joined and verified, and a
+missing, short or corrupt piece refused in one line; bench/_fatbin.py's cut on a synthetic library."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from tests.bench import REPO
+
+BENCH = REPO / "bench"
+
+
+@pytest.fixture(scope="module")
+def carry():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import _carry
+
+    return _carry
+
+
+def _folder(tmp_path):
+    src = tmp_path / "src"
+    (src / "wheels").mkdir(parents=True)
+    (src / "wheels" / "a-1.0-py3-none-any.whl").write_bytes(os.urandom(5000))
+    (src / "build").mkdir()
+    (src / "build" / "b.tar.gz").write_bytes(os.urandom(2345))
+    return src
+
+
+def test_split_join_verify_round_trip(carry, tmp_path):
+    src = _folder(tmp_path)
+    root = tmp_path / ".carry"
+    m = carry.split(src, root, "te", piece_bytes=4096)
+    assert len(m["pieces"]) == -(-m["bytes"] // 4096) >= 3
+    assert [p["folder"] for p in m["pieces"]] == [f"te.{i}" for i in range(1, len(m["pieces"]) + 1)]
+    assert all(p["bytes"] <= 4096 for p in m["pieces"]) and sum(p["bytes"] for p in m["pieces"]) == m["bytes"]
+    for p in m["pieces"]:  # one folder per piece, each with the manifest
+        assert sorted(f.name for f in (root / p["folder"]).iterdir()) == sorted([p["file"], "manifest.json"])
+    assert carry.read_manifest(root, "te") == m
+    out = tmp_path / "out"
+    carry.join(root, "te", out)
+    for f in ("wheels/a-1.0-py3-none-any.whl", "build/b.tar.gz"):
+        assert (out / f).read_bytes() == (src / f).read_bytes()
+    again = carry.split(src, root, "te", piece_bytes=4096)  # the same files give the same pieces
+    assert again["sha256"] == m["sha256"] and again["pieces"] == m["pieces"]
+
+
+def test_a_missing_short_or_corrupt_piece_is_refused_in_one_line(carry, tmp_path, capsys):
+    import carry_pieces
+
+    def _cli(*args):
+        code = carry_pieces.main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    src = _folder(tmp_path)
+    root = tmp_path / ".carry"
+    r = _cli("split", str(src), "--root", str(root), "--name", "te", "--piece-mib", str(4096 / 2**20))
+    assert r.returncode == 0 and "in 3 pieces" in r.stdout, r.stderr
+    assert _cli("verify", "--root", str(root), "--name", "te").returncode == 0
+    piece2 = root / "te.2" / "te.tar.02"
+    good = piece2.read_bytes()
+
+    def refused(expect):
+        r = _cli("join", "--root", str(root), "--name", "te", "--dest", str(tmp_path / "out"))
+        assert r.returncode == 1 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert expect in r.stderr, r.stderr
+        assert not (tmp_path / "out").exists()  # nothing unpacked
+
+    piece2.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    refused("piece 2 of ")
+    refused("does not match its sha256 in the manifest: carry it again")
+    piece2.write_bytes(good[:100])
+    refused(f"has 100 bytes, the manifest {len(good)}")
+    piece2.unlink()
+    refused(f"is missing: carry {root / 'te.2'} in a call first")
+    piece2.write_bytes(good)
+    for folder in root.iterdir():
+        (folder / "manifest.json").unlink()
+    refused("no manifest of 'te'")
+
+
+# ------------------------------------------------------------------------------ the fat-binary cut
+
+
+def _elf_with_fatbin(containers):
+    """A minimal 64-bit ELF: a .nv_fatbin section of the given containers (lists of (arch, payload)),
+    bytes before and after it, and the section header table."""
+    fat = b""
+    for entries in containers:
+        body = b""
+        for arch, payload in entries:
+            header = struct.pack("<HHIQIIHHIIIQQQ", 2, 0x101, 64, len(payload), 0, 0, 0, 0, arch, 0, 0, 0x8011, 0, 0)
+            body += header + payload
+        fat += struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
+    head, tail = b"\x7fELF\x02\x01" + bytes(58) + b"code" * 10, b"symbols" * 3
+    names = b"\0.nv_fatbin\0.shstrtab\0"
+    fat_off = len(head)
+    names_off = fat_off + len(fat) + len(tail)
+    shoff = names_off + len(names)
+    sh = bytes(64)  # the null section
+    sh += struct.pack("<IIQQQQIIQQ", 1, 1, 0, 0, fat_off, len(fat), 0, 0, 8, 0)
+    sh += struct.pack("<IIQQQQIIQQ", 12, 3, 0, 0, names_off, len(names), 0, 0, 1, 0)
+    data = bytearray(head + fat + tail + names + sh)
+    struct.pack_into("<Q", data, 0x28, shoff)
+    struct.pack_into("<HHH", data, 0x3A, 64, 3, 2)
+    return bytes(data)
+
+
+def test_the_fatbin_cut_keeps_the_loadable_entries_byte_for_byte(tmp_path):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import _fatbin
+
+    p = lambda tag, n: (tag * n)[:n]  # noqa: E731
+    lib = _elf_with_fatbin([[(75, p(b"a", 40)), (80, p(b"b", 48)), (90, p(b"c", 56)), (100, p(b"d", 64)),
+                             (90, p(b"e", 24))],
+                            [(80, p(b"f", 16)), (120, p(b"g", 32))]])  # no sm_90 entry: left whole
+    src, dst = tmp_path / "lib.so", tmp_path / "cut.so"
+    src.write_bytes(lib)
+    r = _fatbin.cut(src, dst, (90,))
+    assert r["containers"] == 2 and r["left_whole"] == 1
+    assert r["after"] == {"elf sm_120": {"entries": 1, "bytes": 96}, "elf sm_80": {"entries": 1, "bytes": 80},
+                          "elf sm_90": {"entries": 2, "bytes": 208}}
+    assert dst.stat().st_size == src.stat().st_size and dst.read_bytes().endswith(lib[-200:])
+    _fatbin.verify_cut(src, dst, (90,))
+    first = _fatbin.scan(dst.read_bytes())[0]
+    assert [(e.arch, dst.read_bytes()[e.offset + 64:e.offset + e.size]) for e in first.entries] == [
+        (90, p(b"c", 56)), (90, p(b"e", 24))]
+    bad = bytearray(dst.read_bytes())
+    bad[first.entries[0].offset + 70] ^= 1  # a kept entry's byte changed
+    (tmp_path / "bad.so").write_bytes(bytes(bad))
+    with pytest.raises(_fatbin.FatbinError, match="does not hold exactly the loadable entries"):
+        _fatbin.verify_cut(src, tmp_path / "bad.so", (90,))
+    assert _fatbin.loadable(_fatbin.Entry(0, 8, "elf", 90), 90) and not _fatbin.loadable(_fatbin.Entry(0, 8, "elf", 80), 90)
+    assert json.loads(json.dumps(r))  # the report is JSON (prepare.json)
