@@ -465,6 +465,10 @@ class RunControlConfig:
     """with --profile: torch.profiler, trace written under --tensorboard-dir (TensorBoard,
     Perfetto/chrome://tracing)"""
 
+    pytorch_profiler_collect_shapes: bool = False
+    """with --use-pytorch-profiler: record each operator's input shapes and dtypes (host work per operator,
+    which inflates the profiled step of an operator-heavy eager loop)"""
+
     profile_ranks: List[int] = field(default_factory=lambda: [0], metadata={"nargs": "+", "min": 0})
     """global ranks to profile"""
 
