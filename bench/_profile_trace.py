@@ -123,14 +123,15 @@ PARTS = ("lev", "rope", "cross_entropy", "optimizer", "attention", "other")
 _PART_WORDS = {"rope": ("megatron_lev.rope", "RotaryPosEmb", "rotary", "rope"),
                "cross_entropy": ("megatron_lev.cross_entropy", "CrossEntropy", "cross_entropy"),
                "optimizer": ("megatron_lev.optimizer", "Optimizer.step", "adam")}
-_LEV_WORDS = ("LEV", "Lev", "lev_")
+# LEV's forward range and the backward nodes of its products and table (lev/, kernels/).
+_LEV_WORDS = ("megatron_lev.lev", "_SeparableProduct", "_TritonProduct", "_FusedProduct", "_TableRows")
 
 
 def _part(name: str, stack: Sequence[Dict[str, Any]], category: str) -> str:
     if category in ("lev_triton", "lev_gemm"):
         return "lev"
     names = [str(e.get("name", "")) for e in stack]
-    if any(w in n for n in names for w in _LEV_WORDS):
+    if any(n == w or n.startswith(_AUTOGRAD + w) for n in names for w in _LEV_WORDS):
         return "lev"
     for part, words in _PART_WORDS.items():
         if any(w in n for n in names + [name] for w in words):
