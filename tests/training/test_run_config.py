@@ -214,5 +214,9 @@ def test_a_released_config_yaml_reads_as_the_same_flags_parse_today():
     now = parse_run_config(RELEASED_ARGV, world_size=2)
     assert rc == now.with_tokenizer(TokenizerSpec.from_args(now.data).build())
     assert rc.layout.tp == 2 and rc.layout.dp == 1 and rc.model.sequence_parallel and rc.model.bf16
-    # Written back, it is the released file key by key.
-    assert yaml.safe_load(config_to_yaml(resolved_config(rc.flat()))) == saved
+    # Written back, it is the released file key by key, with the settings added since at their defaults.
+    assert yaml.safe_load(config_to_yaml(resolved_config(rc.flat()))) == {**saved, **ADDED_SINCE_RELEASE}
+
+
+# Settings added after that release: a released config.yaml without them reads as their defaults.
+ADDED_SINCE_RELEASE = {"adam_impl": "auto", "pytorch_profiler_collect_shapes": False}
