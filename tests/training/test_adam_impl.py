@@ -29,6 +29,7 @@ def _train(tmp_path, name, extra):
     return {row["iteration"]: row for row in rows if row["kind"] == "train"}, r.stdout
 
 
+@pytest.mark.slow
 def test_fused_adamw_trains_as_foreach_within_its_rounding_and_is_kept_on_resume(tmp_path):
     foreach, out = _train(tmp_path, "foreach", ["--adam-impl", "foreach", "--save", tmp_path / "ck",
                                                  "--save-interval", "5"])
