@@ -22,6 +22,12 @@ host until the device catches up (``SYNC_CALLS``); ``scalar_reads_per_step`` cou
 tensor, and the only figure a CPU trace has. ``syncs_by_place`` and ``scalar_reads_by_place`` say where
 they come from: the innermost named range around each (the training loop's ``megatron_lev.*`` spans,
 ``Optimizer.step#...``, an autograd node's backward) and the innermost operator, per step.
+
+``parts_ms_per_step`` (and ``parts_items_per_step``, the kernels or leaf operators) put every work item in
+one of ``PARTS`` by the ranges around it: LEV, RoPE (``megatron_lev.rope``, its backward node, TE's rotary
+kernels), the cross-entropy (``megatron_lev.cross_entropy``, megatron's cross-entropy functions), the
+optimizer (the loop's ``megatron_lev.optimizer`` span), attention, the rest; ``spans_ms_per_step`` by the
+loop's innermost span (``forward_backward``, ``optimizer``, ...; ``backward`` for autograd's own thread).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 LEV_KERNELS = ("_fwd_kernel", "_bwd_kernel", "_bwd_grouped_kernel")
+LOOP_SPANS = ("batch", "step", "forward_backward", "loss", "optimizer", "log")
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
                       "aten::_addmm_activation", "aten::einsum"})
 SDPA_PREFIX = "aten::_scaled_dot_product"
@@ -109,6 +116,39 @@ def _enclosing(ops: List[Dict[str, Any]], points: List[float]) -> List[List[Dict
 
 
 _AUTOGRAD = "autograd::engine::evaluate_function: "
+# What each work item is part of, by the ranges around it (first match wins): the names of the loop's
+# ranges and the project's (megatron_lev.rope, megatron_lev.cross_entropy), of megatron's and the project's
+# autograd functions (their backward nodes), and words of kernel names (Transformer Engine's RoPE, LEV's).
+PARTS = ("lev", "rope", "cross_entropy", "optimizer", "attention", "other")
+_PART_WORDS = {"rope": ("megatron_lev.rope", "RotaryPosEmb", "rotary", "rope"),
+               "cross_entropy": ("megatron_lev.cross_entropy", "CrossEntropy", "cross_entropy"),
+               "optimizer": ("megatron_lev.optimizer", "Optimizer.step", "adam")}
+# LEV's forward range and the backward nodes of its products and table (lev/, kernels/).
+_LEV_WORDS = ("megatron_lev.lev", "_SeparableProduct", "_TritonProduct", "_FusedProduct", "_TableRows")
+
+
+def _part(name: str, stack: Sequence[Dict[str, Any]], category: str) -> str:
+    if category in ("lev_triton", "lev_gemm"):
+        return "lev"
+    names = [str(e.get("name", "")) for e in stack]
+    if any(n == w or n.startswith(_AUTOGRAD + w) for n in names for w in _LEV_WORDS):
+        return "lev"
+    for part, words in _PART_WORDS.items():
+        if any(w in n for n in names + [name] for w in words):
+            return part
+    return "attention" if category == "attention" else "other"
+
+
+def _span(stack: Sequence[Dict[str, Any]]) -> str:
+    """The training loop's innermost named range around an item (``megatron_lev.forward_backward``, ...), or
+    ``backward`` for autograd's own thread (outside the loop's ranges on CUDA)."""
+    for e in reversed(stack):
+        name = str(e.get("name", ""))
+        if name.startswith("megatron_lev.") and name.split(".", 1)[1] in LOOP_SPANS:
+            return name.split(".", 1)[1]
+    if any(str(e.get("name", "")).startswith(_AUTOGRAD) for e in stack):
+        return "backward"
+    return "outside the loop's ranges"
 
 
 def _place(stack: Sequence[Dict[str, Any]]) -> str:
@@ -164,9 +204,10 @@ def summarize(trace: Union[str, Path, Dict[str, Any]]) -> Dict[str, Any]:
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    by_tid: Dict[Any, List[Dict[str, Any]]] = collections.defaultdict(list)
-    for op in cpu_ops:
-        by_tid[(op.get("pid"), op.get("tid"))].append(op)
+    by_tid: Dict[Any, List[Dict[str, Any]]] = collections.defaultdict(list)  # operators and named ranges
+    for op in events:
+        if op.get("cat") in ("cpu_op", "user_annotation"):
+            by_tid[(op.get("pid"), op.get("tid"))].append(op)
 
     items: List[tuple] = []  # (name, start, end, stack)
     if kernels:
@@ -184,14 +225,19 @@ def summarize(trace: Union[str, Path, Dict[str, Any]]) -> Dict[str, Any]:
         timeline = "cpu operators (leaves)"
         for ops in by_tid.values():
             for op, ancestors, leaf in _nest(ops):
-                if leaf:
+                if leaf and op.get("cat") == "cpu_op":
                     items.append((op["name"], op["ts"], _ends(op), ancestors + [op]))
     busy = collections.Counter()
     top = collections.Counter()
+    parts, spans, launches_per = collections.Counter(), collections.Counter(), collections.Counter()
     for name, a, b, stack in items:
         cat = _category(name, stack)
         busy[cat] += b - a
         top[(cat, name[:90])] += b - a
+        part = _part(name, stack, cat)
+        parts[part] += b - a
+        launches_per[part] += 1
+        spans[_span(stack)] += b - a
     n = len(steps)
     covered = _union_length([(a, b) for _, a, b, _ in items]) / n
     ms = {c: busy[c] / n / 1e3 for c in CATEGORIES}
@@ -211,4 +257,7 @@ def summarize(trace: Union[str, Path, Dict[str, Any]]) -> Dict[str, Any]:
         "syncs_by_place": _places(ranges, sync_events, n, inside=False),
         "scalar_reads_by_place": _places(ranges, scalar_events, n, inside=True),
         "top": [{"category": c, "name": name, "ms_per_step": t / n / 1e3} for (c, name), t in top.most_common(12)],
+        "parts_ms_per_step": {p: parts[p] / n / 1e3 for p in PARTS},
+        "parts_items_per_step": {p: launches_per[p] / n for p in PARTS},
+        "spans_ms_per_step": {k: v / n / 1e3 for k, v in spans.most_common()},
     }

@@ -85,6 +85,7 @@ from _check_harness import (CheckFailed, CheckTimeout, Skip, TIMEOUT_RC, run_log
 PROGRAMS: Dict[str, str] = {
     "default": "gpu_check",
     "science": "gpu_program_science",
+    "speed": "gpu_program_speed",
 }
 
 SHARED = REPO.parent / "shared" / "data"
@@ -609,14 +610,16 @@ def profile_argv(ctx: Ctx, tensorboard: Path) -> List[str]:
             "--tensorboard-dir", str(tensorboard)]
 
 
-def stage_profile(ctx: Ctx, timeout: float) -> Dict[str, Any]:
+def stage_profile(ctx: Ctx, timeout: float, extra: Sequence[str] = ()) -> Dict[str, Any]:
+    """The profiled run (``extra``: flags added to ``profile_argv``'s) and its trace's figures."""
     import _profile_trace
 
     work = Path(ctx.work) / "profile"
     tensorboard = work / "tensorboard"
     shutil.rmtree(tensorboard, ignore_errors=True)
     t0 = time.monotonic()
-    rc, output = run_logged([sys.executable, *profile_argv(ctx, tensorboard)], timeout, work / "pretrain.log", ctx.env())
+    rc, output = run_logged([sys.executable, *profile_argv(ctx, tensorboard), *extra], timeout, work / "pretrain.log",
+                            ctx.env())
     if rc == TIMEOUT_RC:
         raise CheckTimeout(timeout, log_tail=tail(output))
     trace = _profile_trace.find_trace(tensorboard)

@@ -43,6 +43,7 @@ CPU_TARGET = 1.05
 # shared machine do (use with --threads 1: idle OpenMP threads spin and would be counted).
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 GPU_TARGET = 1.01
+GPT2_VOCAB = 50257  # the ids of the shared corpus; pretrain_lev.py pads the vocabulary to a multiple of 128
 SLOW_FACTOR = 4.0  # an arm whose best step after 2 rounds exceeds this x tied's best gets no further rounds
 
 CONFIGS: Dict[str, Dict[str, Any]] = {
@@ -107,40 +108,60 @@ def arm_list(device: str, modes=("token", "unique", "table")) -> List[Dict[str, 
     return arms
 
 
-def _build(arm: Dict[str, Any], shape: Dict[str, Any], vocab: int, device: str, dtype, fp8: Optional[str]):
+def pretrain_flags(arm: Dict[str, Any], shape: Dict[str, Any], dtype_name: str, fp8: Optional[str] = None) -> List[str]:
+    """The ``pretrain_lev.py`` flags of ``arm`` at ``shape``: the bench builds its model from them through
+    pretrain_lev.py's own parsing and validation (``megatron_lev.training.model_configs``), so the MLP
+    width, the vocabulary padding and every default are those of the model that trains."""
+    from reproduce import TRANSFORMER  # the Llama-style transformer every bench run shares
+
+    seq, mb = str(shape["seq"]), str(shape["micro_batch"])
+    flags = ["--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
+             "--num-attention-heads", str(shape["heads"]), "--seq-length", seq, "--max-position-embeddings", seq,
+             "--micro-batch-size", mb, "--global-batch-size", mb, "--mock-data", "--vocab-size", str(GPT2_VOCAB),
+             "--train-iters", "1", "--lr", "1e-4", *TRANSFORMER, "--input-embedding", arm["arm"]]
+    if arm["arm"] == "lev":
+        flags += ["--lev-compute-mode", arm.get("mode", "unique"), "--lev-basis", arm.get("basis", "auto")]
+    if dtype_name == "bfloat16":
+        flags.append("--bf16")
+    if fp8:
+        flags += ["--fp8-format", fp8, "--fp8-recipe", "delayed"]
+    return flags
+
+
+def bench_configs(arm: Dict[str, Any], shape: Dict[str, Any], dtype_name: str, fp8: Optional[str] = None):
+    """(TransformerConfig, LevModelConfig) of ``arm`` at ``shape``, as pretrain_lev.py builds them."""
+    from megatron_lev.training import model_configs
+
+    return model_configs(pretrain_flags(arm, shape, dtype_name, fp8))
+
+
+def _build(arm: Dict[str, Any], shape: Dict[str, Any], device: str, dtype_name: str, fp8: Optional[str]):
     import torch
 
-    from megatron_lev.lev import LEVConfig
-    from megatron_lev.models import LevModelConfig, build_gpt_model, build_transformer_config
-
-    lev = LEVConfig(compute_mode=arm.get("mode", "unique"), basis=arm.get("basis", "auto"))
-    mcfg = LevModelConfig(vocab_size=vocab, max_sequence_length=shape["seq"], input_embedding=arm["arm"], lev=lev,
-                          position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
-                          add_bias_linear=False)
-    kw: Dict[str, Any] = dict(num_layers=shape["layers"], hidden_size=shape["hidden"],
-                              num_attention_heads=shape["heads"], hidden_dropout=0.0, attention_dropout=0.0,
-                              params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    if fp8:
-        kw.update(fp8=fp8, fp8_recipe="delayed")
-    gcfg = build_transformer_config(mcfg, **kw)
-    mcfg.validate(gcfg)
-    torch.manual_seed(1234)
-    model = build_gpt_model(config=gcfg, model_config=mcfg).to(device)
+    from megatron_lev.checkpoint import build_model_chunks
     from megatron_lev.models import parameter_breakdown
+    from megatron_lev.training.flops import flops_per_iteration
 
-    return model, parameter_breakdown(mcfg, gcfg)
+    gcfg, mcfg = bench_configs(arm, shape, dtype_name, fp8)
+    torch.manual_seed(1234)
+    (model,) = build_model_chunks(gcfg, mcfg)
+    tokens = shape["micro_batch"] * shape["seq"]
+    flops = flops_per_iteration(gcfg, mcfg, global_batch_size=shape["micro_batch"], seq_length=shape["seq"],
+                                data_parallel_size=1)
+    return model.to(device), gcfg, parameter_breakdown(mcfg, gcfg), flops / tokens
 
 
 class _Runner:
     """One arm: model, optimizer, a timed training step and a timed input-layer forward+backward."""
 
-    def __init__(self, arm, shape, vocab, ids, device, dtype, fp8=None):
+    def __init__(self, arm, shape, ids, device, dtype_name, fp8=None):
         import torch
 
         from megatron_lev.models import lev_modules
 
         self.arm, self.device = arm, device
-        self.model, self.breakdown = _build(arm, shape, vocab, device, dtype, fp8)
+        dtype = getattr(torch, dtype_name)
+        self.model, self.config, self.breakdown, self.flops_per_token = _build(arm, shape, device, dtype_name, fp8)
         self.model.train()
         self.table = [m for m in lev_modules(self.model) if m.lev_config.compute_mode == "table"]
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -195,14 +216,12 @@ def measure(shape: Dict[str, Any], arms: List[Dict[str, Any]], *, device: str, d
     import torch
     from lev_layer import PeakMemory, _ids
 
-    dtype = getattr(torch, dtype_name)
-    ids, source = _ids(50257, shape["micro_batch"], shape["seq"], shared)
-    vocab = 50304  # GPT-2's 50,257 padded to a multiple of 128, as pretrain_lev.py pads it
+    ids, source = _ids(GPT2_VOCAB, shape["micro_batch"], shape["seq"], shared)
     ids = ids.to(device)
     runners = []
     for a in arms:
         t0 = time.perf_counter()
-        runners.append(_Runner(a, shape, vocab, ids, device, dtype, fp8))
+        runners.append(_Runner(a, shape, ids, device, dtype_name, fp8))
         log(f"  built {a['name']} ({runners[-1].params:,} parameters, {time.perf_counter() - t0:.1f} s)")
     for r in runners:  # warm-up (numba compilation, allocator, first-touch) and peak memory
         for _ in range(warmup):
@@ -229,6 +248,8 @@ def measure(shape: Dict[str, Any], arms: List[Dict[str, Any]], *, device: str, d
     tokens = shape["micro_batch"] * shape["seq"]
     out: Dict[str, Any] = {"shape": shape, "device": device, "dtype": dtype_name, "fp8": fp8, "ids": source,
                            "unique_ids": int(torch.unique(ids).numel()), "tokens_per_step": tokens,
+                           "ffn_hidden_size": runners[0].config.ffn_hidden_size,
+                           "pretrain_flags": " ".join(pretrain_flags(arms[0], shape, dtype_name, fp8)),
                            "repeats": repeats, "clock": clock, "load_start": load_start, "load_end": load_end, "arms": {}}
     for r in runners:
         ms = 1e3 * statistics.median(r.step_s)
@@ -239,6 +260,7 @@ def measure(shape: Dict[str, Any], arms: List[Dict[str, Any]], *, device: str, d
             "tokens_per_s_best": tokens / min(r.step_s), "rounds": len(r.step_s), "stopped_early": r.stopped_early,
             "input_layer_ms": lay, "input_layer_share": lay / ms, "peak_step_mib": r.peak_mib,
             "parameters": r.params, "input_side_parameters": r.breakdown["input_side"],
+            "flops_per_token": r.flops_per_token, "tflops": r.flops_per_token * tokens / ms * 1e-9,
             "steps_ms": [round(1e3 * s, 2) for s in r.step_s]}
     tied = out["arms"]["tied"]
     for a in out["arms"].values():
@@ -270,8 +292,9 @@ def run_preprocess(log=print) -> Dict[str, Any]:
 def _fmt_section(res: Dict[str, Any], target: float, title: str) -> List[str]:
     s = res["shape"]
     out = [f"## {title}", "",
-           f"Transformer: {s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, RoPE, RMSNorm, SwiGLU, "
-           f"no biases; GPT-2 vocabulary (50,257, padded to the model's vocabulary); micro-batch "
+           f"Transformer: {s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, MLP width "
+           f"{res.get('ffn_hidden_size', '?')}, RoPE, RMSNorm, SwiGLU, no biases, built as pretrain_lev.py builds "
+           f"it from `{res.get('pretrain_flags', '?')}`; GPT-2 vocabulary (50,257, padded to the model's vocabulary); micro-batch "
            f"{s['micro_batch']} x {s['seq']} = {res['tokens_per_step']:,} tokens ({res['unique_ids']:,} distinct ids; "
            f"{res['ids']}); {res['device']} {res['dtype']}" + (f", FP8 {res['fp8']}" if res.get("fp8") else "")
            + f"; one step = forward + backward + AdamW; median of {res['repeats']} round-robin steps"

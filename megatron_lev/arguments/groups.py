@@ -218,6 +218,10 @@ class OptimizerRunConfig:
     sgd_momentum: float = field(default=0.9, metadata={"min": 0, "below": 1})
     """SGD's momentum."""
 
+    adam_impl: str = field(default="auto", metadata={"choices": ("auto", "fused", "foreach")})
+    """torch's AdamW, which megatron-core builds without Transformer Engine or Apex: fused (one kernel per
+    dtype and device a step, torch's fused=True), foreach (torch's own default) or auto: fused on CUDA"""
+
     clip_grad: float = field(default=1.0, metadata={"min": 0})
     """gradient-norm clip (0: no clipping)"""
 
@@ -477,6 +481,10 @@ class RunControlConfig:
     use_pytorch_profiler: bool = False
     """with --profile: torch.profiler, trace written under --tensorboard-dir (TensorBoard,
     Perfetto/chrome://tracing)"""
+
+    pytorch_profiler_collect_shapes: bool = False
+    """with --use-pytorch-profiler: record each operator's input shapes and dtypes (host work per operator,
+    which inflates the profiled step of an operator-heavy eager loop)"""
 
     profile_ranks: List[int] = field(default_factory=lambda: [0], metadata={"nargs": "+", "min": 0})
     """global ranks to profile"""

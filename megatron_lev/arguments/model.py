@@ -42,6 +42,7 @@ TRANSFORMER_SWITCHES = (
     ("--no-masked-softmax-fusion", "masked_softmax_fusion", False),
     ("--no-bias-dropout-fusion", "bias_dropout_fusion", False),
     ("--no-rope-fusion", "apply_rope_fusion", False),
+    ("--rope-fusion", "apply_rope_fusion", True),  # not Megatron-LM's: on where CUDA is not (models.rope)
     ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", False),
     ("--disable-bf16-reduced-precision-matmul", "disable_bf16_reduced_precision_matmul", True),
     ("--qk-layernorm", "qk_layernorm", True),

@@ -29,7 +29,7 @@ _NAN_CHECK_SWITCHES = (("--check-for-nan-in-loss-and-grad", "check_for_nan_in_lo
 _GC_SWITCHES = (("--manual-gc", "manual_gc", True), ("--manual-gc-eval", "manual_gc_eval", True),
                 (("--no-manual-gc-eval", "--disable-manual-gc-eval"), "manual_gc_eval", False))
 _PROFILE_SWITCHES = tuple((field_flag(name), name, True) for name in (
-    "profile", "record_memory_history", "use_pytorch_profiler"))
+    "profile", "record_memory_history", "use_pytorch_profiler", "pytorch_profiler_collect_shapes"))
 
 
 def add_run_flags(p) -> None:

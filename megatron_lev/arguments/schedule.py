@@ -28,7 +28,7 @@ from .groups import OptimizerRunConfig, ScheduleConfig
 # The optimizer, schedule, batch-size and training-length flags, generated from the fields of the
 # optimizer and schedule groups (the loss flags below are the model's).
 _OPTIMIZER_VALUES = ("optimizer", "lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "adam_beta1",
-                     "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad")
+                     "adam_beta2", "adam_eps", "sgd_momentum", "adam_impl", "clip_grad")
 _LR_SCHEDULE_VALUES = ("lr_decay_style", "lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters",
                        "lr_wsd_decay_samples", "lr_wsd_decay_style", "lr_warmup_iters", "lr_warmup_samples",
                        "lr_warmup_fraction", "lr_warmup_init", "start_weight_decay", "end_weight_decay",
@@ -255,6 +255,20 @@ def check_lr_schedule(args) -> None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
+
+
+def check_adam_impl(args) -> None:
+    """--adam-impl chooses between torch's AdamW implementations: refused where megatron-core's Adam is not
+    torch's (Transformer Engine's or Apex's FusedAdam, already one kernel) or the optimizer is SGD."""
+    if args.adam_impl == "auto":
+        return
+    if args.optimizer != "adam":
+        raise ConfigError(f"--adam-impl {args.adam_impl} needs --optimizer adam (got {args.optimizer})")
+    from megatron.core import optimizer as mcore_optimizer
+
+    if not getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", False):
+        raise ConfigError(f"--adam-impl {args.adam_impl}: megatron-core runs Transformer Engine's or Apex's "
+                          "FusedAdam on this machine, not torch's AdamW; leave --adam-impl at auto")
 
 
 def check_loss(args) -> None:

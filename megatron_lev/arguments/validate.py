@@ -23,7 +23,7 @@ from .model import check_model_flags
 from .moe import check_moe_flags
 from .precision import check_precision_flags
 from .run import check_run
-from .schedule import check_batch_sizes, check_loss, check_lr_schedule, check_training_length
+from .schedule import check_adam_impl, check_batch_sizes, check_loss, check_lr_schedule, check_training_length
 
 
 # Flags that validation folds into another argument, which is what the model, optimizer or loop reads.
@@ -209,6 +209,7 @@ _CHECKS = (
     check_precision_flags,
     check_training_length,
     check_lr_schedule,
+    check_adam_impl,
     check_loss,
     _check_data,
     check_document_flags,

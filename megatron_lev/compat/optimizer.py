@@ -176,3 +176,118 @@ def keep_grad_norm_on_device() -> bool:
         return False
     clip_grads.l2_norm_impl = device_multi_tensor_l2_norm
     return True
+
+
+def device_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``amp_C.multi_tensor_scale``'s contract, ``tensor_lists[1][i] = tensor_lists[0][i] * scale``, in torch's
+    foreach operators: one launch per operator and dtype group instead of megatron-core's stand-in
+    (``megatron.core.utils.local_multi_tensor_scale``), which issues a multiply and a copy per tensor (the
+    distributed optimizer copies its fp32 shards into the bf16 parameters this way, and clipping scales
+    every gradient; 2 x 146 launches a step at gpu-400m's 24 layers). The same products, rounded to the
+    destination's dtype as ``copy_`` rounds them; a scale of 1 is a copy."""
+    src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if not dst:
+        return
+    if scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def keep_multi_tensor_scale_batched() -> bool:
+    """Give megatron-core's parameter copies and gradient clipping :func:`device_multi_tensor_scale` where they
+    would use its per-tensor stand-in (no Transformer Engine, no Apex); True when they do. TE's and Apex's
+    kernels are kept."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    local = getattr(utils, "local_multi_tensor_scale", None)
+    installed = False
+    for module in (clip_grads, megatron_optimizer):
+        impl = getattr(module, "multi_tensor_scale_impl", None)
+        if impl is device_multi_tensor_scale:
+            installed = True
+        elif impl is local and local is not None:
+            module.multi_tensor_scale_impl = device_multi_tensor_scale
+            installed = True
+    return installed
+
+
+def _torch_adams(optimizer):
+    """The torch Adam/AdamW instances inside megatron-core's (chained) optimizer."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    subs = getattr(optimizer, "chained_optimizers", []) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    inner = [getattr(sub, "optimizer", None) for sub in subs]
+    return [o for o in inner if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def use_adam_impl(optimizer, impl: str) -> str:
+    """Run the torch AdamW inside megatron-core's ``optimizer`` (built without Transformer Engine or Apex) as
+    ``impl``: ``fused`` (torch's fused=True: one kernel per dtype and device a step, the step counts on the
+    device, so no per-parameter host read of them), ``foreach`` (torch's default), ``auto`` (fused where every
+    parameter is on CUDA). Called after the build and again after a checkpoint's load, whose saved groups
+    carry the implementation they were saved with. Returns the implementation in use ('' without a torch Adam)."""
+    adams = _torch_adams(optimizer)
+    if not adams:
+        return ""
+    if impl == "auto":
+        devices = {p.device.type for o in adams for g in o.param_groups for p in g["params"]}
+        impl = "fused" if devices == {"cuda"} else "foreach"
+    fused = impl == "fused"
+    for o in adams:
+        for group in [*o.param_groups, o.defaults]:
+            group["fused"], group["foreach"] = fused, not fused
+        o._step_supports_amp_scaling = fused
+        for group in o.param_groups:
+            for p in group["params"]:
+                state = o.state.get(p, {})
+                step = state.get("step")
+                if isinstance(step, torch.Tensor):
+                    # torch keeps the count on the parameter's device for the fused kernel, on the host otherwise
+                    state["step"] = (step.to(device=p.device, dtype=torch.float32) if fused
+                                     else torch.tensor(float(step)))
+    return impl
+
+
+def _copy_main_params_in_one_launch(optimizer) -> None:
+    """``DistributedOptimizer._copy_main_params_to_model_params`` for bf16/fp16/fp32 parameters: the same
+    copies of the updated fp32 shards into the parameter buffer, as one foreach copy."""
+    dst, src = [], []
+    for shard_groups, model_groups in ((optimizer.shard_fp32_from_float16_groups, optimizer.model_float16_groups),
+                                       (optimizer.shard_fp32_groups, optimizer.model_fp32_groups)):
+        for shard_group, model_group in zip(shard_groups, model_groups):
+            for shard_main_param, model_param in zip(shard_group, model_group):
+                world_range = optimizer._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                gbuf_index, _, bucket_id = optimizer.model_param_gbuf_map[model_param]
+                buffer = optimizer.buffers[gbuf_index].buckets[bucket_id].param_data
+                dst.append(buffer.view(-1)[world_range.start:world_range.end])
+                src.append(shard_main_param)
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def copy_main_params_in_one_launch(optimizer) -> bool:
+    """Give megatron-core's distributed optimizers (inside ``optimizer``) a parameter copy after the update in
+    one foreach launch, where megatron copies shard by shard (146 launches a step at gpu-400m's 24 layers); not
+    where it does more than copy (FP8 parameters, Megatron FSDP, the precision-aware optimizer). True when
+    at least one was given it."""
+    from megatron.core.fp8_utils import is_float8tensor
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = getattr(optimizer, "chained_optimizers", []) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    done = False
+    for sub in subs:
+        if not isinstance(sub, DistributedOptimizer) or sub.is_stub_optimizer or sub.ddp_config.use_megatron_fsdp \
+                or getattr(sub.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            continue
+        if any(is_float8tensor(p) for group in sub.model_float16_groups for p in group):
+            continue
+        sub._copy_main_params_to_model_params = functools.partial(_copy_main_params_in_one_launch, sub)
+        done = True
+    return done
+

@@ -23,6 +23,7 @@ from megatron_lev.distributed.layout import ParallelLayout
 from megatron_lev.kernels import refuse_unbuildable_triton, triton_build_missing
 from megatron_lev.lev.config import ConfigError, LEVConfig
 
+from . import rope
 from .moe import check_moe_settings, check_te_only_moe_flags
 from .params import ARMS_MATCHED, match_flat_mlp_hidden, matched_widths
 
@@ -602,7 +603,8 @@ def fusion_defaults(*, activation: str, add_bias_linear: bool, position_embeddin
     - ``bias_dropout_fusion``, ``bias_activation_fusion``: megatron's torch.compile'd functions (CUDA with
       Triton); bias-activation for SwiGLU, and for GeLU only with biases (megatron refuses bias-GeLU without
       a bias; Megatron-LM turns it off there);
-    - ``apply_rope_fusion``: Transformer Engine's fused RoPE (megatron's ``fused_apply_rotary_pos_emb``);
+    - ``apply_rope_fusion``: megatron's ``fused_apply_rotary_pos_emb``, Transformer Engine's fused RoPE or,
+      without TE, ``models.rope`` (compiled with Triton; bit for bit megatron's unfused RoPE otherwise);
     - ``gradient_accumulation_fusion``: the weight-gradient GEMM accumulates into megatron DDP's fp32
       ``main_grad`` instead of writing a ``param.grad`` that DDP then adds. TE's layers do it themselves,
       but megatron's local linear layers (the output head in every spec) call apex's
@@ -614,14 +616,12 @@ def fusion_defaults(*, activation: str, add_bias_linear: bool, position_embeddin
     """
     cuda = torch.cuda.is_available()
     compiled = cuda and triton_available()
-    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.tensor_parallel import layers
 
     return {
         "bias_dropout_fusion": compiled,
         "bias_activation_fusion": compiled and (activation == "swiglu" or bool(add_bias_linear)),
-        "apply_rope_fusion": cuda and position_embedding_type == "rope"
-        and rope_utils.fused_apply_rotary_pos_emb is not None,
+        "apply_rope_fusion": cuda and position_embedding_type == "rope",
         "gradient_accumulation_fusion": cuda and megatron_ddp and bool(layers._grad_accum_fusion_available),
         "masked_softmax_fusion": cuda and apex_softmax_available(),
     }
@@ -662,6 +662,8 @@ def build_transformer_config(model_config: Optional[LevModelConfig] = None, *, m
                               megatron_ddp=megatron_ddp)
     for name, on in fusions.items():
         kw.setdefault(name, on)
+    if kw["apply_rope_fusion"]:
+        rope.install()  # megatron's fused RoPE without TE: models.rope's (TransformerConfig asks for one)
 
     if not torch.cuda.is_available():
         kw.setdefault("use_cpu_initialization", True)

@@ -163,6 +163,11 @@ class LevGPTModel(GPTModel):
             head.defer_logits = False
 
     def compute_language_model_loss(self, labels: Tensor, logits) -> Tensor:
+        # A named range in a profile (the training loop's are megatron_lev.*): the loss's kernels by name.
+        with torch.profiler.record_function("megatron_lev.cross_entropy"):
+            return self._language_model_loss(labels, logits)
+
+    def _language_model_loss(self, labels: Tensor, logits) -> Tensor:
         if isinstance(logits, DeferredLogits):
             return logits.head.loss(logits, labels)
         if linear_cross_entropy_on(self.config):

@@ -18,4 +18,17 @@ def pretrain(argv=None) -> int:
     return _pretrain(argv)
 
 
-__all__ = ["ConfigError", "build_parser", "parse_args", "pretrain", "resolved_config"]
+def model_configs(argv):
+    """(TransformerConfig, LevModelConfig) that ``pretrain_lev.py`` builds its model from for the flags
+    ``argv`` (parsed, validated, the tokenizer's padded vocabulary in them), so that a benchmark times the
+    model that trains; ConfigError in one line on flags pretrain_lev.py would refuse."""
+    from .loop import _StartupError, _setup_configs
+
+    try:
+        _rc, _tokenizer, config, model_config = _setup_configs(list(argv))
+    except _StartupError as e:
+        raise ConfigError(str(e)) from None
+    return config, model_config
+
+
+__all__ = ["ConfigError", "build_parser", "model_configs", "parse_args", "pretrain", "resolved_config"]

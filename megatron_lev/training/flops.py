@@ -123,3 +123,20 @@ def peak_tflops_per_device(given: Optional[float] = None, device_name: Optional[
         if key in device_name:
             return val
     return None
+
+
+def peak_statement(given: Optional[float] = None, device_name: Optional[str] = None) -> str:
+    """The start-up line that says what the log line's MFU is a fraction of: ``given``
+    (--peak-tflops-per-device, e.g. a measured bf16 matrix ceiling) or this device's datasheet peak."""
+    peak = peak_tflops_per_device(given, device_name)
+    if given:
+        return f"MFU is of {peak:g} TFLOP/s per device (--peak-tflops-per-device)"
+    if peak is None:
+        return "MFU: n/a (no peak known for this device; give --peak-tflops-per-device)"
+    if device_name is None:
+        import torch
+
+        device_name = torch.cuda.get_device_name()
+    return (f"MFU is of {peak:g} TFLOP/s per device ({device_name}'s dense bf16 datasheet peak; "
+            "--peak-tflops-per-device sets a measured ceiling instead)")
+

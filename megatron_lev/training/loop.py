@@ -47,7 +47,8 @@ from megatron_lev.arguments import RunConfig, format_config, parse_run_config, r
 from megatron_lev.arguments.groups import ScheduleConfig
 from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
-from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, keep_grad_norm_on_device
+from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, keep_grad_norm_on_device, \
+    copy_main_params_in_one_launch, keep_multi_tensor_scale_batched, use_adam_impl
 from megatron_lev.compat.versions import fallback_notice
 from megatron_lev.data.datasets import DatasetValidationError
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
@@ -61,7 +62,7 @@ from . import faults, grad_groups, profiling
 from .data import build_datasets, build_tokenizer_from_args, close_iterators, get_batch, train_iterators, \
     valid_iterators
 from .faults import EXIT_CONFIG_ERROR, EXIT_NAN, EXIT_SAVE_FAILED, NanDetected, Terminated, rank_is0
-from .flops import flops_per_iteration, peak_tflops_per_device
+from .flops import flops_per_iteration, peak_statement, peak_tflops_per_device
 from .logger import LogWriterError, TrainingLogger, memory_scalars
 from .progress_log import ProgressLog
 from .moe_metrics import reset_aux_loss_trackers, step_aux_losses
@@ -182,6 +183,9 @@ def _build_optimizer(rc: RunConfig, config, model):
     # own override gives the parameters marked is_embedding_or_output_parameter their max/min lr.
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=weight_decay_overrides(opt_config))
     keep_grad_norm_on_device()  # without TE or Apex, megatron's grad norm reads each gradient's norm on the host
+    keep_multi_tensor_scale_batched()  # ... and its parameter copies and clipping launch twice per tensor
+    use_adam_impl(optimizer, rc.optimizer.adam_impl)
+    copy_main_params_in_one_launch(optimizer)  # the distributed optimizer copies its shards one by one
     if rc.distributed.check_for_nan_in_loss_and_grad and not rc.model.fp16:
         # The gradients' NaN/Inf check rides on the grad norm that step() computes (one read of the grads).
         check_grads_in_step(optimizer, config)
@@ -561,6 +565,9 @@ def _run_recorded(rc: RunConfig, tokenizer, config, model_config) -> int:
     run = _start(rc, config, model_config)
     state = _State()
     _load(run, state)
+    impl = use_adam_impl(run.optimizer, rc.optimizer.adam_impl)  # a loaded checkpoint's groups carry the saved one
+    if impl:
+        run.logger.log(f"optimizer: torch's AdamW, {impl} (--adam-impl {rc.optimizer.adam_impl})")
     _start_data(run, state, tokenizer)
     try:
         return _train(run, state)
@@ -727,7 +734,7 @@ def _start_data(run: _Run, state: _State, tokenizer) -> None:
         f"[after start-up] {time.time() - run.t_start:.1f} s; training from iteration {state.iteration} "
         f"to {rc.schedule.train_iters} ({run.batches.get()} micro-batches of {rc.schedule.micro_batch_size} per "
         f"data-parallel rank, DP={rc.layout.dp}, TP={rc.layout.tp}, "
-        f"PP={rc.layout.pp})")
+        f"PP={rc.layout.pp}); {peak_statement(rc.logging.peak_tflops_per_device)}")
 
 
 class _Memo(dict):

@@ -148,8 +148,9 @@ class Profiler:
                 schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
                                                  active=end - start, repeat=1),
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(rc.logging.tensorboard_dir),
-                # No Python stacks: on the CPU path they make a two-step trace a gigabyte.
-                record_shapes=True, with_stack=False)
+                # No Python stacks: on the CPU path they make a two-step trace a gigabyte. Shapes only when
+                # asked (Megatron-LM's --pytorch-profiler-collect-shapes): they add host work to every operator.
+                record_shapes=rc.run.pytorch_profiler_collect_shapes, with_stack=False)
             self.prof.start()
 
     def __enter__(self) -> "Profiler":
@@ -165,7 +166,7 @@ class Profiler:
             self.prof.step()
         elif iteration == self.rc.run.profile_step_start:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
-            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=self.rc.run.pytorch_profiler_collect_shapes)
             self.nvtx.__enter__()
 
     def after_step(self, iteration: int) -> None:

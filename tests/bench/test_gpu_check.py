@@ -487,6 +487,36 @@ def test_the_trace_summary_splits_a_step_into_lev_kernels_lev_gemms_and_the_rest
         pt.summarize({"traceEvents": ev[1:2]})
 
 
+def test_the_trace_summary_puts_each_kernel_in_a_part_of_the_step_and_a_loop_span(gc):
+    """RoPE and the cross-entropy by the project's named ranges, the optimizer by the loop's span, LEV by its
+    kernels, the backward by autograd's thread (outside the loop's ranges on CUDA)."""
+    import _profile_trace as pt
+
+    ev, corr = [_x("ProfilerStep#3", "user_annotation", 0.0, 1000.0)], iter(range(1, 100))
+
+    def launched(t, kernel, dur, *ranges, tid=1):
+        c = next(corr)
+        ev.extend(_x(r, "user_annotation" if r.startswith("megatron_lev") else "cpu_op", t - 2, 20, tid=tid)
+                  for r in ranges)
+        ev.append(_x("cudaLaunchKernel", "cuda_runtime", t, 5, tid=tid, correlation=c))
+        ev.append(_x(kernel, "kernel", t + 500, dur, tid=7, correlation=c))
+
+    ev.append(_x("megatron_lev.forward_backward", "user_annotation", 10, 400))
+    launched(20, "elementwise_kernel", 10, "megatron_lev.rope")
+    launched(60, "_fwd_kernel", 30)
+    launched(100, "reduce_kernel", 20, "megatron_lev.cross_entropy")
+    launched(140, "elementwise_kernel", 5, "autograd::engine::evaluate_function: _RotaryPosEmbBackward", tid=2)
+    launched(180, "sm90_gemm_bf16", 40, "autograd::engine::evaluate_function: MmBackward0", "aten::mm", tid=2)
+    ev.append(_x("megatron_lev.optimizer", "user_annotation", 420, 100))
+    launched(430, "multi_tensor_apply_kernel", 15)
+    f = pt.summarize({"traceEvents": ev})
+    us = {k: round(v * 1e3) for k, v in f["parts_ms_per_step"].items()}
+    assert us == {"lev": 30, "rope": 15, "cross_entropy": 20, "optimizer": 15, "attention": 0, "other": 40}
+    assert f["parts_items_per_step"]["rope"] == 2
+    spans = {k: round(v * 1e3) for k, v in f["spans_ms_per_step"].items()}
+    assert spans == {"forward_backward": 60, "backward": 45, "optimizer": 15}
+
+
 def test_the_trace_summary_knows_the_lev_kernels_by_their_names(gc):
     import _profile_trace as pt
 

@@ -122,15 +122,21 @@ def test_cpu_keeps_every_fusion_off(machine):
 def test_cuda_without_te_or_apex_keeps_the_fusions_that_need_them_off(machine):
     machine(cuda=True, te=None, apex=False)
     cfg = _build()
-    # RoPE fusion is TE's kernel; gradient-accumulation fusion and the masked softmax are apex's.
-    assert not cfg.apply_rope_fusion and not cfg.gradient_accumulation_fusion and not cfg.masked_softmax_fusion
+    # Gradient-accumulation fusion and the masked softmax are apex's; RoPE fusion is TE's kernel or, without
+    # it, models.rope's, which the build installs as megatron's.
+    assert not cfg.gradient_accumulation_fusion and not cfg.masked_softmax_fusion
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_lev.models import rope
+
+    assert cfg.apply_rope_fusion and rope_utils.fused_apply_rotary_pos_emb is rope.apply_rotary_pos_emb
     # bias-dropout-add and bias-SwiGLU are megatron's own torch.compile'd functions.
     assert cfg.bias_dropout_fusion and cfg.bias_activation_fusion
     machine(cuda=True, te="2.8.0", apex=False)
     cfg = _build()
     assert cfg.apply_rope_fusion and not cfg.gradient_accumulation_fusion  # the output head is megatron's
     machine(cuda=True, te=None, apex=True)
-    assert _build().gradient_accumulation_fusion and not _build().apply_rope_fusion
+    assert _build().gradient_accumulation_fusion and _build().apply_rope_fusion
     machine(cuda=True, te="2.8.0", apex=True, triton=False)  # torch.compile has no backend
     cfg = _build()
     assert not cfg.bias_dropout_fusion and not cfg.bias_activation_fusion and cfg.apply_rope_fusion

@@ -10,7 +10,8 @@ import pytest
 from megatron_lev.lev import functional
 from megatron_lev.lev.config import BASIS_KINDS, LEVConfig
 from megatron_lev.models import LevModelConfig
-from megatron_lev.training.flops import flops_per_iteration, lev_forward_flops_per_id, peak_tflops_per_device
+from megatron_lev.training.flops import flops_per_iteration, lev_forward_flops_per_id, peak_statement, \
+    peak_tflops_per_device
 
 # spec "Cost": h d_s 3 r + h d_s r + h r D + h d_s^2 = 1,441,792 multiply-adds at the defaults, D = 2048
 SPEC_PER_ID = 2.0 * (8 * 128 * 3 * 64 + 8 * 128 * 64 + 8 * 64 * 2048 + 8 * 128 * 128)
@@ -69,6 +70,11 @@ def test_table_mode_counts_the_vocabulary_once_per_data_parallel_rank():
 def test_peak_of_each_device_name(name, peak):
     assert peak_tflops_per_device(device_name=name) == peak
     assert peak_tflops_per_device(123.0, device_name=name) == 123.0  # --peak-tflops-per-device wins
+    assert peak_statement(123.0, device_name=name) == "MFU is of 123 TFLOP/s per device (--peak-tflops-per-device)"
+    if peak is None:
+        assert peak_statement(device_name=name).startswith("MFU: n/a (no peak known")
+    else:
+        assert peak_statement(device_name=name).startswith(f"MFU is of {peak:g} TFLOP/s per device ({name}'s dense bf16")
 
 
 def test_peak_asks_the_current_device(monkeypatch):

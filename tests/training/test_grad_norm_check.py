@@ -341,3 +341,56 @@ def test_the_grad_norm_stand_in_matches_megatrons_and_reads_nothing_on_the_host(
 
     monkeypatch.setattr(clip_grads, "l2_norm_impl", fused)
     assert not keep_grad_norm_on_device() and clip_grads.l2_norm_impl is fused
+
+
+def test_the_multi_tensor_scale_stand_in_equals_megatrons_in_two_launches(monkeypatch):
+    """megatron's stand-in for amp_C.multi_tensor_scale (no TE, no Apex) multiplies and copies per tensor; the
+    loop's replacement gives the same values bit for bit (fp32 shards into bf16 parameters, in-place clipping)
+    in foreach operators."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    from megatron_lev.compat.optimizer import device_multi_tensor_scale, keep_multi_tensor_scale_batched
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(n, generator=g) * 3 for n in (7, 300, 1, 4097)]
+    flag = torch.zeros(1, dtype=torch.int)
+    for scale in (1.0, 0.3721):
+        want = [torch.zeros(len(t), dtype=torch.bfloat16) for t in src]
+        got = [w.clone() for w in want]
+        utils.local_multi_tensor_scale(2048, flag, [src, want], scale)
+        with Ops() as ops:
+            device_multi_tensor_scale(2048, flag, [src, got], scale)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), scale
+        assert len(ops.names) <= 2, ops.names
+        # in place, as clipping calls it
+        want = [t.clone() for t in src]
+        got = [t.clone() for t in src]
+        utils.local_multi_tensor_scale(2048, flag, [want, want], scale)
+        device_multi_tensor_scale(2048, flag, [got, got], scale)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), scale
+    device_multi_tensor_scale(2048, flag, [[], []], 0.5)
+
+    for module in (clip_grads, megatron_optimizer):
+        monkeypatch.setattr(module, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
+    assert keep_multi_tensor_scale_batched()
+    assert clip_grads.multi_tensor_scale_impl is megatron_optimizer.multi_tensor_scale_impl is device_multi_tensor_scale
+
+    def fused(*args):  # Transformer Engine's or Apex's kernel: kept
+        raise AssertionError
+
+    for module in (clip_grads, megatron_optimizer):
+        monkeypatch.setattr(module, "multi_tensor_scale_impl", fused)
+    assert not keep_multi_tensor_scale_batched() and clip_grads.multi_tensor_scale_impl is fused

@@ -209,7 +209,8 @@ RELEASED_ARGV = (
 # Saved settings that flags added after that release brought, with the value a run without them has.
 ADDED_SINCE_0A9B888 = {"ckpt_fully_parallel_load": False, "qk_layernorm": False, "use_cpu_initialization": None,
                        "log_progress": False, "wandb_entity": None,
-                       "allow_missing_ckpt_checksums": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0}
+                       "allow_missing_ckpt_checksums": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
+                       "adam_impl": "auto", "pytorch_profiler_collect_shapes": False}
 
 
 def test_a_released_config_yaml_reads_as_the_same_flags_parse_today():

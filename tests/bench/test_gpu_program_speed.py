@@ -1,0 +1,64 @@
+"""bench/gpu_check.py --program speed: its plan fits one device window, and every stage runs end to end at
+the tiny sizes on the CPU (the device's first run is not the program's first run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WINDOW_S = 15 * 60  # device minutes lent to a task, the machine's start included
+COMMAND_S = 600  # the longest one command may run there
+
+
+@pytest.fixture(scope="module")
+def gc():
+    # Imported as the module gpu_check (as the script runs itself): the program's module imports it by name.
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_the_speed_plan_fits_one_command_of_one_window(gc, capsys):
+    prog = gc.load_program("speed")
+    assert prog.names == ("env", "gpu400m", "pile400m", "profile", "kernels")
+    assert prog.budget_s <= COMMAND_S and prog.budget_s + 4 * 60 <= WINDOW_S  # the start takes minutes
+    limits = prog.stage_seconds(prog.budget_s)
+    assert sum(limits.values()) <= prog.budget_s - gc.RESERVE_S
+    assert gc.main(["--program", "speed", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"plan: budget {prog.budget_s:g} s at the device sizes")
+    assert "un-profiled" in out and "examples/pile/configs/400m.yaml" in out and "without shapes" in out
+
+
+@pytest.mark.slow
+def test_every_speed_stage_runs_end_to_end_at_the_tiny_sizes(gc, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the check chooses it per stage
+    out = tmp_path / "out"
+    # A large budget: the stage limits are in proportion to it, and the tiny sizes bound the work.
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--program", "speed", "--out", str(out),
+                        "--sizes", "tiny", "--budget-s", "20000", "--wheels", str(tmp_path / "none")],
+                       capture_output=True, text=True, cwd=str(REPO), env=env, timeout=3600)
+    report = json.loads((out / "gpu_check.json").read_text())
+    status = {s["name"]: (s["status"], s["reason"]) for s in report["stages"]}
+    assert status == {n: ("ok", "") for n in gc.load_program("speed").names}, (status, r.stdout[-3000:])
+    f = {s["name"]: s["figures"] for s in report["stages"]}
+    for shape in ("gpu400m", "pile400m"):
+        runs = f[shape]["runs"]
+        assert set(runs) == {"tied", "untied", "lev"}, shape
+        for arm, run in runs.items():
+            assert run["iterations"] == len(run["lines"]) > 0 and run["median_ms"] > 0, (shape, arm)
+        assert f[shape]["lev_over_tied"] > 0 and f[shape]["lev_over_untied"] > 0
+    parts = f["profile"]["parts_ms_per_step"]
+    assert set(parts) == {"lev", "rope", "cross_entropy", "optimizer", "attention", "other"}
+    assert parts["rope"] > 0 and parts["cross_entropy"] > 0 and parts["optimizer"] > 0 and parts["lev"] > 0
+    assert f["kernels"]["timings"]
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# GPU check: program speed") and "LEV/TIED" in md and "kernel ms per step by part" in md
