@@ -33,7 +33,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile
 # this seed, so that a test depending on what an earlier one left behind fails here, not on a user's machine.
 SHUFFLE_SEED ?= 33
 
-.PHONY: setup demo test test-next test-shuffled test-fast test-fake-cuda bench clean-venv
+.PHONY: setup demo test test-gpu-programs test-next test-shuffled test-fast test-fake-cuda bench clean-venv
 
 setup: $(STAMP)
 
@@ -47,8 +47,15 @@ $(STAMP): pyproject.toml
 demo: setup
 	bash examples/quickstart_cpu.sh
 
+# The GPU check's programs end to end at --sizes tiny (several minutes of training runs on 2 cores) have a
+# target and a CI stage of their own: make test stays within its budget.
+NOT_PROGRAMS := -m "not gpu_program"
+
 test: setup
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_FLAGS)
+	$(PY) -m pytest -q $(XDIST) $(NOT_PROGRAMS) $(PYTEST_FLAGS)
+
+test-gpu-programs: setup
+	$(PY) -m pytest -q $(XDIST) -m gpu_program $(PYTEST_FLAGS)
 
 test-fake-cuda: $(STAMP_CUDA)
 	$(PY_CUDA) -m pytest -q -p no:cacheprovider -m cuda_build
@@ -64,7 +71,7 @@ $(STAMP_CUDA): pyproject.toml
 # The newer stack's run is also the order check: modules, and the tests inside each, in a shuffled order
 # fixed by SHUFFLE_SEED, so that a test depending on what an earlier one left in its worker fails in CI.
 test-next: $(STAMP_NEXT)
-	$(PY_NEXT) -m pytest -q -p no:cacheprovider $(XDIST) --random-order-bucket=module \
+	$(PY_NEXT) -m pytest -q -p no:cacheprovider $(XDIST) $(NOT_PROGRAMS) --random-order-bucket=module \
 	  --random-order-seed=$(SHUFFLE_SEED) $(PYTEST_FLAGS)
 
 # The suite on the newer stack in a shuffled order in one process: every test after every other.

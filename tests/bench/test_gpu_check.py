@@ -578,6 +578,7 @@ def tiny_run(tmp_path_factory):
     return r, report, root / "out"
 
 
+@pytest.mark.gpu_program
 @pytest.mark.slow
 @pytest.mark.real_data
 def test_every_stage_runs_end_to_end_at_the_tiny_sizes(gc, tiny_run):

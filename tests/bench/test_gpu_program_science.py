@@ -64,6 +64,7 @@ def test_the_plan_says_what_runs_what_is_dropped_and_where_the_rates_come_from(c
     assert "DOES NOT FIT" not in out
 
 
+@pytest.mark.gpu_program
 @pytest.mark.slow
 @pytest.mark.real_data
 def test_the_tiny_run_passes_on_the_cpu(tmp_path):

@@ -38,6 +38,7 @@ def test_the_speed_plan_fits_one_command_of_one_window(gc, capsys):
     assert "un-profiled" in out and "examples/pile/configs/400m.yaml" in out and "without shapes" in out
 
 
+@pytest.mark.gpu_program
 @pytest.mark.slow
 def test_every_speed_stage_runs_end_to_end_at_the_tiny_sizes(gc, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the check chooses it per stage
