@@ -84,6 +84,7 @@ from _check_harness import (CheckFailed, CheckTimeout, Skip, TIMEOUT_RC, run_log
 # Program name -> the module holding its STAGES and plan (see the docstring); imported when chosen.
 PROGRAMS: Dict[str, str] = {
     "default": "gpu_check",
+    "te": "gpu_program_te",
 }
 
 SHARED = REPO.parent / "shared" / "data"
@@ -91,7 +92,8 @@ SHARED = REPO.parent / "shared" / "data"
 # megatron-core is the newest release make test-next tests (the Makefile's MCORE_NEXT), so the device runs
 # what CI runs.
 WHEELS = ("megatron-core>=0.19,<0.20", "tiktoken", "zstandard", "psutil", "pyyaml")
-MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml"}
+MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml", "transformer-engine-cu13": "transformer_engine",
+             "nvidia-cudnn-frontend": "cudnn"}
 PLAN_BUDGET_S = 400.0
 BUDGET_S = PLAN_BUDGET_S  # the default program's --budget-s
 # Each stage's limit at a 400 s budget (in proportion at others); the science stage gets the rest.
@@ -220,7 +222,7 @@ def in_child(name: str, **extra_env: str) -> Callable[[Ctx, float], Dict[str, An
         if rc == TIMEOUT_RC:
             raise CheckTimeout(timeout, figures, tail(output))
         if res.get("status") == "skipped":
-            raise Skip(res["reason"])
+            raise Skip(res["reason"], figures)
         if res.get("status") == "failed":
             raise CheckFailed(res["reason"], figures)
         if rc != 0 or res.get("status") != "ok":
@@ -241,7 +243,7 @@ def child_main(name: str, ctx_file: str, result_file: str) -> int:
         figures = load_program(ctx.program).children[name](ctx, partial)
         write_json(out, {"status": "ok", "figures": figures})
     except Skip as e:
-        write_json(out, {"status": "skipped", "reason": str(e)})
+        write_json(out, {"status": "skipped", "reason": str(e), "figures": e.figures})
     except CheckFailed as e:
         write_json(out, {"status": "failed", "reason": str(e), "figures": e.figures})
     except Exception as e:  # reported in the file, never hidden
@@ -774,7 +776,7 @@ def run_stages(stages: Sequence[Stage], ctx: Ctx, budget_s: float, *, clock=time
                 raise Skip(f"budget: {max(0.0, left):.0f} s left")
             entry["figures"] = stage.run(ctx, limit) or {}
         except Skip as e:
-            entry.update(status="skipped", reason=str(e))
+            entry.update(status="skipped", reason=str(e), figures=e.figures)
         except CheckTimeout as e:
             entry.update(status="failed", reason=str(e), figures=e.figures, log_tail=e.log_tail)
         except CheckFailed as e:

@@ -10,7 +10,9 @@ Steps (each function below; ``WORK/prepare.json`` records sizes and seconds):
              fat binaries for sm_75 ... sm_120), the ``transformer-engine-torch`` source distribution
              (the PyTorch extension, compiled against the torch that imports it), torch 2.11.0 (the CUDA 13
              build the GPU machine has, to build against) and the Python 3.12 wheels TE imports that the
-             GPU image lacks (pydantic and its parts, nvidia-cudnn-frontend).
+             GPU image lacks (pydantic and its parts; nvidia-cudnn-frontend without its dependencies, whose
+             headers build the extension), and the ``transformer-engine``
+             metapackage TE's import checks for.
   cut        the core wheel rewritten with its library cut to ``--arch`` (``bench/_fatbin.py``: each fat
              binary keeps the entries a device of that arch loads, byte for byte, checked against the
              original): 343 MB, 28 MB deflated, instead of a 276.5 MB wheel.
@@ -50,12 +52,18 @@ import _fatbin  # noqa: E402
 
 TE_VERSION = "2.20.2"
 CORE = f"transformer-engine-cu13=={TE_VERSION}"
+# The metapackage (a small pure wheel): TE's import checks that it is installed at the core's version.
+META = f"transformer-engine=={TE_VERSION}"
 EXT = "transformer-engine-torch"
 TORCH = "torch==2.11.0"  # the GPU machine's: 2.11.0+cu130 (CUDA 13.0) on Python 3.12
 # What transformer_engine.pytorch imports that the GPU image lacks (its package list has no pydantic;
-# pip resolves pydantic's own parts), and the cuDNN frontend TE's attention imports.
-RUNTIME = ("pydantic", "nvidia-cudnn-frontend>=1.29.0")
-ON_THE_MACHINE = ("typing-extensions",)  # resolved with RUNTIME but already there
+# pip resolves pydantic's own parts, less what the image has).
+RUNTIME = ("pydantic",)
+ON_THE_MACHINE = ("typing-extensions",)
+# Without its dependencies: the cuDNN frontend, whose headers build the extension (TE imports its Python
+# part only in fused grouped MLPs); its dependencies (cuda-bindings, CUTLASS's DSL, ...) would shadow the
+# image's own.
+RUNTIME_NO_DEPS = ("nvidia-cudnn-frontend==1.32.0",)
 INDEX = "https://pypi.org/simple"
 LIB = "transformer_engine/wheel_lib/libtransformer_engine.so"
 PIP_TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--platform",
@@ -113,8 +121,13 @@ def sdist(name: str, version: str, dest: Path) -> Path:
 def download(work: Path, py: str) -> Dict[str, Any]:
     dl, runtime = work / "dl", work / "dl" / "runtime"
     runtime.mkdir(parents=True, exist_ok=True)
-    t = _run([py, "-m", "pip", "download", "-q", "--no-deps", *PIP_TARGET, CORE, "-d", str(dl)], work / "logs" / "core.log")
+    t = _run([py, "-m", "pip", "download", "-q", "--no-deps", *PIP_TARGET, CORE, META, "-d", str(dl)],
+             work / "logs" / "core.log")
+    shutil.rmtree(runtime)
+    runtime.mkdir()
     t += _run([py, "-m", "pip", "download", "-q", *PIP_TARGET, *RUNTIME, "-d", str(runtime)], work / "logs" / "runtime.log")
+    t += _run([py, "-m", "pip", "download", "-q", "--no-deps", *PIP_TARGET, *RUNTIME_NO_DEPS, "-d", str(runtime)],
+              work / "logs" / "runtime_no_deps.log")
     for w in runtime.glob("*.whl"):
         if _dist(w.name) in ON_THE_MACHINE:
             w.unlink()
@@ -226,7 +239,7 @@ def prepare(work: Path, carry: Path, arch: int, jobs: int, build: bool, log=prin
     (stage / "wheels").mkdir(parents=True)
     core = core_wheel(work)
     record("cut", cut_core(core, stage / "wheels" / core.name, arch, work / "scratch"))
-    for w in (work / "dl" / "runtime").glob("*.whl"):
+    for w in [*(work / "dl" / "runtime").glob("*.whl"), *(work / "dl").glob(f"transformer_engine-{TE_VERSION}-*.whl")]:
         shutil.copy(w, stage / "wheels" / w.name)
     if build:
         t0 = time.monotonic()

@@ -51,6 +51,9 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "quick": dict(layers=2, hidden=128, heads=4, seq=128, micro_batch=4),
     # A 400M-class Llama-style model (24 x 1024, 16 heads, seq 2048) for a GPU.
     "gpu-400m": dict(layers=24, hidden=1024, heads=16, seq=2048, micro_batch=4),
+    # examples/pile/configs/400m.yaml on one GPU: its transformer (20 x 1280, FFN 3456), sequence, micro-batch
+    # and o200k-class vocabulary (200,064 padded), one micro-batch a step.
+    "pile-400m": dict(layers=20, hidden=1280, heads=20, ffn=3456, seq=512, micro_batch=8, vocab=200064),
 }
 
 
@@ -107,7 +110,8 @@ def arm_list(device: str, modes=("token", "unique", "table")) -> List[Dict[str, 
     return arms
 
 
-def _build(arm: Dict[str, Any], shape: Dict[str, Any], vocab: int, device: str, dtype, fp8: Optional[str]):
+def _build(arm: Dict[str, Any], shape: Dict[str, Any], vocab: int, device: str, dtype, fp8: Optional[str],
+           fp8_recipe: str = "delayed"):
     import torch
 
     from megatron_lev.lev import LEVConfig
@@ -120,8 +124,10 @@ def _build(arm: Dict[str, Any], shape: Dict[str, Any], vocab: int, device: str, 
     kw: Dict[str, Any] = dict(num_layers=shape["layers"], hidden_size=shape["hidden"],
                               num_attention_heads=shape["heads"], hidden_dropout=0.0, attention_dropout=0.0,
                               params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    if "ffn" in shape:
+        kw["ffn_hidden_size"] = shape["ffn"]
     if fp8:
-        kw.update(fp8=fp8, fp8_recipe="delayed")
+        kw.update(fp8=fp8, fp8_recipe=fp8_recipe)
     gcfg = build_transformer_config(mcfg, **kw)
     mcfg.validate(gcfg)
     torch.manual_seed(1234)
@@ -134,13 +140,13 @@ def _build(arm: Dict[str, Any], shape: Dict[str, Any], vocab: int, device: str, 
 class _Runner:
     """One arm: model, optimizer, a timed training step and a timed input-layer forward+backward."""
 
-    def __init__(self, arm, shape, vocab, ids, device, dtype, fp8=None):
+    def __init__(self, arm, shape, vocab, ids, device, dtype, fp8=None, fp8_recipe="delayed"):
         import torch
 
         from megatron_lev.models import lev_modules
 
         self.arm, self.device = arm, device
-        self.model, self.breakdown = _build(arm, shape, vocab, device, dtype, fp8)
+        self.model, self.breakdown = _build(arm, shape, vocab, device, dtype, fp8, fp8_recipe)
         self.model.train()
         self.table = [m for m in lev_modules(self.model) if m.lev_config.compute_mode == "table"]
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -191,18 +197,20 @@ class _Runner:
 
 
 def measure(shape: Dict[str, Any], arms: List[Dict[str, Any]], *, device: str, dtype_name: str, repeats: int,
-            warmup: int, shared: Path, fp8: Optional[str] = None, log=print, clock: str = "wall") -> Dict[str, Any]:
+            warmup: int, shared: Path, fp8: Optional[str] = None, log=print, clock: str = "wall",
+            fp8_recipe: str = "delayed") -> Dict[str, Any]:
     import torch
     from lev_layer import PeakMemory, _ids
 
     dtype = getattr(torch, dtype_name)
     ids, source = _ids(50257, shape["micro_batch"], shape["seq"], shared)
-    vocab = 50304  # GPT-2's 50,257 padded to a multiple of 128, as pretrain_lev.py pads it
+    # GPT-2's 50,257 padded to a multiple of 128, as pretrain_lev.py pads it (or the shape's own vocabulary)
+    vocab = shape.get("vocab", 50304)
     ids = ids.to(device)
     runners = []
     for a in arms:
         t0 = time.perf_counter()
-        runners.append(_Runner(a, shape, vocab, ids, device, dtype, fp8))
+        runners.append(_Runner(a, shape, vocab, ids, device, dtype, fp8, fp8_recipe))
         log(f"  built {a['name']} ({runners[-1].params:,} parameters, {time.perf_counter() - t0:.1f} s)")
     for r in runners:  # warm-up (numba compilation, allocator, first-touch) and peak memory
         for _ in range(warmup):

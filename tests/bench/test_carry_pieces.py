@@ -141,3 +141,33 @@ def test_the_fatbin_cut_keeps_the_loadable_entries_byte_for_byte(tmp_path):
         _fatbin.verify_cut(src, tmp_path / "bad.so", (90,))
     assert _fatbin.loadable(_fatbin.Entry(0, 8, "elf", 90), 90) and not _fatbin.loadable(_fatbin.Entry(0, 8, "elf", 80), 90)
     assert json.loads(json.dumps(r))  # the report is JSON (prepare.json)
+
+
+def _wheel(path, name="carried_demo", version="1.0"):
+    """A minimal pure wheel holding one module."""
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": "VALUE = 42\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(path / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+
+
+def test_install_joins_the_pieces_and_installs_their_wheels(carry, tmp_path, capsys):
+    """What the first call runs on the GPU machine: join, check, pip install --no-index --no-deps --target."""
+    import carry_pieces
+
+    src = tmp_path / "src" / "wheels"
+    src.mkdir(parents=True)
+    _wheel(src)
+    carry.split(tmp_path / "src", tmp_path / ".carry", "te", piece_bytes=700)
+    site = tmp_path / "site"
+    assert carry_pieces.main(["install", "--root", str(tmp_path / ".carry"), "--name", "te", "--target", str(site)]) == 0
+    assert "pieces verified, 1 wheels installed" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, "-c", "import carried_demo; print(carried_demo.VALUE)"],
+                       env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True)
+    assert r.stdout.strip() == "42", r.stderr
