@@ -84,8 +84,9 @@ SIZES: Dict[str, Dict[str, Any]] = {
     "device": dict(
         correctness=dict(model=gc._model(4, 1024, 16, 1024, 4, 8, 50257), steps=3, arms=ARMS,
                          describe="4 x 1024, seq 1024, 2 micro-batches of 4"),
-        fp8=dict(config="gpu-science", iters=300, data="corpus",
-                 describe="the science model (8 x 512, seq 1024, batch 64), 300 iterations, the shared corpus"),
+        # Three runs at once: 200 x 3 x ~80 ms (the H100's science step) ~ 50 s of the stage's 120.
+        fp8=dict(config="gpu-science", iters=200, data="corpus",
+                 describe="the science model (8 x 512, seq 1024, batch 64), 200 iterations, the shared corpus"),
         probe=dict(layers=2, hidden=512, heads=8, seq=1024, micro_batch=4),
         speed=dict(shapes=("gpu-400m", "pile-400m"), repeats=5, warmup=2),
         checkpoint=dict(model=gc._model(4, 1024, 16, 1024, 4, 8, 50257), steps=2),
@@ -414,12 +415,14 @@ def stage_fp8(ctx: Ctx, timeout: float) -> Dict[str, Any]:
     data = fp8_data(ctx, work)
     argvs = fp8_runs(ctx, data)
     iters = ctx.size["fp8"]["iters"]
-    if not te_ready(ctx):
+    if not te_ready(ctx):  # the bf16 run and the probe (without FP8) run; the FP8 runs need TE
         runs = run_jobs(ctx, {"bf16": argvs["bf16"]}, work, deadline)
+        figures = {"runs": runs, "lev_layer": in_child("fp8_probe")(ctx, max(1.0, deadline - time.monotonic())),
+                   "not_run": {n: _cmdline(a) for n, a in argvs.items() if n != "bf16"}}
         problems = _problems(runs, {"bf16": iters})
-        if problems:
-            raise CheckFailed("; ".join(problems), {"runs": runs})
-        raise Skip(NO_TE, {"runs": runs, "not_run": {n: _cmdline(a) for n, a in argvs.items() if n != "bf16"}})
+        if problems or not figures["lev_layer"].get("stays_out_of_fp8"):
+            raise CheckFailed("; ".join(problems) or f"LEV's layer: {figures['lev_layer']}", figures)
+        raise Skip(NO_TE, figures)
     runs = run_jobs(ctx, argvs, work, deadline)
     figures: Dict[str, Any] = {"runs": {n: {k: r[k] for k in ("exit", "iterations", "median_ms") if k in r}
                                         for n, r in runs.items()},
@@ -436,26 +439,28 @@ def stage_fp8(ctx: Ctx, timeout: float) -> Dict[str, Any]:
 
 
 def child_fp8_probe(ctx: Ctx, partial) -> Dict[str, Any]:
-    """One forward and backward of a lev model built with FP8 (hybrid, delayed): the LEV layer's output
-    dtype, its parameters' dtypes and any TE module inside it."""
+    """One forward and backward of a bf16 lev model built with FP8 (hybrid, delayed; without TE, without
+    FP8): the LEV layer's output dtype, its parameters' dtypes and any TE module inside it."""
     import torch
     from lev_layer import _init_parallel
     from throughput import _build
 
-    _init_parallel("cuda")
+    device = ctx.device
+    _init_parallel(device)
     shape = ctx.size["probe"]
-    model, _ = _build({"name": "lev", "arm": "lev"}, shape, 50304, "cuda", torch.bfloat16, "hybrid")
+    fp8 = "hybrid" if te_ready(ctx) else None
+    model, _ = _build({"name": "lev", "arm": "lev"}, shape, 50304, device, torch.bfloat16, fp8)
     seen: Dict[str, str] = {}
     model.embedding.register_forward_hook(lambda m, i, o: seen.update(output=str(o.dtype)))
-    ids = torch.randint(0, 50257, (shape["micro_batch"], shape["seq"]), device="cuda")
-    pos = torch.arange(shape["seq"], device="cuda").unsqueeze(0).expand_as(ids)
+    ids = torch.randint(0, 50257, (shape["micro_batch"], shape["seq"]), device=device)
+    pos = torch.arange(shape["seq"], device=device).unsqueeze(0).expand_as(ids)
     model(ids, pos, attention_mask=None, labels=torch.roll(ids, -1, 1)).float().mean().backward()
     params = sorted({str(p.dtype) for p in model.embedding.parameters()})
     te_inside = [n for n, m in model.embedding.named_modules() if type(m).__module__.startswith("transformer_engine")]
     te_outside = sum(type(m).__module__.startswith("transformer_engine") for m in model.decoder.modules())
     ok = seen.get("output") == "torch.bfloat16" and set(params) <= {"torch.bfloat16", "torch.float32"} and not te_inside
-    return {"lev_output_dtype": seen.get("output"), "lev_param_dtypes": params, "te_modules_in_lev": te_inside,
-            "te_modules_in_decoder": te_outside, "stays_out_of_fp8": ok}
+    return {"fp8": fp8, "lev_output_dtype": seen.get("output"), "lev_param_dtypes": params,
+            "te_modules_in_lev": te_inside, "te_modules_in_decoder": te_outside, "stays_out_of_fp8": ok}
 
 
 # ------------------------------------------------------------------------------------------ speed
@@ -519,9 +524,10 @@ def child_speed(ctx: Ctx, partial) -> Dict[str, Any]:
 def checkpoint_runs(ctx: Ctx, work: Path) -> Tuple[Dict[str, List[Any]], Dict[str, List[Any]]]:
     steps = ctx.size["checkpoint"]["steps"]
     ckpt = work / "te_ckpt"
-    save = {"te_save": _base(ctx, "checkpoint", steps) + _arm(ctx, "lev") + _impl(True) + [
-        "--save", ckpt, "--save-interval", str(steps)]}
-    cont = _base(ctx, "checkpoint", 2 * steps) + _arm(ctx, "lev") + ["--load", ckpt]
+    # One schedule for the three (megatron refuses to resume a different one), the first stopped and saved.
+    run = _base(ctx, "checkpoint", 2 * steps) + _arm(ctx, "lev")
+    save = {"te_save": run + _impl(True) + ["--save", ckpt, "--save-interval", str(steps), "--exit-interval", str(steps)]}
+    cont = run + ["--load", ckpt]
     return save, {"local_from_te": cont + _impl(False), "te_from_te": cont + _impl(True)}
 
 
@@ -618,7 +624,7 @@ def plan_lines(entries: List[Dict[str, Any]], budget_s: float, sizes: str, assum
              f"one running the stages), the install stage {w['install_s']:.0f} s in the last carrying call, the "
              f"other stages {w['run_s']:.0f} s; {w['left_s']:.0f} s left",
              f"calls 1-{n}: carry .carry/{PIECES}.N (wheels/ with the first); the last runs `python bench/gpu_check.py "
-             f"--program te --only install --work .carry/work --out .carry/install` (docs/gpu.md)",
+             f"--program te --only install --work .carry/work --out .carry/install --budget-s 800` (docs/gpu.md)",
              f"call {n + 1}: carries .cache/gpu_data, runs `python bench/gpu_check.py --program te --work .carry/work "
              "--out $OUT --shared-data .cache/gpu_data` (install finds TE there)",
              f"plan: budget {budget_s:g} s at the {sizes} sizes, {RESERVE_S:g} s kept for the last report write"]

@@ -117,6 +117,7 @@ def test_every_stage_runs_at_the_tiny_sizes_without_te_and_skips_tes_runs(tmp_pa
     p = f["fp8"]
     assert p["runs"]["bf16"]["iterations"] == 10 and set(p["not_run"]) == {"fp8_delayed", "fp8_tensorwise"}
     assert "--fp8-format hybrid --fp8-recipe tensorwise" in p["not_run"]["fp8_tensorwise"]
+    assert p["lev_layer"]["stays_out_of_fp8"] and p["lev_layer"]["lev_output_dtype"] == "torch.bfloat16"
     s = f["speed"]["shapes"]["tiny"]
     assert set(s) == {"bf16"} and set(s["bf16"]["arms"]) == {"tied", "untied", "lev"}
     assert all(a["tflops"] > 0 for a in s["bf16"]["arms"].values())
