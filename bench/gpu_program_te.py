@@ -623,10 +623,10 @@ def plan_lines(entries: List[Dict[str, Any]], budget_s: float, sizes: str, assum
              f"{n + 1} calls x {CALL_S:.0f} s = {w['calls_s']:.0f} s ({n} carrying TE's pieces: {w['carry_source']}; "
              f"one running the stages), the install stage {w['install_s']:.0f} s in the last carrying call, the "
              f"other stages {w['run_s']:.0f} s; {w['left_s']:.0f} s left",
-             f"calls 1-{n}: carry .carry/{PIECES}.N (wheels/ with the first); the last runs `python bench/gpu_check.py "
+             f"calls 1-{n}: carry .carry/{PIECES}.N, one a call; the last runs `python bench/gpu_check.py "
              f"--program te --only install --work .carry/work --out .carry/install --budget-s 800` (docs/gpu.md)",
-             f"call {n + 1}: carries .cache/gpu_data, runs `python bench/gpu_check.py --program te --work .carry/work "
-             "--out $OUT --shared-data .cache/gpu_data` (install finds TE there)",
+             f"call {n + 1}: carries wheels and .cache/gpu_data, runs `python bench/gpu_check.py --program te --work "
+             ".carry/work --out $OUT --shared-data .cache/gpu_data` (its install stage adds the wheels, finds TE there)",
              f"plan: budget {budget_s:g} s at the {sizes} sizes, {RESERVE_S:g} s kept for the last report write"]
     lines += [f"stage {e['name']}: planned {e['planned_s']:.0f} s - {e['what']}" for e in entries]
     return lines
