@@ -383,10 +383,10 @@ def fp8_data(ctx: Ctx, work: Path) -> List[str]:
     reproduce.prepare_data(a)
     paths = reproduce.data_paths(a)
     return ["--train-data-path", str(paths["train"]), "--valid-data-path", str(paths["valid"]),
-            "--data-cache-path", str(work / "cache"), *reproduce.tokenizer_args(a)]
+            *reproduce.tokenizer_args(a)]
 
 
-def fp8_runs(ctx: Ctx, data: List[str]) -> Dict[str, List[Any]]:
+def fp8_runs(ctx: Ctx, data: List[str], work: Path) -> Dict[str, List[Any]]:
     import reproduce
 
     f = ctx.size["fp8"]
@@ -395,7 +395,9 @@ def fp8_runs(ctx: Ctx, data: List[str]) -> Dict[str, List[Any]]:
             "--train-iters", str(f["iters"]), "--lr", cfg["lr"], "--min-lr", cfg["min_lr"],
             "--lr-warmup-iters", str(max(1, f["iters"] // 50)), "--seed", "1234", "--log-interval", "1",
             "--eval-iters", "0", "--quiet-config", "--input-embedding", "lev", *ctx.size["lev"], *data]
-    return {name: base + _impl(te_ready(ctx)) + extra for name, extra in FP8_RUNS.items()}
+    # Each run its own index cache: runs side by side would build and map the same index files at once.
+    cache = (lambda name: []) if "--mock-data" in data else (lambda name: ["--data-cache-path", str(work / f"cache_{name}")])
+    return {name: base + _impl(te_ready(ctx)) + extra + cache(name) for name, extra in FP8_RUNS.items()}
 
 
 def last_tenth_gap(fp8: List[float], bf16: List[float]) -> Optional[Dict[str, float]]:
@@ -413,7 +415,7 @@ def stage_fp8(ctx: Ctx, timeout: float) -> Dict[str, Any]:
     work = Path(ctx.work) / "te_fp8"
     work.mkdir(parents=True, exist_ok=True)
     data = fp8_data(ctx, work)
-    argvs = fp8_runs(ctx, data)
+    argvs = fp8_runs(ctx, data, work)
     iters = ctx.size["fp8"]["iters"]
     if not te_ready(ctx):  # the bf16 run and the probe (without FP8) run; the FP8 runs need TE
         runs = run_jobs(ctx, {"bf16": argvs["bf16"]}, work, deadline)
