@@ -838,8 +838,8 @@ def not_run_notes(ctx: Ctx) -> List[str]:
     notes = ["Multi-rank collectives: one GPU runs TP=1 over NCCL at most (NCCL refuses two ranks on one device); "
              "tensor/pipeline-parallel LEV and its gradient reductions are tested on CPU (gloo) only."]
     if str(ctx.figures("env").get("transformer_engine", "not")).startswith("not"):
-        notes.append("FP8 / Transformer Engine: not installed here (its wheel is over the carry limit); the TE spec "
-                     "and FP8 recipes are tested on CPU for configuration and refusal only.")
+        notes.append("FP8 / Transformer Engine: not installed here; this program runs the local spec in bf16 "
+                     "(--program te checks TE and FP8, with TE carried in pieces: docs/gpu.md).")
     if not ctx.cuda:
         notes.append("No CUDA device: the stages ran at the tiny sizes on the CPU (eager or numba bases, Triton's "
                      "interpreter, gloo); no figure here is a GPU figure." if ctx.sizes == "tiny" else
