@@ -171,3 +171,36 @@ def test_install_joins_the_pieces_and_installs_their_wheels(carry, tmp_path, cap
     r = subprocess.run([sys.executable, "-c", "import carried_demo; print(carried_demo.VALUE)"],
                        env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True)
     assert r.stdout.strip() == "42", r.stderr
+
+
+def test_prepare_te_rewrites_the_core_wheel_with_the_cut_library_and_its_record(tmp_path):
+    """bench/prepare_te.py's cut step on a wheel holding a synthetic library: the library cut and checked,
+    its RECORD line's sha256 and size those of the new bytes, every other member as it was."""
+    import base64
+    import hashlib
+    import zipfile
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import _fatbin
+    import prepare_te
+
+    lib = _elf_with_fatbin([[(80, b"b" * 48), (90, b"c" * 56), (120, b"d" * 64)]])
+    src, dst = tmp_path / "core.whl", tmp_path / "out" / "core.whl"
+    record = f"{prepare_te.LIB},sha256=old,{len(lib)}\ntransformer_engine/__init__.py,sha256=x,3\nte.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr(prepare_te.LIB, lib)
+        z.writestr("transformer_engine/__init__.py", "x=1")
+        z.writestr("te.dist-info/RECORD", record)
+    r = prepare_te.cut_core(src, dst, 90, tmp_path / "scratch")
+    assert r["entries_after"] == {"elf sm_90": {"entries": 1, "bytes": 120}} and r["left_whole"] == 0
+    with zipfile.ZipFile(dst) as z:
+        new = z.read(prepare_te.LIB)
+        assert z.read("transformer_engine/__init__.py") == b"x=1"
+        lines = z.read("te.dist-info/RECORD").decode().splitlines()
+    (tmp_path / "a.so").write_bytes(lib)
+    (tmp_path / "b.so").write_bytes(new)
+    _fatbin.verify_cut(tmp_path / "a.so", tmp_path / "b.so", (90,))
+    digest = base64.urlsafe_b64encode(hashlib.sha256(new).digest()).rstrip(b"=").decode()
+    assert lines == [f"{prepare_te.LIB},sha256={digest},{len(new)}", "transformer_engine/__init__.py,sha256=x,3",
+                     "te.dist-info/RECORD,,"]
