@@ -214,6 +214,16 @@ def te_probe() -> Dict[str, Any]:
     """TE's version, whether transformer_engine.pytorch, its extension and fused kernels import, and the
     device's FP8 support as TE reports it."""
     out: Dict[str, Any] = {"te_pytorch": False}
+    from importlib.metadata import PackageNotFoundError, version
+
+    # TE 2.13-2.20's library needs cublasLtGroupedMatrixLayoutInit_internal, which cuBLAS 13.1.0.3 (torch
+    # 2.11.0+cu130's pin) lacks: the cuBLAS this machine has says whether its import can work (docs/gpu.md).
+    for dist in ("nvidia-cublas", "nvidia-cublas-cu13"):
+        try:
+            out["cublas"] = f"{dist} {version(dist)}"
+            break
+        except PackageNotFoundError:
+            out["cublas"] = "no nvidia-cublas package"
     try:
         import transformer_engine
 
@@ -663,7 +673,7 @@ def _md_not_run(f: Dict[str, Any]) -> List[str]:
 
 
 def _md_env(f):
-    keys = ("te_version", "te_pytorch", "te_error", "te_fused", "fp8_supported", "fp8_reason", "lev_basis",
+    keys = ("te_version", "te_pytorch", "te_error", "cublas", "te_fused", "fp8_supported", "fp8_reason", "lev_basis",
             "bf16_matmul_tflops", "copy_tb_per_s")
     return [f"- {k}: {f[k]}" for k in keys if k in f]
 
