@@ -51,10 +51,10 @@ sys.path.insert(0, str(BENCH))
 import _carry  # noqa: E402
 import _fatbin  # noqa: E402
 
-TE_VERSION = "2.20.2"
-CORE = f"transformer-engine-cu13=={TE_VERSION}"
+TE_VERSION = "2.20.2"  # --te-version; 2.12.0 is the newest whose library links against torch 2.11.0's cuBLAS pin
+CORE = "transformer-engine-cu13"
 # The metapackage (a small pure wheel): TE's import checks that it is installed at the core's version.
-META = f"transformer-engine=={TE_VERSION}"
+META = "transformer-engine"
 EXT = "transformer-engine-torch"
 TORCH = "torch==2.11.0"  # the GPU machine's: 2.11.0+cu130 (CUDA 13.0) on Python 3.12
 # What transformer_engine.pytorch imports that the GPU image lacks (its package list has no pydantic;
@@ -119,10 +119,11 @@ def sdist(name: str, version: str, dest: Path) -> Path:
     return out
 
 
-def download(work: Path, py: str) -> Dict[str, Any]:
+def download(work: Path, py: str, version: str = TE_VERSION) -> Dict[str, Any]:
     dl, runtime = work / "dl", work / "dl" / "runtime"
     runtime.mkdir(parents=True, exist_ok=True)
-    t = _run([py, "-m", "pip", "download", "-q", "--no-deps", *PIP_TARGET, CORE, META, "-d", str(dl)],
+    t = _run([py, "-m", "pip", "download", "-q", "--no-deps", *PIP_TARGET, f"{CORE}=={version}", f"{META}=={version}",
+              "-d", str(dl)],
              work / "logs" / "core.log")
     shutil.rmtree(runtime)
     runtime.mkdir()
@@ -133,8 +134,8 @@ def download(work: Path, py: str) -> Dict[str, Any]:
         if _dist(w.name) in ON_THE_MACHINE:
             w.unlink()
     t0 = time.monotonic()
-    src = sdist(EXT, TE_VERSION, dl)
-    return {"seconds": round(t + time.monotonic() - t0, 1), "core": str(core_wheel(work)), "sdist": str(src),
+    src = sdist(EXT, version, dl)
+    return {"seconds": round(t + time.monotonic() - t0, 1), "core": str(core_wheel(work, version)), "sdist": str(src),
             "runtime": sorted(w.name for w in runtime.glob("*.whl"))}
 
 
@@ -142,10 +143,10 @@ def _dist(filename: str) -> str:
     return filename.split("-")[0].replace("_", "-").lower()
 
 
-def core_wheel(work: Path) -> Path:
-    found = sorted((work / "dl").glob(f"transformer_engine_cu13-{TE_VERSION}-*.whl"))
+def core_wheel(work: Path, version: str = TE_VERSION) -> Path:
+    found = sorted((work / "dl").glob(f"transformer_engine_cu13-{version}-*.whl"))
     if not found:
-        raise PrepareError(f"no transformer_engine_cu13-{TE_VERSION} wheel in {work / 'dl'}: run the download step")
+        raise PrepareError(f"no transformer_engine_cu13-{version} wheel in {work / 'dl'}: run the download step")
     return found[0]
 
 
@@ -241,9 +242,9 @@ def header_dirs(vpy: Path) -> List[str]:
     return list(dict.fromkeys(dirs))
 
 
-def build_extension(work: Path, vpy: Path, arch: int, jobs: int, out: Path) -> Dict[str, Any]:
+def build_extension(work: Path, vpy: Path, arch: int, jobs: int, out: Path, version: str = TE_VERSION) -> Dict[str, Any]:
     """Build ``transformer-engine-torch`` into a wheel in ``out`` against the venv's torch."""
-    src_tar = sdist(EXT, TE_VERSION, work / "dl")
+    src_tar = sdist(EXT, version, work / "dl")
     src_root = work / "src"
     shutil.rmtree(src_root, ignore_errors=True)
     with tarfile.open(src_tar) as t:
@@ -260,9 +261,10 @@ def build_extension(work: Path, vpy: Path, arch: int, jobs: int, out: Path) -> D
             "wheel_mib": round(wheel.stat().st_size / 2**20, 1)}
 
 
-def prepare(work: Path, carry: Path, arch: int, jobs: int, build: bool, log=print) -> Dict[str, Any]:
+def prepare(work: Path, carry: Path, arch: int, jobs: int, build: bool, version: str = TE_VERSION,
+            log=print) -> Dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    report: Dict[str, Any] = {"te_version": TE_VERSION, "arch": arch, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    report: Dict[str, Any] = {"te_version": version, "arch": arch, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
     def record(step: str, value: Dict[str, Any]) -> None:
         report[step] = value
@@ -270,22 +272,23 @@ def prepare(work: Path, carry: Path, arch: int, jobs: int, build: bool, log=prin
         log(f"prepare_te: {step}: {json.dumps(value)[:400]}")
 
     py = python312()
-    record("download", download(work, py))
+    record("download", download(work, py, version))
     stage = work / "stage"
     shutil.rmtree(stage, ignore_errors=True)
     (stage / "wheels").mkdir(parents=True)
-    core = core_wheel(work)
+    core = core_wheel(work, version)
     record("cut", cut_core(core, stage / "wheels" / core.name, arch, work / "scratch", cuobjdump(work, py)))
-    for w in [*(work / "dl" / "runtime").glob("*.whl"), *(work / "dl").glob(f"transformer_engine-{TE_VERSION}-*.whl")]:
+    for w in [*(work / "dl" / "runtime").glob("*.whl"), *(work / "dl").glob(f"transformer_engine-{version}-*.whl")]:
         shutil.copy(w, stage / "wheels" / w.name)
     if build:
         t0 = time.monotonic()
         vpy = make_venv(work, py)
         venv_s = time.monotonic() - t0
-        record("build", dict(build_extension(work, vpy, arch, jobs, stage / "wheels"), venv_seconds=round(venv_s, 1)))
+        record("build", dict(build_extension(work, vpy, arch, jobs, stage / "wheels", version),
+                             venv_seconds=round(venv_s, 1)))
     else:  # built on the GPU machine: the source distribution travels
         (stage / "build").mkdir()
-        shutil.copy(sdist(EXT, TE_VERSION, work / "dl"), stage / "build")
+        shutil.copy(sdist(EXT, version, work / "dl"), stage / "build")
         record("build", {"where": "the GPU machine (--no-build)"})
     m = _carry.split(stage, carry, "te")
     record("pieces", {"count": len(m["pieces"]), "mib": [round(p["bytes"] / 2**20, 1) for p in m["pieces"]],
@@ -299,6 +302,9 @@ def main(argv=None) -> int:
                                             "carry-sized pieces (bench/prepare_te.py's docstring says how).")
     p.add_argument("--work", default=str(REPO / ".te-build"), help="downloads, venv, build (default .te-build, git-ignored)")
     p.add_argument("--carry", default=str(REPO / ".carry"), help="the piece folders (default .carry, git-ignored)")
+    p.add_argument("--te-version", default=TE_VERSION,
+                   help=f"Transformer Engine release (default {TE_VERSION}; docs/gpu.md: 2.12.0 if the GPU image's "
+                        "cuBLAS is torch 2.11.0's pin)")
     p.add_argument("--arch", type=int, default=90, help="the compute capability to keep, as 90 for sm_90 (default 90)")
     p.add_argument("--jobs", type=int, default=2, help="MAX_JOBS of the extension's build (default 2)")
     p.add_argument("--no-build", action="store_true", help="carry the extension's source; build it on the GPU machine")
@@ -308,7 +314,7 @@ def main(argv=None) -> int:
     if a.jobs < 1:
         p.error(f"--jobs must be at least 1 (got {a.jobs})")
     try:
-        prepare(Path(a.work), Path(a.carry), a.arch, a.jobs, not a.no_build)
+        prepare(Path(a.work), Path(a.carry), a.arch, a.jobs, not a.no_build, a.te_version)
     except (PrepareError, _carry.CarryError, _fatbin.FatbinError) as e:
         print(f"prepare_te: {e}", file=sys.stderr)
         return 1

@@ -96,8 +96,9 @@ def _elf_with_fatbin(containers):
     fat = b""
     for entries in containers:
         body = b""
-        for arch, payload in entries:
-            header = struct.pack("<HHIQIIHHIIIQQQ", 2, 0x101, 64, len(payload), 0, 0, 0, 0, arch, 0, 0, 0x8011, 0, 0)
+        for arch, payload, *kind in entries:  # kind 2 (ELF) unless given: 1 is PTX
+            header = struct.pack("<HHIQIIHHIIIQQQ", kind[0] if kind else 2, 0x101, 64, len(payload), 0, 0, 0, 0, arch,
+                                 0, 0, 0x8011, 0, 0)
             body += header + payload
         fat += struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
     head, tail = b"\x7fELF\x02\x01" + bytes(58) + b"code" * 10, b"symbols" * 3
@@ -204,3 +205,20 @@ def test_prepare_te_rewrites_the_core_wheel_with_the_cut_library_and_its_record(
     digest = base64.urlsafe_b64encode(hashlib.sha256(new).digest()).rstrip(b"=").decode()
     assert lines == [f"{prepare_te.LIB},sha256={digest},{len(new)}", "transformer_engine/__init__.py,sha256=x,3",
                      "te.dist-info/RECORD,,"]
+
+
+def test_the_fatbin_cut_keeps_ptx_the_device_could_jit_beside_its_cubin(tmp_path):
+    """TE 2.12.0's fat binaries hold PTX too: kept where its arch is at most the device's, dropped above."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    import _fatbin
+
+    lib = _elf_with_fatbin([[(80, b"a" * 16), (80, b"p" * 24, 1), (90, b"c" * 32), (90, b"q" * 40, 1),
+                             (100, b"r" * 8, 1)]])
+    src, dst = tmp_path / "lib.so", tmp_path / "cut.so"
+    src.write_bytes(lib)
+    r = _fatbin.cut(src, dst, (90,))
+    assert r["left_whole"] == 0 and r["after"] == {"elf sm_90": {"entries": 1, "bytes": 96},
+                                                   "ptx sm_80": {"entries": 1, "bytes": 88},
+                                                   "ptx sm_90": {"entries": 1, "bytes": 104}}
+    _fatbin.verify_cut(src, dst, (90,))
