@@ -82,7 +82,10 @@ def _run(cmd: List[str], log: Path, env: Optional[Dict[str, str]] = None, cwd: O
     with open(log, "w") as f:
         f.write("$ " + " ".join(map(str, cmd)) + "\n")
         f.flush()
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        try:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        except OSError as e:  # the program itself is missing or not executable
+            raise PrepareError(f"{cmd[0]}: {e.strerror}") from None
     if r.returncode:
         raise PrepareError(f"{' '.join(map(str, cmd[:6]))} ... exited {r.returncode}; "
                            f"{log}: {log.read_text()[-600:]}")
@@ -178,7 +181,7 @@ def cubins(tool: Path, lib: Path, dest: Path, arch: int) -> List[str]:
     """sha256 of each sm_ARCH* ELF cubin that ``cuobjdump -xelf all`` extracts from ``lib``, sorted."""
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    _run([str(tool), "-xelf", "all", str(lib.resolve())], dest.parent / f"{dest.name}.log", cwd=dest)
+    _run([str(Path(tool).resolve()), "-xelf", "all", str(lib.resolve())], dest.parent / f"{dest.name}.log", cwd=dest)
     out = sorted(_carry.sha256_file(p) for p in dest.glob(f"*.sm_{arch}*.cubin"))
     shutil.rmtree(dest)
     return out
