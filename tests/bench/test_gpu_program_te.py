@@ -94,6 +94,7 @@ def test_flops_per_token_counts_the_shapes_own_ffn_and_vocabulary(te):
     assert te.flops_per_token(pile) > te.flops_per_token(dict(pile, vocab=50304))
 
 
+@pytest.mark.gpu_program
 @pytest.mark.slow
 def test_every_stage_runs_at_the_tiny_sizes_without_te_and_skips_tes_runs(tmp_path):
     """The CPU stands in for the device; TE is not installed here, so what needs it is skipped with
