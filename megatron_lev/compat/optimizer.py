@@ -247,9 +247,13 @@ def use_adam_impl(optimizer, impl: str) -> str:
                 state = o.state.get(p, {})
                 step = state.get("step")
                 if isinstance(step, torch.Tensor):
-                    # torch keeps the count on the parameter's device for the fused kernel, on the host otherwise
-                    state["step"] = (step.to(device=p.device, dtype=torch.float32) if fused
-                                     else torch.tensor(float(step)))
+                    # A new tensor a parameter: megatron's load_state_dict gives every parameter one shared step
+                    # tensor, which the fused kernel's in-place increment would advance once per parameter.
+                    # torch keeps the count on the parameter's device for the fused kernel and where the group
+                    # is capturable (CUDA graphs; it refuses a host step then), on the host otherwise.
+                    on_device = fused or group.get("capturable", False)
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                                 device=p.device if on_device else "cpu")
     return impl
 
 
