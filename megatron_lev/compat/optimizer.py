@@ -257,28 +257,40 @@ def use_adam_impl(optimizer, impl: str) -> str:
     return impl
 
 
+def _pairs_by_dst_dtype(dst, src) -> list[tuple[list, list]]:
+    """``(destinations, sources)`` grouped by the destination's dtype, in first-seen order."""
+    groups: dict[torch.dtype, tuple[list, list]] = {}
+    for d, s in zip(dst, src):
+        ds, ss = groups.setdefault(d.dtype, ([], []))
+        ds.append(d)
+        ss.append(s)
+    return list(groups.values())
+
+
 def _copy_main_params_in_one_launch(optimizer) -> None:
     """``DistributedOptimizer._copy_main_params_to_model_params`` for bf16/fp16/fp32 parameters: the same
-    copies of the updated fp32 shards into the parameter buffer, as one foreach copy."""
+    copies of the updated fp32 shards into the parameter buffers, as one foreach copy a destination dtype
+    (torch's CUDA foreach copy takes every destination to have the first one's dtype)."""
     dst, src = [], []
     for shard_groups, model_groups in ((optimizer.shard_fp32_from_float16_groups, optimizer.model_float16_groups),
                                        (optimizer.shard_fp32_groups, optimizer.model_fp32_groups)):
         for shard_group, model_group in zip(shard_groups, model_groups):
             for shard_main_param, model_param in zip(shard_group, model_group):
                 world_range = optimizer._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                assert world_range.size == shard_main_param.nelement()
                 gbuf_index, _, bucket_id = optimizer.model_param_gbuf_map[model_param]
                 buffer = optimizer.buffers[gbuf_index].buckets[bucket_id].param_data
                 dst.append(buffer.view(-1)[world_range.start:world_range.end])
                 src.append(shard_main_param)
-    if dst:
-        torch._foreach_copy_(dst, src)
+    for dsts, srcs in _pairs_by_dst_dtype(dst, src):
+        torch._foreach_copy_(dsts, srcs)
 
 
 def copy_main_params_in_one_launch(optimizer) -> bool:
     """Give megatron-core's distributed optimizers (inside ``optimizer``) a parameter copy after the update in
-    one foreach launch, where megatron copies shard by shard (146 launches a step at gpu-400m's 24 layers); not
-    where it does more than copy (FP8 parameters, Megatron FSDP, the precision-aware optimizer). True when
-    at least one was given it."""
+    one foreach launch a dtype, where megatron copies shard by shard (146 launches a step at gpu-400m's 24
+    layers); not where it does more than copy (FP8 parameters, Megatron FSDP, the precision-aware optimizer).
+    True when at least one was given it."""
     from megatron.core.fp8_utils import is_float8tensor
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
