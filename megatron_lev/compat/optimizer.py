@@ -286,11 +286,21 @@ def _copy_main_params_in_one_launch(optimizer) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+def _quantizes(sub) -> bool:
+    """Whether megatron's own copy quantizes the main shards or gathers from elsewhere: FP8 parameter gather,
+    the MXFP8 gather through the gradient buffer (a DDP and an optimizer config field), 0.19's FP4 gather."""
+    ddp, config = sub.ddp_config, sub.config
+    return bool(getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "fp4_param_gather", False)
+                or getattr(ddp, "reuse_grad_buf_for_mxfp8_param_ag", False)
+                or getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False))
+
+
 def copy_main_params_in_one_launch(optimizer) -> bool:
     """Give megatron-core's distributed optimizers (inside ``optimizer``) a parameter copy after the update in
     one foreach launch a dtype, where megatron copies shard by shard (146 launches a step at gpu-400m's 24
-    layers); not where it does more than copy (FP8 parameters, Megatron FSDP, the precision-aware optimizer).
-    True when at least one was given it."""
+    layers); not where it does more than copy (FP8 parameters, FP8/FP4 parameter all-gather, 0.19's MXFP8
+    all-gather from the gradient buffer, Megatron FSDP, the precision-aware optimizer). True when at least one
+    was given it."""
     from megatron.core.fp8_utils import is_float8tensor
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -301,7 +311,7 @@ def copy_main_params_in_one_launch(optimizer) -> bool:
         if not isinstance(sub, DistributedOptimizer) or sub.is_stub_optimizer or sub.ddp_config.use_megatron_fsdp \
                 or getattr(sub.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
             continue
-        if any(is_float8tensor(p) for group in sub.model_float16_groups for p in group):
+        if any(is_float8tensor(p) for group in sub.model_float16_groups for p in group) or _quantizes(sub):
             continue
         sub._copy_main_params_to_model_params = functools.partial(_copy_main_params_in_one_launch, sub)
         done = True

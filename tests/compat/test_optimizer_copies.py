@@ -65,3 +65,18 @@ def test_the_copy_equals_megatrons_in_one_foreach_copy_a_destination_dtype(monke
             assert bucket_a.param_data.dtype == bucket_b.param_data.dtype
             assert torch.equal(bucket_a.param_data, bucket_b.param_data)
     assert want.buffers[0].buckets[0].param_data.abs().sum() > 0  # the copies wrote something
+
+
+@pytest.mark.parametrize("ddp_flag, config_flag", [
+    ("fp8_param_gather", None), ("fp4_param_gather", None), ("reuse_grad_buf_for_mxfp8_param_ag", None),
+    (None, "reuse_grad_buf_for_mxfp8_param_ag"), (None, None)])
+def test_megatrons_copy_is_kept_where_it_quantizes(ddp_flag, config_flag):
+    ddp = SimpleNamespace(use_megatron_fsdp=False, fp8_param_gather=False)
+    config = SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    for ns, flag in ((ddp, ddp_flag), (config, config_flag)):
+        if flag:
+            setattr(ns, flag, True)
+    opt = _distributed_optimizer(ddp, config)
+    replaced = ddp_flag is None and config_flag is None
+    assert compat_optimizer.copy_main_params_in_one_launch(opt) is replaced
+    assert ("_copy_main_params_to_model_params" in opt.__dict__) is replaced
