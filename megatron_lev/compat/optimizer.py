@@ -181,10 +181,11 @@ def keep_grad_norm_on_device() -> bool:
 def device_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """``amp_C.multi_tensor_scale``'s contract, ``tensor_lists[1][i] = tensor_lists[0][i] * scale``, in torch's
     foreach operators: one launch per operator and dtype group instead of megatron-core's stand-in
-    (``megatron.core.utils.local_multi_tensor_scale``), which issues a multiply and a copy per tensor (the
-    distributed optimizer copies its fp32 shards into the bf16 parameters this way, and clipping scales
-    every gradient; 2 x 146 launches a step at gpu-400m's 24 layers). The same products, rounded to the
-    destination's dtype as ``copy_`` rounds them; a scale of 1 is a copy."""
+    (``megatron.core.utils.local_multi_tensor_scale``), which issues a multiply and a copy per tensor
+    (clipping scales every gradient this way, 2 x 146 launches a step at gpu-400m's 24 layers; the
+    non-distributed mixed-precision optimizer copies its fp32 parameters into the bf16 ones this way, where
+    0.16.1's distributed optimizer copies shard by shard with ``copy_``: :func:`copy_main_params_in_one_launch`).
+    The same products, rounded to the destination's dtype as ``copy_`` rounds them; a scale of 1 is a copy."""
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
     if not dst:
         return
@@ -228,9 +229,10 @@ def _torch_adams(optimizer):
 def use_adam_impl(optimizer, impl: str) -> str:
     """Run the torch AdamW inside megatron-core's ``optimizer`` (built without Transformer Engine or Apex) as
     ``impl``: ``fused`` (torch's fused=True: one kernel per dtype and device a step, the step counts on the
-    device, so no per-parameter host read of them), ``foreach`` (torch's default), ``auto`` (fused where every
-    parameter is on CUDA). Called after the build and again after a checkpoint's load, whose saved groups
-    carry the implementation they were saved with. Returns the implementation in use ('' without a torch Adam)."""
+    device; foreach reads its host-side counts per parameter, which syncs no GPU: the gain is launches),
+    ``foreach`` (torch's default), ``auto`` (fused where every parameter is on CUDA). Called after the build
+    and again after a checkpoint's load, whose saved groups carry the implementation they were saved with.
+    Returns the implementation in use ('' without a torch Adam)."""
     adams = _torch_adams(optimizer)
     if not adams:
         return ""
