@@ -242,24 +242,48 @@ def arms_check() -> Dict[str, Any]:
     # loss scaling), as a [1] tensor like the schedule's (megatron copies into it later).
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
     out = {}
-    batch = global_batches(0)[0]
+    # Every micro-batch of the first global batch (128 tokens): with 32, a top-2 router of 4 experts can leave
+    # an expert of a layer without a token, and its weights without a gradient, for some initialisations.
+    batches = global_batches(0)
     for arm in ALL_ARMS:
         mc = model_config(arm)
         config = transformer_config(mc)
         model = build_gpt_model(config=config, model_config=mc)
-        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+        routed = _count_routed_tokens(model)
+        loss = sum(model(b["tokens"], b["position_ids"], None, labels=b["labels"]).mean() for b in batches)
         loss.backward()
         named = dict(model.named_parameters())
+        # An expert no token was routed to has no gradient to have (an arm whose inputs are alike at
+        # initialisation, such as flat_mlp, can leave one idle); every other parameter must have one.
+        idle = [f"decoder.layers.{i}.mlp.experts.local_experts.{e}." for i, n in routed.items()
+                for e, c in enumerate(n.tolist()) if c == 0]
         out[arm] = {
             "loss": float(loss.detach()),
-            "bad_grad": [n for n, p in named.items()
-                         if p.grad is None or not bool(torch.isfinite(p.grad).all()) or not p.grad.abs().sum() > 0],
+            "idle_experts": idle,
+            "bad_grad": [n for n, p in named.items() if not any(n.startswith(x) for x in idle) and (
+                p.grad is None or not bool(torch.isfinite(p.grad).all()) or not p.grad.abs().sum() > 0)],
             "numel": sum(p.numel() for p in named.values()),
             "experts_numel": sum(p.numel() for n, p in named.items() if ".mlp.experts." in n),
             "breakdown": parameter_breakdown(mc, config),
         }
     clear_aux_losses_tracker()  # these forwards are not part of the layouts' first step
     return out
+
+
+def _count_routed_tokens(model) -> Dict[int, torch.Tensor]:
+    """Tokens routed to each expert, per MoE layer, counted by hooks on the routers as the model runs."""
+    counts: Dict[int, torch.Tensor] = {}
+
+    def hook(i):
+        def count(module, inputs, output):
+            routing_map = output[1]
+            counts[i] = counts.get(i, 0) + routing_map.reshape(-1, routing_map.shape[-1]).sum(0)
+        return count
+
+    for i, layer in enumerate(model.decoder.layers):
+        if getattr(layer.mlp, "router", None) is not None:
+            layer.mlp.router.register_forward_hook(hook(i))
+    return counts
 
 
 def build_refusal(**config_extra) -> Optional[str]:

@@ -342,7 +342,9 @@ def test_pytorch_profiler_writes_a_trace_on_cpu_and_nsys_is_refused(runs):
         assert any(e.get("cat") == "cpu_op" for e in events)
         # The loop's spans, by which bench/_profile_trace.py places the step's host syncs and scalar reads
         spans = {e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("megatron_lev.")}
-        assert spans == {f"megatron_lev.{n}" for n in ("batch", "step", "forward_backward", "loss", "optimizer", "log")}
+        # (and the model's own ranges: LEV's input layer, the loss's cross-entropy; RoPE's runs fused on CUDA only)
+        assert spans == {f"megatron_lev.{n}" for n in ("batch", "step", "forward_backward", "loss", "optimizer", "log",
+                                                       "lev", "cross_entropy")}
     nsys = runs["runs"]["nsys-on-cpu"]
     assert nsys.code == 2
     errors = [ln for ln in nsys.job_stderr.splitlines() if "--profile without --use-pytorch-profiler" in ln]
