@@ -47,8 +47,8 @@ $(STAMP): pyproject.toml
 demo: setup
 	bash examples/quickstart_cpu.sh
 
-# The GPU check's programs end to end at --sizes tiny (several minutes of training runs on 2 cores) have a
-# target and a CI stage of their own: make test stays within its budget.
+# The GPU check's programs end to end at --sizes tiny (several minutes of training runs each on 2 cores) have a
+# target of their own, run before a device window: make test stays within its budget.
 NOT_PROGRAMS := -m "not gpu_program"
 
 test: setup
