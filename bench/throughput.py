@@ -148,7 +148,7 @@ def _build(arm: Dict[str, Any], shape: Dict[str, Any], device: str, dtype_name: 
            fp8_recipe: str = "delayed"):
     import torch
 
-    from megatron_lev.checkpoint import build_model_chunks
+    from megatron_lev.models.factory import build_model_chunks
     from megatron_lev.models import parameter_breakdown
     from megatron_lev.training.flops import flops_per_iteration
 

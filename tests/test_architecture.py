@@ -25,20 +25,18 @@ ALLOWED: Dict[str, Set[str]] = {
     "kernels": {"lev"},
     "parallel": {"kernels", "lev"},
     "distributed": {"_procutil", "compat", "lev"},
-    "models": {"distributed", "lev", "kernels", "parallel"},  # distributed: the layout a model is checked against
+    "models": {"config", "distributed", "kernels", "lev", "parallel"},  # distributed: the layout a model is checked against
     "tokenizer": {"config_flags", "jsonl"},
+    "config": {"config_flags", "distributed", "lev", "tokenizer"},  # the typed run configuration, below its readers
     "data": {"_procutil", "jsonl", "progress", "tokenizer"},
     "_procutil": set(),
     "progress": set(),
     "_rank_server": {"distributed"},  # what the server that forks local ranks imports once
-    "checkpoint": {"compat", "distributed", "lev", "models", "parallel", "tokenizer"},
-    "arguments": {"_procutil", "compat", "config_flags", "distributed", "lev", "models", "tokenizer"},
-    "evaluation": {"_procutil", "checkpoint", "data", "distributed", "jsonl", "lev", "models", "parallel",
-                   "progress", "tokenizer"},
-    "conversion": {"_procutil", "arguments", "checkpoint", "distributed", "evaluation", "kernels", "lev", "models", "parallel",
-                   "tokenizer"},
-    "training": {"_procutil", "arguments", "checkpoint", "compat", "data", "distributed", "lev", "models",
-                 "parallel", "tokenizer"},
+    "checkpoint": {"compat", "config", "distributed", "lev", "models", "parallel", "tokenizer"},
+    "arguments": {"_procutil", "compat", "config", "config_flags", "distributed", "lev", "models", "tokenizer"},
+    "evaluation": {"_procutil", "checkpoint", "config", "data", "distributed", "jsonl", "lev", "models", "parallel", "progress", "tokenizer"},
+    "conversion": {"_procutil", "arguments", "checkpoint", "config", "distributed", "evaluation", "kernels", "lev", "models", "parallel", "tokenizer"},
+    "training": {"_procutil", "arguments", "checkpoint", "compat", "config", "data", "distributed", "lev", "models", "parallel", "tokenizer"},
     "testing": {"distributed"},
 }
 

@@ -1,8 +1,9 @@
-"""Outside ``arguments/`` and ``checkpoint/``, nothing reads the run's flat arguments by name: neither the
-Megatron-style argument namespace (``args.seq_length``) nor the saved flat dictionary, ``config.yaml``
-(``saved["num_layers"]``, ``a.get("seq_length")``). Those two packages parse, check, save and relayout the
-flat form; everything else reads typed fields: ``RunConfig``'s groups, megatron-core's
-``TransformerConfig``, ``LevModelConfig``, ``LEVConfig``, ``TokenizerSpec`` and ``checkpoint.SavedModel``.
+"""Outside ``config/``, ``arguments/`` and ``checkpoint/``, nothing reads the run's flat arguments by name:
+neither the Megatron-style argument namespace (``args.seq_length``) nor the saved flat dictionary,
+``config.yaml`` (``saved["num_layers"]``, ``a.get("seq_length")``). ``config`` reads the flat form into the
+typed ``RunConfig`` (and writes it back), ``arguments`` parses into it, ``checkpoint`` still checks the saved
+form by key; everything else reads typed fields: ``RunConfig``'s groups, megatron-core's
+``TransformerConfig``, ``LevModelConfig``, ``LEVConfig`` and ``TokenizerSpec``.
 
 The rule, checked on the sources (AST, no run). A value *is the flat arguments* when it is
 
@@ -15,12 +16,12 @@ The rule, checked on the sources (AST, no run). A value *is the flat arguments* 
   calls are then sources), or passed to a parameter of such a function (a call by name, or by
   ``run_ranks(fn, args=(...))``),
 
-followed to a fixed point over every module outside ``arguments/`` and ``checkpoint/``. A *read* of such a
+followed to a fixed point over every module outside ``config/``, ``arguments/`` and ``checkpoint/``. A *read* of such a
 value is a constant key (``a["x"]``, ``a.get("x")``, ``a.pop("x")``, ``getattr(a, "x")``, ``"x" in a``),
 an attribute that is an argument's name (``args.seq_length``), or a call handing it on together with an
 argument's name (``saved_model_arg(a, "normalization")``). Everything else a module reads by string key
 (JSON result files, Hugging Face ``config.json``, state dicts, a checkpoint's common state) is not the flat
-arguments and stays free. Handing the flat form on whole (to ``checkpoint.build_configs``, ``relayout``,
+arguments and stays free. Handing the flat form on whole (to ``RunConfig.from_saved_args``,
 ``save_checkpoint(config=...)``) or writing a key is not a read.
 """
 
@@ -33,7 +34,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_lev"
-EXEMPT = ("arguments", "checkpoint")
+EXEMPT = ("arguments", "checkpoint", "config")
 
 # Functions (by name) whose result is the flat arguments. ``parse_args`` called by its bare name is
 # ``megatron_lev.arguments.parse_args``; ``parser.parse_args(...)`` is a tool's own command line.
@@ -47,7 +48,7 @@ KEY_METHODS = {"get", "pop", "setdefault"}
 def _names() -> Set[str]:
     """Every argument name the flat form holds (the parser's destinations and the derived values)."""
     from megatron_lev.arguments import build_parser
-    from megatron_lev.arguments.run_config import flat_names
+    from megatron_lev.config import flat_names
 
     return {a.dest for a in build_parser()._actions} | set(flat_names())
 
@@ -239,10 +240,10 @@ def flat_reads(modules: Dict[str, ast.AST], names: Optional[Set[str]] = None) ->
     return _Walk(modules).reads(_names() if names is None else names)
 
 
-def test_nothing_outside_arguments_and_checkpoint_reads_the_flat_arguments_by_name():
+def test_nothing_outside_config_arguments_and_checkpoint_reads_the_flat_arguments_by_name():
     reads = flat_reads(_walked())
     assert not reads, ("read the typed configuration (RunConfig's groups; TransformerConfig, LevModelConfig, LEVConfig, "
-                       "TokenizerSpec, checkpoint.SavedModel), not the flat arguments by name: "
+                       "TokenizerSpec), not the flat arguments by name: "
                        + "; ".join(f"megatron_lev/{m}:{line}: {code}" for m, line, code in reads))
 
 

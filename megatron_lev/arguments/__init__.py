@@ -38,7 +38,7 @@ from megatron_lev.lev.config import ConfigError
 
 from .config_file import config_to_yaml, format_config, load_yaml_config, resolved_config
 from .parser import build_parser, parse_args
-from .run_config import RunConfig
+from megatron_lev.config import RunConfig
 from .validate import validate_args
 
 __all__ = ["ConfigError", "RunConfig", "build_parser", "config_to_yaml", "format_config", "load_yaml_config",

@@ -1,7 +1,7 @@
 """Model-shape flags under Megatron-LM's names (``--num-layers``, ``--swiglu``, ...); the
 ``LevModelConfig`` fields that are flags of their own name (``--position-embedding-type``,
 ``--normalization``, ``--rotary-base``, ``--transformer-impl``) are generated from that dataclass.
-``checkpoint.build.model_config_from_args`` reads them back. Each default is written once: on the
+``models.factory.lev_model_config`` reads them back (typed, from ``config.ModelRunConfig``). Each default is written once: on the
 ``LevModelConfig`` field (Megatron-LM's default where the flag is Megatron-LM's: learned positions,
 LayerNorm, GeLU, biases), or on megatron-core's ``TransformerConfig`` field the flag sets
 (``--norm-epsilon``, ``--init-method-std``, the dropouts); ``saved_model_arg`` reads saved arguments
@@ -9,7 +9,7 @@ with those defaults.
 
 The attention, norm and fusion flags that are megatron-core ``TransformerConfig`` fields are generated
 from the installed ``TransformerConfig`` (type, choices, help; a flag whose field the installed release
-lacks is not offered); their destinations are the field names, and ``checkpoint.build`` passes every
+lacks is not offered); their destinations are the field names, and ``models.factory`` passes every
 one that is set to the ``TransformerConfig`` (``models.config.TRANSFORMER_FLAG_FIELDS``)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_lev.models.config import LevModelConfig, check_lev_basis, check_ro
 
 # LevModelConfig fields that are model-shape flags of their own name (their defaults, Megatron-LM's, are
 # the fields'); the other shape fields come from Megatron-LM's flags (--seq-length, --swiglu,
-# --disable-bias-linear, ...) in model_config_from_args.
+# --disable-bias-linear, ...) in models.factory.lev_model_config.
 _MODEL_SHAPE_FLAG_FIELDS = ("position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling_factor",
                             "normalization", "transformer_impl")
 

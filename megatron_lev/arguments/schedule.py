@@ -22,7 +22,7 @@ from megatron_lev.compat.versions import batch_size_calculator
 from megatron_lev.config_flags import POSITIVE_INT, add_config_flags, add_switch_flags, field_flag
 from megatron_lev.lev.config import ConfigError
 
-from .groups import OptimizerRunConfig, ScheduleConfig
+from megatron_lev.config.groups import OptimizerRunConfig, ScheduleConfig
 
 
 # The optimizer, schedule, batch-size and training-length flags, generated from the fields of the

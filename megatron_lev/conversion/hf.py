@@ -67,7 +67,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from megatron_lev.arguments.run_config import ModelRunConfig, RunConfig
+from megatron_lev.config import ModelRunConfig, RunConfig
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
 from megatron_lev.tokenizer.fingerprint import MODEL_DIR_SIDECAR, write_sidecar

@@ -38,7 +38,7 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")
 
 # TransformerConfig fields that pretrain_lev.py's flags generated from TransformerConfig set
-# (arguments.model); checkpoint.build passes each one that is set.
+# (arguments.model); models.factory passes each one that is set.
 TRANSFORMER_FLAG_FIELDS = ("layernorm_zero_centered_gamma", "attention_softmax_in_fp32", "masked_softmax_fusion",
                            "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",
                            "attention_backend", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",

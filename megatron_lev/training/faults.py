@@ -43,7 +43,7 @@ from megatron_lev.distributed import report_error
 from megatron_lev.parallel.collectives import all_reduce_
 
 if TYPE_CHECKING:
-    from megatron_lev.arguments import RunConfig
+    from megatron_lev.config import RunConfig
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3

@@ -43,18 +43,19 @@ import torch
 
 from megatron_lev import checkpoint
 from megatron_lev._procutil import EXIT_INTERRUPTED
-from megatron_lev.arguments import RunConfig, format_config, parse_run_config, resolved_config
-from megatron_lev.arguments.groups import ScheduleConfig
+from megatron_lev.arguments import format_config, parse_run_config, resolved_config
 from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, keep_grad_norm_on_device, \
     copy_main_params_in_one_launch, keep_multi_tensor_scale_batched, use_adam_impl
 from megatron_lev.compat.versions import fallback_notice
+from megatron_lev.config import RunConfig
+from megatron_lev.config.groups import ScheduleConfig
 from megatron_lev.data.datasets import DatasetValidationError
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
     set_seed
 from megatron_lev.lev.config import ConfigError
-from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
+from megatron_lev.models import factory, format_parameter_breakdown, parameter_breakdown
 from megatron_lev.parallel.collectives import all_gather_objects, all_reduce_, broadcast_object, group_device
 from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
@@ -509,8 +510,8 @@ def _setup_configs(argv):
             raise ConfigError(f"--tokenizer-type {rc.data.tokenizer_type}: {str(e).splitlines()[0]}") from None
         rc = rc.with_tokenizer(tokenizer)
         # The loss flags are TransformerConfig fields that only training reads.
-        config, model_config = checkpoint.build_configs(
-            rc.to_saved_args(), calculate_per_token_loss=rc.model.calculate_per_token_loss,
+        config, model_config = factory.build_configs(
+            rc, calculate_per_token_loss=rc.model.calculate_per_token_loss,
             cross_entropy_loss_fusion=rc.model.cross_entropy_loss_fusion,
             cross_entropy_fusion_impl=rc.model.cross_entropy_fusion_impl)
     except _startup_errors() as e:
@@ -646,13 +647,13 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
     set_seed(rc.run.seed)
     # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
     model_config.weights_from_checkpoint = _will_load_checkpoint(rc)
-    chunks = checkpoint.build_model_chunks(config, model_config)
+    chunks = factory.build_model_chunks(config, model_config)
     logger.log(format_parameter_breakdown(parameter_breakdown(model_config, config)))
     logger.log(f" > number of parameters on (tensor, pipeline) model parallel rank "
                f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): "
                f"{_count_params(chunks)}")
     model = _wrap_model(rc, config, chunks)
-    table_modules = checkpoint.lev_table_modules(chunks)
+    table_modules = factory.lev_table_modules(chunks)
     optimizer, scheduler = _build_optimizer(rc, config, model)
     _configure_hooks(rc, config, model, optimizer, table_modules)
     return _Run(rc=rc, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,

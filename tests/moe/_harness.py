@@ -79,7 +79,7 @@ def loop_run_config(args):
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_lev.arguments import RunConfig
+    from megatron_lev.config import RunConfig
 
     sizes = dict(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                  pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
@@ -147,7 +147,7 @@ def _setup(root: str, *, arm: str = "lev", weights: Optional[str] = None, save: 
     wrapped, with optimizer, scheduler and hooks as the loop sets them up."""
     from megatron.core import parallel_state as ps
 
-    from megatron_lev.checkpoint.build import build_model_chunks, lev_table_modules
+    from megatron_lev.models.factory import build_model_chunks, lev_table_modules
     from megatron_lev.training import loop
     from megatron_lev.training.moe_metrics import reset_aux_loss_trackers
 
@@ -288,7 +288,7 @@ def _count_routed_tokens(model) -> Dict[int, torch.Tensor]:
 
 def build_refusal(**config_extra) -> Optional[str]:
     """The ConfigError message of building this rank's LEV chunks with these settings (None: built)."""
-    from megatron_lev.checkpoint.build import build_model_chunks
+    from megatron_lev.models.factory import build_model_chunks
     from megatron_lev.lev.config import ConfigError
 
     mc = model_config("lev")

@@ -158,11 +158,11 @@ def test_step_batch_size_schedule_follows_the_installed_calculator():
 def decoupled_lr_groups(argv):
     """(parameter name, lr, max_lr, min_lr) of every parameter after one scheduler step, from the
     optimizer the loop builds (a "call" step of the multi-run job)."""
-    from megatron_lev import checkpoint
+    from megatron_lev.models import factory
     from megatron_lev.training import loop
 
     rc, _tok, config, model_config = loop._setup_configs(argv)
-    chunks = checkpoint.build_model_chunks(config, model_config)
+    chunks = factory.build_model_chunks(config, model_config)
     names = {id(p): n for c in chunks for n, p in c.named_parameters()}
     model = loop._wrap_model(rc, config, chunks)
     optimizer, scheduler = loop._build_optimizer(rc, config, model)

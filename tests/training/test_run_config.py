@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from megatron_lev.arguments import config_to_yaml, parse_args, parse_run_config, resolved_config
-from megatron_lev.arguments.run_config import RunConfig, flat_names
+from megatron_lev.config import RunConfig, flat_names
 from megatron_lev.arguments.validate import FOLDED_INTO
 from megatron_lev.lev.config import ConfigError
 
@@ -162,11 +162,15 @@ def test_an_older_config_yaml_loads_with_the_flag_defaults_and_derived_values():
     assert old.data == dataclasses.replace(new.data, tokenizer_fingerprint=None)
 
 
-def test_an_infinite_float_reads_back_from_config_yaml():
+def test_an_infinite_float_reads_back_from_config_yaml_and_meets_the_fields_range():
     args = _parsed("defaults")
-    args.clip_grad = math.inf
+    args.moe_aux_loss_coeff = math.inf  # a field without a range
     saved = yaml.safe_load(config_to_yaml(resolved_config(args)))
-    assert saved["clip_grad"] == "inf" and RunConfig.from_saved_args(saved).optimizer.clip_grad == math.inf
+    assert saved["moe_aux_loss_coeff"] == "inf"
+    assert RunConfig.from_saved_args(saved).model.moe_aux_loss_coeff == math.inf
+    saved["clip_grad"] = "inf"  # --clip-grad refuses inf; so does its field when the file is read back
+    with pytest.raises(ConfigError, match=r"^config.yaml: clip_grad is inf, which must be finite and >= 0; put back"):
+        RunConfig.from_saved_args(saved)
 
 
 def test_a_broken_saved_file_is_one_line_naming_the_key():
