@@ -20,7 +20,6 @@ settings under their ``lev_*`` names).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import math
@@ -84,8 +83,8 @@ class RunConfig:
     """Flags validation folds into other fields, as given (saved, read by nothing)."""
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "RunConfig":
-        """The run configuration of validated arguments (``parse_args``)."""
+    def from_args(cls, args: Any) -> "RunConfig":
+        """The run configuration of validated arguments (the namespace ``arguments.parse_args`` returns)."""
         # As argparse typed them: config.yaml keeps writing what the flags gave (--loss-scale-window's
         # default is the int 1000, as in Megatron-LM).
         return cls._from_flat(vars(args), "the arguments", coerce=False)
@@ -110,11 +109,6 @@ class RunConfig:
         out.update(self.layout.megatron_sizes())
         out.update(world_size=self.layout.world_size, data_parallel_size=self.layout.dp)
         return out
-
-    def flat(self) -> argparse.Namespace:
-        """The flat arguments (``to_saved_args``) as a namespace, for the functions of ``arguments`` and
-        ``checkpoint`` that check the flat form (batch schedules, --save and --load)."""
-        return argparse.Namespace(**self.to_saved_args())
 
     def relayout(self, tp: int, pp: int, vpp: Optional[int] = None, world_size: Optional[int] = None) -> "RunConfig":
         """This configuration at TP=``tp`` x PP=``pp`` (``vpp`` virtual stages; data-parallel size from

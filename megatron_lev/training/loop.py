@@ -503,7 +503,7 @@ def _setup_configs(argv):
         rc = parse_run_config(argv)
         # Newer checkpoints in --save are judged once the ranks can share reading them (_run), unless only
         # their sizes are checked.
-        checkpoint.check_save_and_load(rc.flat(), newer=rc.checkpointing.no_ckpt_checksums)
+        checkpoint.check_save_and_load(rc.checkpointing, newer=rc.checkpointing.no_ckpt_checksums)
         try:
             tokenizer = build_tokenizer_from_args(rc.data)
         except (ValueError, FileNotFoundError, OSError) as e:
@@ -560,7 +560,7 @@ def _run(rc: RunConfig, tokenizer, config, model_config) -> int:
 def _run_recorded(rc: RunConfig, tokenizer, config, model_config) -> int:
     if not rc.checkpointing.no_ckpt_checksums:
         try:
-            checkpoint.refuse_newer_checkpoints(rc.flat(), checksums_on=True)
+            checkpoint.refuse_newer_checkpoints(rc.checkpointing, checksums_on=True)
         except checkpoint.CheckpointError as e:
             raise _StartupError(str(e)) from None
     run = _start(rc, config, model_config)
@@ -639,7 +639,7 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
     notice = _vocab_size_notice(rc)
     if notice:
         logger.log(notice)
-    cfg = resolved_config(rc.flat())
+    cfg = resolved_config(rc.to_saved_args())
     if not rc.logging.quiet_config:
         logger.log(format_config(cfg))
     logger.set_config(cfg)
@@ -658,7 +658,8 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
     _configure_hooks(rc, config, model, optimizer, table_modules)
     return _Run(rc=rc, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
                 optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start,
-                batches=batch_calculator(rc.flat(), rank=torch.distributed.get_rank()), logging_level=logging_level)
+                batches=batch_calculator(rc.schedule, rc.layout.dp, rc.data.seq_length,
+                                                                    rank=torch.distributed.get_rank()), logging_level=logging_level)
 
 
 def _start_logger(rc: RunConfig) -> TrainingLogger:
@@ -756,7 +757,7 @@ def _check_batches_ahead(rc: RunConfig, state: _State) -> None:
     instead, naming the batch)."""
     if rc.schedule.rampup_batch_size is None and rc.schedule.step_batch_size_schedule is None:
         return
-    ahead = batch_sizes(rc.flat(), state.consumed_train_samples,
+    ahead = batch_sizes(rc.schedule, rc.layout.dp, rc.data.seq_length, state.consumed_train_samples,
                         iterations=max(0, rc.schedule.train_iters - state.iteration))
     per_step = rc.schedule.micro_batch_size * rc.layout.dp
     for consumed, gbs in ahead:
@@ -766,7 +767,8 @@ def _check_batches_ahead(rc: RunConfig, state: _State) -> None:
                                 f"--micro-batch-size {rc.schedule.micro_batch_size} x data-parallel size "
                                 f"{rc.layout.dp}")
     try:
-        check_interleaved_microbatches(rc.flat(), sorted({gbs for _, gbs in ahead}))
+        check_interleaved_microbatches(rc.schedule, rc.layout.dp, rc.layout.pp, rc.layout.vpp,
+                                       sorted({gbs for _, gbs in ahead}))
     except ConfigError as e:
         raise _StartupError(str(e)) from None
 

@@ -237,7 +237,7 @@ def saved_checkpoint(one_rank, tmp_path_factory):
     rc, _, config, model_config = _setup_configs(MODEL + MOCK + ["--quiet-config"])
     model = factory.build_model_chunks(config, model_config)
     checkpoint.save_checkpoint(root, 1, model, None, None, consumed_train_samples=1, counters={},
-                               config=resolved_config(rc.flat()), save_optim=False, save_rng=True, log=lambda *_: None)
+                               config=resolved_config(rc.to_saved_args()), save_optim=False, save_rng=True, log=lambda *_: None)
     return root, model
 
 

@@ -80,7 +80,7 @@ def test_batch_size_schedule_iterations_are_megatron_lms():
         a = _parse(["--train-samples", "60", "--step-batch-size-schedule", "0:2 128:4 256:6 384:8"])  # seq 32
         # Megatron-LM's update_train_iters: steps while fewer than --train-samples are consumed.
         iterations = 4 + -(-(60 - 14) // 8)
-    got = [bs for _, bs in batch_sizes(a, iterations=a.train_iters)]
+    got = [bs for _, bs in batch_sizes(a, a.data_parallel_size, a.seq_length, iterations=a.train_iters)]
     assert got[:4] == [2, 2, 4, 6] and set(got[4:]) == {8}
     assert a.global_batch_size == 8 and a.train_iters == iterations and a.num_microbatches == 4
 
