@@ -14,7 +14,8 @@ FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
 
 def pages() -> List[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    """The hand-written pages (the generated reports under docs/results/ are not among them)."""
+    return [REPO / "README.md", REPO / "examples" / "pile" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def anchors(page: Path) -> Set[str]:
