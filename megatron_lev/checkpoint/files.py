@@ -219,6 +219,22 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+def _wrapped(error: BaseException) -> List[BaseException]:
+    """The errors ``error`` carries in its arguments: torch's CheckpointException holds each rank's as
+    (exception, traceback) in a dict."""
+    found: List[BaseException] = []
+    for v in (getattr(error, "args", ()) or ()):
+        for x in (v.values() if isinstance(v, dict) else [v]):
+            found += [y for y in (x if isinstance(x, tuple) else (x,)) if isinstance(y, BaseException)]
+    return found
+
+
+def _failure_reason(error: BaseException) -> str:
+    """The first line of the error under torch's CheckpointException wrapping (which names only ranks)."""
+    inner = _wrapped(error)
+    return _first_line(inner[0] if inner and type(error).__name__ == "CheckpointException" else error)
+
+
 ALLOW_MISSING_CHECKSUMS_FLAG = "--allow-missing-ckpt-checksums"
 
 
@@ -423,8 +439,14 @@ def load_common(path: str) -> Dict[str, Any]:
         raise CheckpointError(refusal)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as e:  # corrupt or foreign directory
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # corrupt or foreign directory
+        # megatron-core 0.19 reads the common state through torch.distributed.checkpoint, whose
+        # CheckpointException (a BaseException) wraps each rank's error, a Ctrl-C during the read included.
+        if any(isinstance(x, KeyboardInterrupt) for x in _wrapped(e)):
+            raise KeyboardInterrupt from None
+        first = _failure_reason(e).split(": ", 1)[-1]
         raise CheckpointError(f"{path}: not a readable dist_checkpointing checkpoint ({first})") from None
     refusal = checkpoint_refusal(common.get("megatron_core_version"), str(path))
     if refusal:

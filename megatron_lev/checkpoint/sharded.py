@@ -38,10 +38,10 @@ import torch
 from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core_version
 
 from . import checksums
-from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, _read_yaml, \
-    check_checkpoint_tokenizer, check_intact, checkpoint_dir, complete_iterations, config_mismatch, \
-    damaged_checkpoint_message, describe_damage, find_checkpoint, find_damage, load_common, \
-    looks_like_one_checkpoint, missing_manifest, newest_complete_checkpoint, read_tracker, write_tracker
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _failure_reason, _first_line, _read_yaml, \
+    _wrapped, check_checkpoint_tokenizer, check_intact, checkpoint_dir, complete_iterations, config_mismatch, \
+    damaged_checkpoint_message, describe_damage, find_checkpoint, find_damage, load_common, looks_like_one_checkpoint, \
+    missing_manifest, newest_complete_checkpoint, read_tracker, write_tracker
 from .lock import LOCK_NAME
 
 CHECKPOINT_VERSION = 3.0
@@ -397,16 +397,6 @@ def _no_space(error: BaseException) -> bool:
     return False
 
 
-def _wrapped(error: BaseException) -> List[BaseException]:
-    """The errors ``error`` carries in its arguments: torch's CheckpointException holds each rank's as
-    (exception, traceback) in a dict."""
-    found: List[BaseException] = []
-    for v in (getattr(error, "args", ()) or ()):
-        for x in (v.values() if isinstance(v, dict) else [v]):
-            found += [y for y in (x if isinstance(x, tuple) else (x,)) if isinstance(y, BaseException)]
-    return found
-
-
 def _disk_is_full(root: str) -> bool:
     """Whether 1 MiB more can be written under ``root`` now: a full disk often reaches us without its
     errno (torch's stream writer says only "file write failed")."""
@@ -421,12 +411,6 @@ def _disk_is_full(root: str) -> bool:
     except OSError as e:
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     return False
-
-
-def _failure_reason(error: BaseException) -> str:
-    """The first line of the error under torch's CheckpointException wrapping (which names only ranks)."""
-    inner = _wrapped(error)
-    return _first_line(inner[0] if inner and type(error).__name__ == "CheckpointException" else error)
 
 
 def _human_bytes(n: float) -> str:
