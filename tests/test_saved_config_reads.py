@@ -9,8 +9,8 @@ The rule, checked on the sources (AST, no run). A value *is the flat arguments* 
 
 - the ``args`` attribute of anything (``open_checkpoint(...).args``: ``SavedCheckpoint.args`` is the one
   attribute of that name in the package), or
-- returned by a function that makes or re-lays-out the flat form (:data:`SOURCES`: ``relayout``,
-  ``layout_args``, ``parse_args``, ``resolved_config``, ``RunConfig.flat`` / ``to_saved_args``, ...), or
+- returned by a function that makes or re-lays-out the flat form (:data:`SOURCES`: ``layout_args``,
+  ``parse_args``, ``resolved_config``, ``RunConfig.to_saved_args``, ...), or
 - built from such a value (``dict(a, ...)``, ``{**a}``, ``vars(a)``, ``a.copy()``), or
 - assigned from one of these (tuple unpacking included), returned by a function of the walked modules (its
   calls are then sources), or passed to a parameter of such a function (a call by name, or by

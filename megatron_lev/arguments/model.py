@@ -1,11 +1,12 @@
 """Model-shape flags under Megatron-LM's names (``--num-layers``, ``--swiglu``, ...); the
 ``LevModelConfig`` fields that are flags of their own name (``--position-embedding-type``,
 ``--normalization``, ``--rotary-base``, ``--transformer-impl``) are generated from that dataclass.
-``models.factory.lev_model_config`` reads them back (typed, from ``config.ModelRunConfig``). Each default is written once: on the
-``LevModelConfig`` field (Megatron-LM's default where the flag is Megatron-LM's: learned positions,
-LayerNorm, GeLU, biases), or on megatron-core's ``TransformerConfig`` field the flag sets
-(``--norm-epsilon``, ``--init-method-std``, the dropouts); ``saved_model_arg`` reads saved arguments
-with those defaults.
+``models.factory.lev_model_config`` reads them back (typed, from ``config.ModelRunConfig``). Each flag
+takes its default from one field: the ``LevModelConfig`` field (Megatron-LM's default where the flag is
+Megatron-LM's: learned positions, LayerNorm, GeLU, biases), or megatron-core's ``TransformerConfig`` field
+the flag sets (``--norm-epsilon``, ``--init-method-std``, the dropouts); ``config.ModelRunConfig``'s
+field of the flag's name states it again, held equal by ``tests/training/test_defaults.py``;
+``saved_model_arg`` reads saved arguments with those defaults.
 
 The attention, norm and fusion flags that are megatron-core ``TransformerConfig`` fields are generated
 from the installed ``TransformerConfig`` (type, choices, help; a flag whose field the installed release

@@ -7,7 +7,8 @@ its typed configuration (``config.RunConfig.from_saved_args`` of its ``config.ya
 - ``sharded``: ``save_checkpoint`` / ``load_checkpoint`` (model, optimizer, scheduler, RNG) and
   ``load_model_state`` (model only, any layout).
 
-Training, evaluation and conversion all use this package; it imports ``models`` and ``lev`` only.
+Training, evaluation and conversion all use this package; it sits below them (its imports: the
+``checkpoint`` row of docs/architecture.md).
 """
 
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, SavedCheckpoint, check_checkpoint_tokenizer, \

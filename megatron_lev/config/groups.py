@@ -1,8 +1,9 @@
-"""The non-model groups of :class:`~megatron_lev.arguments.run_config.RunConfig`: data, schedule,
+"""The non-model groups of :class:`~megatron_lev.config.run.RunConfig`: data, schedule,
 optimizer, distributed, checkpointing, logging, run control, and the folded flags. Each field is an
 argument under Megatron-LM's name (the flag ``--field-name``, the key of ``config.yaml``) holding its
-resolved value; its docstring is the flag's help. Kept apart from ``run_config`` so that the flag modules
-(``checkpointing``, ``run``, ...) generate their flags from these fields without importing the parser."""
+resolved value; its docstring is the flag's help. A module of their own (as ``model`` for the model group),
+so that the flag modules of ``arguments`` (``checkpointing``, ``run``, ...) import just the groups they
+generate their flags from."""
 
 from __future__ import annotations
 
