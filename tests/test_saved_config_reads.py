@@ -19,7 +19,7 @@ The rule, checked on the sources (AST, no run). A value *is the flat arguments* 
 followed to a fixed point over every module outside ``config/``, ``arguments/`` and ``checkpoint/``. A *read* of such a
 value is a constant key (``a["x"]``, ``a.get("x")``, ``a.pop("x")``, ``getattr(a, "x")``, ``"x" in a``),
 an attribute that is an argument's name (``args.seq_length``), or a call handing it on together with an
-argument's name (``saved_model_arg(a, "normalization")``). Everything else a module reads by string key
+argument's name (``helper(a, "normalization")``). Everything else a module reads by string key
 (JSON result files, Hugging Face ``config.json``, state dicts, a checkpoint's common state) is not the flat
 arguments and stays free. Handing the flat form on whole (to ``RunConfig.from_saved_args``,
 ``save_checkpoint(config=...)``) or writing a key is not a read.
@@ -38,7 +38,7 @@ EXEMPT = ("arguments", "checkpoint", "config")
 
 # Functions (by name) whose result is the flat arguments. ``parse_args`` called by its bare name is
 # ``megatron_lev.arguments.parse_args``; ``parser.parse_args(...)`` is a tool's own command line.
-SOURCES = {"relayout", "layout_args", "parse_args", "resolved_config", "load_yaml_config", "flat", "to_saved_args"}
+SOURCES = {"layout_args", "parse_args", "resolved_config", "load_yaml_config", "to_saved_args"}
 OWN_PARSERS = {"parse_args"}
 # Calls that copy the flat arguments they are given.
 COPIES = {"dict", "vars", "copy", "deepcopy"}
@@ -249,12 +249,13 @@ def test_nothing_outside_config_arguments_and_checkpoint_reads_the_flat_argument
 
 WALKED = '''
 import json
-from megatron_lev.checkpoint import open_checkpoint, relayout
+from megatron_lev.checkpoint import open_checkpoint
+from megatron_lev.conversion.model_io import layout_args
 from megatron_lev.arguments import parse_args
 
 def evaluate(path, flags):
     ckpt = open_checkpoint(path)
-    a = relayout(ckpt.args, 1, 1)
+    a = layout_args(ckpt.args, 1, 1)
     b = dict(a, seed=3)
     n = b["num_layers"]
     opts = {"dtype": "float32"}
@@ -283,7 +284,7 @@ def test_the_walk_tells_the_flat_arguments_from_other_string_keyed_reads():
     reads = [code for _m, _line, code in flat_reads({"m.py": ast.parse(WALKED)}, {
         "num_layers", "seq_length", "normalization", "lev_heads", "padded_vocab_size", "lr", "seed"})]
     assert sorted(reads) == sorted([
-        "b['num_layers']", "ckpt.args.get('seq_length')",  # from relayout; open_checkpoint(...).args
+        "b['num_layers']", "ckpt.args.get('seq_length')",  # from layout_args; open_checkpoint(...).args
         "saved_model_arg(saved, 'normalization')", "'lev_heads' in saved",  # a parameter given it
         "a['padded_vocab_size']",  # through run_ranks(fn, args=(...))
         "saved.get('seq_length')",  # returned in a tuple

@@ -5,8 +5,8 @@
 takes its default from one field: the ``LevModelConfig`` field (Megatron-LM's default where the flag is
 Megatron-LM's: learned positions, LayerNorm, GeLU, biases), or megatron-core's ``TransformerConfig`` field
 the flag sets (``--norm-epsilon``, ``--init-method-std``, the dropouts); ``config.ModelRunConfig``'s
-field of the flag's name states it again, held equal by ``tests/training/test_defaults.py``;
-``saved_model_arg`` reads saved arguments with those defaults.
+field of the flag's name states it again, held equal by ``tests/training/test_defaults.py``, and is what a
+saved ``config.yaml`` without the key reads (``RunConfig.from_saved_args``).
 
 The attention, norm and fusion flags that are megatron-core ``TransformerConfig`` fields are generated
 from the installed ``TransformerConfig`` (type, choices, help; a flag whose field the installed release
@@ -15,9 +15,7 @@ one that is set to the ``TransformerConfig`` (``models.config.TRANSFORMER_FLAG_F
 
 from __future__ import annotations
 
-import argparse
-import functools
-from typing import Any, Dict, Mapping
+from typing import Any, Dict
 
 from megatron.core.transformer import TransformerConfig
 
@@ -72,20 +70,6 @@ def _transformer_default(name: str):
     """A TransformerConfig field's default: Megatron-LM generates --norm-epsilon, --init-method-std and the
     dropouts from these fields, so theirs are these."""
     return TransformerConfig.__dataclass_fields__[name].default
-
-
-@functools.lru_cache(maxsize=None)
-def _model_flag_defaults() -> Dict[str, Any]:
-    p = argparse.ArgumentParser(add_help=False)
-    add_model_flags(p)
-    return {a.dest: p.get_default(a.dest) for a in p._actions}
-
-
-def saved_model_arg(saved: Mapping[str, Any], dest: str) -> Any:
-    """A model flag's value in saved arguments (a checkpoint's config.yaml); the flag's default where they
-    lack it: what a run that did not give the flag used (every default here is the one the flag has had
-    since config.yaml was first written)."""
-    return saved[dest] if dest in saved else _model_flag_defaults()[dest]
 
 
 def add_model_flags(p) -> None:

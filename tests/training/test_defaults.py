@@ -140,14 +140,22 @@ def test_a_transformer_config_without_a_model_config_has_the_model_defaults():
 
 
 def test_saved_arguments_without_a_setting_read_the_flags_default():
-    """A saved config.yaml that lacks a model key is read with the flag's default."""
-    from megatron_lev.arguments.model import saved_model_arg
+    """A saved config.yaml that lacks a model key is read with the flag's default (the field's)."""
+    from megatron_lev.arguments import parse_args, resolved_config
+    from megatron_lev.config import RunConfig
 
     defaults = build_parser().get_default
-    for dest in ("position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "rotary_percent",
-                 "rotary_base", "init_method_std", "norm_epsilon"):
-        assert saved_model_arg({}, dest) == defaults(dest), dest
-        assert saved_model_arg({dest: "given"}, dest) == "given"
+    saved = resolved_config(parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --train-iters 4 "
+        "--lr 1e-3 --mock-data --vocab-size 100 --normalization RMSNorm --swiglu --rotary-base 500".split(),
+        world_size=1))
+    names = ("position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "rotary_percent",
+             "rotary_base", "init_method_std", "norm_epsilon")
+    given = RunConfig.from_saved_args(saved).model
+    assert (given.normalization, given.swiglu, given.rotary_base) == ("RMSNorm", True, 500)
+    missing = RunConfig.from_saved_args({k: v for k, v in saved.items() if k not in names}).model
+    for dest in names:
+        assert getattr(missing, dest) == defaults(dest), dest
 
 
 @pytest.mark.parametrize("missing,named", [("position_embedding_type", "--position-embedding-type learned_absolute"),
