@@ -11,18 +11,12 @@ import sys
 
 import pytest
 
-from tests.bench import REPO
-
-BENCH = REPO / "bench"
+from tests.bench import BENCH, REPO, bench_module
 
 
 @pytest.fixture(scope="module")
 def carry():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import _carry
-
-    return _carry
+    return bench_module("_carry")
 
 
 def _folder(tmp_path):
@@ -116,9 +110,7 @@ def _elf_with_fatbin(containers):
 
 
 def test_the_fatbin_cut_keeps_the_loadable_entries_byte_for_byte(tmp_path):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import _fatbin
+    _fatbin = bench_module("_fatbin")
 
     p = lambda tag, n: (tag * n)[:n]  # noqa: E731
     lib = _elf_with_fatbin([[(75, p(b"a", 40)), (80, p(b"b", 48)), (90, p(b"c", 56)), (100, p(b"d", 64)),
@@ -181,9 +173,7 @@ def test_prepare_te_rewrites_the_core_wheel_with_the_cut_library_and_its_record(
     import hashlib
     import zipfile
 
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import _fatbin
+    _fatbin = bench_module("_fatbin")
     import prepare_te
 
     lib = _elf_with_fatbin([[(80, b"b" * 48), (90, b"c" * 56), (120, b"d" * 64)]])
@@ -209,9 +199,7 @@ def test_prepare_te_rewrites_the_core_wheel_with_the_cut_library_and_its_record(
 
 def test_the_fatbin_cut_keeps_ptx_the_device_could_jit_beside_its_cubin(tmp_path):
     """TE 2.12.0's fat binaries hold PTX too: kept where its arch is at most the device's, dropped above."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import _fatbin
+    _fatbin = bench_module("_fatbin")
 
     lib = _elf_with_fatbin([[(80, b"a" * 16), (80, b"p" * 24, 1), (90, b"c" * 32), (90, b"q" * 40, 1),
                              (100, b"r" * 8, 1)]])

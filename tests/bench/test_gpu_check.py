@@ -18,18 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.bench import REPO
-
-BENCH = REPO / "bench"
+from tests.bench import BENCH, REPO, bench_module
 
 
 @pytest.fixture(scope="module")
 def gc():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import gpu_check
-
-    return gpu_check
+    return bench_module("gpu_check")
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench import REPO, bench_module
 WINDOW_S = 15 * 60  # device minutes lent to a task, the machine's start included
 COMMAND_S = 600  # the longest one command may run there
 
@@ -19,11 +18,7 @@ COMMAND_S = 600  # the longest one command may run there
 @pytest.fixture(scope="module")
 def gc():
     # Imported as the module gpu_check (as the script runs itself): the program's module imports it by name.
-    if str(REPO / "bench") not in sys.path:
-        sys.path.insert(0, str(REPO / "bench"))
-    import gpu_check
-
-    return gpu_check
+    return bench_module("gpu_check")
 
 
 def test_the_speed_plan_fits_one_command_of_one_window(gc, capsys):

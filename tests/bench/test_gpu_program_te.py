@@ -12,18 +12,12 @@ import sys
 
 import pytest
 
-from tests.bench import REPO
-
-BENCH = REPO / "bench"
+from tests.bench import BENCH, REPO, bench_module
 
 
 @pytest.fixture(scope="module")
 def te():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import gpu_program_te
-
-    return gpu_program_te
+    return bench_module("gpu_program_te")
 
 
 def test_the_te_program_is_registered_with_its_stages(te):
