@@ -445,6 +445,8 @@ def stage_fp8(ctx: Ctx, timeout: float) -> Dict[str, Any]:
     problems = _problems(runs, {n: iters for n in runs})
     if not figures["lev_layer"].get("stays_out_of_fp8"):
         problems.append(f"LEV's layer under FP8: {figures['lev_layer']}")
+    if figures["lev_layer"].get("decoder_layers_in_fp8") is False:
+        problems.append(f"the decoder did not run in FP8 (--fp8-format hybrid reached no layer): {figures['lev_layer']}")
     if problems:
         raise CheckFailed("; ".join(problems), figures)
     return figures
@@ -464,6 +466,11 @@ def child_fp8_probe(ctx: Ctx, partial) -> Dict[str, Any]:
     model, _ = _build({"name": "lev", "arm": "lev"}, shape, 50304, device, torch.bfloat16, fp8)
     seen: Dict[str, str] = {}
     model.embedding.register_forward_hook(lambda m, i, o: seen.update(output=str(o.dtype)))
+    decoder_fp8: List[bool] = []  # FP8 on in each decoder layer's forward (TE's state, not the flag we passed)
+    if fp8:
+        state = _fp8_state_manager()
+        for layer in model.decoder.layers:
+            layer.register_forward_pre_hook(lambda m, i: decoder_fp8.append(bool(state.is_fp8_enabled())))
     ids = torch.randint(0, 50257, (shape["micro_batch"], shape["seq"]), device=device)
     pos = torch.arange(shape["seq"], device=device).unsqueeze(0).expand_as(ids)
     model(ids, pos, attention_mask=None, labels=torch.roll(ids, -1, 1)).float().mean().backward()
@@ -471,8 +478,22 @@ def child_fp8_probe(ctx: Ctx, partial) -> Dict[str, Any]:
     te_inside = [n for n, m in model.embedding.named_modules() if type(m).__module__.startswith("transformer_engine")]
     te_outside = sum(type(m).__module__.startswith("transformer_engine") for m in model.decoder.modules())
     ok = seen.get("output") == "torch.bfloat16" and set(params) <= {"torch.bfloat16", "torch.float32"} and not te_inside
+    decoder_in_fp8 = bool(decoder_fp8) and all(decoder_fp8) if fp8 else None
     return {"fp8": fp8, "lev_output_dtype": seen.get("output"), "lev_param_dtypes": params,
-            "te_modules_in_lev": te_inside, "te_modules_in_decoder": te_outside, "stays_out_of_fp8": ok}
+            "te_modules_in_lev": te_inside, "te_modules_in_decoder": te_outside, "stays_out_of_fp8": ok,
+            # The comparison means something only if the decoder did run in FP8 while LEV stayed out.
+            "decoder_layers_in_fp8": decoder_in_fp8, "decoder_layer_calls": len(decoder_fp8)}
+
+
+def _fp8_state_manager():
+    """Transformer Engine's FP8GlobalStateManager (``quantization`` in newer releases, ``fp8`` before)."""
+    for mod in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        try:
+            return __import__(mod, fromlist=["FP8GlobalStateManager"]).FP8GlobalStateManager
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError("Transformer Engine has no FP8GlobalStateManager in transformer_engine.pytorch.quantization "
+                      "or .fp8")
 
 
 # ------------------------------------------------------------------------------------------ speed
