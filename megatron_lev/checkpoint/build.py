@@ -20,6 +20,7 @@ import torch
 from megatron_lev.distributed.layout import ParallelLayout
 from megatron_lev.lev.config import ConfigError, LEVConfig
 from megatron_lev.models import LevModelConfig, build_gpt_model, build_transformer_config, lev_modules
+from megatron_lev.models.arms import arm_settings
 from megatron_lev.models.config import TRANSFORMER_FLAG_FIELDS, check_cuda_device_max_connections, check_fp8_tokens, \
     settings_for_loading
 
@@ -43,9 +44,7 @@ def model_config_from_args(a: Mapping[str, Any]) -> LevModelConfig:
         rotary_base=a["rotary_base"],
         use_rope_scaling=bool(a.get("use_rope_scaling", False)),
         rope_scaling_factor=float(a.get("rope_scaling_factor", 8.0)),
-        albert_dim=a.get("albert_dim"),
-        flat_mlp_dim=a.get("flat_mlp_dim"),
-        mlp_hidden=a.get("mlp_hidden"),
+        **{name: a.get(name) for name in arm_settings()},  # the input arms' widths (models.arms)
         normalization=a["normalization"],
         activation="swiglu" if a.get("swiglu") else "gelu",
         add_bias_linear=not a.get("disable_bias_linear"),
