@@ -648,7 +648,7 @@ def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str,
     bar.close()
     files = writer.close()
     result: Dict[str, Any] = {"files": [os.path.basename(f) for f in files], "total_size": writer.total_size}
-    if arm == "lev" and opts.get("lev", True):
+    if arm.lev_layer and opts.get("lev", True):
         from .lev_export import write_lev
 
         write_lev(model, config, model_config, opts["iteration"], os.path.join(out_dir, "lev"), table=table)

@@ -55,7 +55,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from megatron_lev.parallel.collectives import broadcast_
-from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding, parameter_device
+from megatron_lev.parallel.lev_embedding import parameter_device
 
 __all__ = ["AlbertEmbedding", "FlatMLPEmbedding", "FactoredMLPEmbedding", "TableArm", "gelu_second_moment"]
 
