@@ -310,7 +310,7 @@ class LevModelConfig:
     def validate(self, config: Any) -> None:
         """Raise ``ConfigError`` (one line: flag and fix) if this model cannot be built with ``config``
         (a megatron-core TransformerConfig)."""
-        _check_choice("--input-embedding", self.input_embedding, INPUT_EMBEDDINGS)
+        get_arm(self.input_embedding)  # one line: --input-embedding's choices, and how an arm of one's own is added
         _check_choice("--position-embedding-type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
         _check_choice("--normalization", self.normalization, NORMALIZATIONS)
         _check_choice("--swiglu/--no-swiglu (activation)", self.activation, ACTIVATIONS)

@@ -101,7 +101,8 @@ def test_choices_flags_and_structure_args_come_from_the_registry():
     assert tuple(actions["input_embedding"].choices) == ARMS
     assert {"albert_dim", "flat_mlp_dim", "mlp_hidden"} <= set(actions)
     assert STRUCTURE_ARGS[STRUCTURE_ARGS.index("lev_heads") + 1:][:3] == ("albert_dim", "flat_mlp_dim", "mlp_hidden")
-    with pytest.raises(ConfigError, match=r"^--input-embedding must be one of tied, untied, .*lev \(got 'nope'\)$"):
+    with pytest.raises(ConfigError, match=r"^--input-embedding must be one of tied, untied, .*lev \(got 'nope'\); "
+                                          r"an arm of your own is registered with .*register_arm"):
         get_arm("nope")
 
 

@@ -96,7 +96,8 @@ def get_arm(name: str) -> InputArm:
     """The registered arm ``name``; ``ConfigError`` naming --input-embedding and its choices otherwise."""
     arm = find_arm(name)
     if arm is None:
-        raise ConfigError(f"--input-embedding must be one of {', '.join(_ARMS)} (got {name!r})")
+        raise ConfigError(f"--input-embedding must be one of {', '.join(_ARMS)} (got {name!r}); an arm of your own "
+                          "is registered with megatron_lev.models.arms.register_arm before the flags are parsed")
     return arm
 
 
