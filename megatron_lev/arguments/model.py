@@ -22,6 +22,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_lev.config_flags import POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, add_config_flags, add_switch_flags, \
     field_flag
 from megatron_lev.lev.config import ConfigError
+from megatron_lev.models.arms import find_arm
 from megatron_lev.models.config import LevModelConfig, check_lev_basis, check_rope_scaling, model_field_default, \
     use_transformer_engine
 
@@ -130,7 +131,8 @@ def check_model_flags(args) -> None:
                               f"--recompute-granularity {args.recompute_granularity}")
         args.recompute_granularity = "selective"
     _check_recompute_modules(args)
-    if args.input_embedding == "lev":
+    arm = find_arm(args.input_embedding)  # None until _check_input_arm makes it tied or untied
+    if arm is not None and arm.lev_layer:
         check_lev_basis(args.lev_basis)
     backend = getattr(args, "attention_backend", "auto")
     try:

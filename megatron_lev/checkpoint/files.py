@@ -19,15 +19,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, tokenizer_mismatch
 
 from megatron_lev.compat.versions import checkpoint_refusal, unreadable_checkpoint
+from megatron_lev.models.arms import arm_settings
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_NAME = "config.yaml"
-# Saved arguments that fix the model's tensors: a resumed run and a config.yaml must agree on them.
+# Saved arguments that fix the model's tensors: a resumed run and a config.yaml must agree on them (with the
+# input arms' settings, models.arms).
 STRUCTURE_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "input_embedding", "padded_vocab_size", "normalization", "swiglu", "position_embedding_type",
     "disable_bias_linear", "rotary_percent", "lev_digits", "lev_base", "lev_seed_dim", "lev_knots", "lev_rank",
-    "lev_heads", "albert_dim", "flat_mlp_dim", "mlp_hidden", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+    "lev_heads", *arm_settings(), "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
     "mtp_num_layers", "max_position_embeddings",
 )
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")

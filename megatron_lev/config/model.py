@@ -56,7 +56,8 @@ class ModelRunConfig:
 
     # ---------------------------------------------------------------- input arm
     input_embedding: str
-    """The input representation: tied, untied, albert, flat_mlp, factored_mlp or lev (--input-embedding)."""
+    """The input representation, a registered input arm (``models.arms``: tied, untied, albert, flat_mlp,
+    factored_mlp, lev; --input-embedding)."""
 
     albert_dim: Optional[int] = field(default=None, metadata={"min": 1})
     """e of the albert arm (--albert-dim); None = parameter-matched to LEV."""

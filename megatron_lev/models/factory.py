@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 import torch
 
+from .arms import arm_settings
 from .config import TRANSFORMER_FLAG_FIELDS, LevModelConfig, build_transformer_config, \
     check_cuda_device_max_connections, check_fp8_tokens, settings_for_loading
 from .gpt import build_gpt_model, lev_modules
@@ -50,9 +51,7 @@ def lev_model_config(rc: "RunConfig") -> LevModelConfig:
         rotary_base=m.rotary_base,
         use_rope_scaling=m.use_rope_scaling,
         rope_scaling_factor=m.rope_scaling_factor,
-        albert_dim=m.albert_dim,
-        flat_mlp_dim=m.flat_mlp_dim,
-        mlp_hidden=m.mlp_hidden,
+        **{name: getattr(m, name) for name in arm_settings()},  # the input arms' widths (models.arms)
         normalization=m.normalization,
         activation="swiglu" if m.swiglu else "gelu",
         add_bias_linear=not m.disable_bias_linear,
