@@ -25,7 +25,8 @@ ALLOWED: Dict[str, Set[str]] = {
     "kernels": {"lev"},
     "parallel": {"kernels", "lev"},
     "distributed": {"_procutil", "compat", "lev"},
-    "models": {"config", "distributed", "kernels", "lev", "parallel"},  # distributed: the layout a model is checked against
+    # distributed: the layout a model is checked against; config: the run configuration models.factory builds from
+    "models": {"config", "distributed", "kernels", "lev", "parallel"},
     "tokenizer": {"config_flags", "jsonl"},
     "config": {"config_flags", "distributed", "lev", "tokenizer"},  # the typed run configuration, below its readers
     "data": {"_procutil", "jsonl", "progress", "tokenizer"},
@@ -34,9 +35,12 @@ ALLOWED: Dict[str, Set[str]] = {
     "_rank_server": {"distributed"},  # what the server that forks local ranks imports once
     "checkpoint": {"compat", "config", "distributed", "lev", "models", "parallel", "tokenizer"},
     "arguments": {"_procutil", "compat", "config", "config_flags", "distributed", "lev", "models", "tokenizer"},
-    "evaluation": {"_procutil", "checkpoint", "config", "data", "distributed", "jsonl", "lev", "models", "parallel", "progress", "tokenizer"},
-    "conversion": {"_procutil", "arguments", "checkpoint", "config", "distributed", "evaluation", "kernels", "lev", "models", "parallel", "tokenizer"},
-    "training": {"_procutil", "arguments", "checkpoint", "compat", "config", "data", "distributed", "lev", "models", "parallel", "tokenizer"},
+    "evaluation": {"_procutil", "checkpoint", "config", "data", "distributed", "jsonl", "lev", "models", "parallel",
+                   "progress", "tokenizer"},
+    "conversion": {"_procutil", "arguments", "checkpoint", "config", "distributed", "evaluation", "kernels", "lev",
+                   "models", "parallel", "tokenizer"},
+    "training": {"_procutil", "arguments", "checkpoint", "compat", "config", "data", "distributed", "lev", "models",
+                 "parallel", "tokenizer"},
     "testing": {"distributed"},
 }
 

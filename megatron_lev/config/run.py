@@ -131,8 +131,10 @@ class RunConfig:
         model = dataclasses.replace(
             self.model, make_vocab_size_divisible_by=self._divisible_by_for(layout.tp),
             sequence_parallel=self.model.sequence_parallel and layout.tp > 1)
-        s = self.schedule
-        schedule = dataclasses.replace(s, num_microbatches=max(1, s.global_batch_size // (s.micro_batch_size * layout.dp)))
+        s, schedule = self.schedule, self.schedule
+        if s.micro_batch_size and s.global_batch_size:  # a conversion's arguments may have no batch sizes
+            schedule = dataclasses.replace(
+                s, num_microbatches=max(1, s.global_batch_size // (s.micro_batch_size * layout.dp)))
         folded = dataclasses.replace(self.folded, num_layers_per_virtual_pipeline_stage=None)
         return dataclasses.replace(self, model=model, layout=layout, schedule=schedule, folded=folded)
 
@@ -245,15 +247,17 @@ def _coerce(hint: Any, value: Any, name: str, source: str) -> Any:
     ``"inf"``, a whole number written as a float or a string, a list written as a tuple."""
     if value is None:
         return None
-    args = typing.get_args(hint)
-    base = next((a for a in args if a is not type(None)), hint) if typing.get_origin(hint) is typing.Union else hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    # Optional[X] is X here; another union (moe_layer_freq: an int or a list) is taken as written.
+    base = (args[0] if len(args) == 1 else None) if typing.get_origin(hint) is typing.Union else hint
     if base is float and not isinstance(value, bool) and isinstance(value, (int, str)):
         try:
             return float(value)
         except ValueError:
             raise ConfigError(f"{source}: {name}: {value!r} is not a number") from None
     if base is int and not (isinstance(value, int) and not isinstance(value, bool)):
-        whole = (isinstance(value, float) and value.is_integer()) or (isinstance(value, str) and value.strip().isdigit())
+        whole = (isinstance(value, float) and value.is_integer()) or \
+            (isinstance(value, str) and value.strip().isdigit())
         if not whole:
             raise ConfigError(f"{source}: {name} is {value!r}, not a whole number: the file was edited or damaged; put "
                               f"back the value the run was started with")

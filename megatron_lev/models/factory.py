@@ -134,7 +134,8 @@ def build_configs(rc: "RunConfig", *, for_loading: bool = False, **overrides: An
     FP8; no layer initialises its parameters). Otherwise the model is trained, wrapped in megatron's DDP
     (gradient-accumulation fusion where available). ``overrides``: TransformerConfig fields to set."""
     if for_loading:
-        rc = dataclasses.replace(rc, model=dataclasses.replace(rc.model, **settings_for_loading(rc.model.transformer_impl)))
+        loading = settings_for_loading(rc.model.transformer_impl)
+        rc = dataclasses.replace(rc, model=dataclasses.replace(rc.model, **loading))
     model_config = lev_model_config(rc)
     kw = transformer_config_kwargs(rc)
     if for_loading:
