@@ -148,8 +148,8 @@ def _build(arm: Dict[str, Any], shape: Dict[str, Any], device: str, dtype_name: 
            fp8_recipe: str = "delayed"):
     import torch
 
-    from megatron_lev.models.factory import build_model_chunks
     from megatron_lev.models import parameter_breakdown
+    from megatron_lev.models.factory import build_model_chunks
     from megatron_lev.training.flops import flops_per_iteration
 
     gcfg, mcfg = bench_configs(arm, shape, dtype_name, fp8, fp8_recipe)

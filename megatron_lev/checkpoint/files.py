@@ -231,6 +231,14 @@ def _wrapped(error: BaseException) -> List[BaseException]:
     return found
 
 
+def raise_stop_inside(error: BaseException) -> None:
+    """Raise again the Ctrl-C or SIGTERM (``KeyboardInterrupt``, ``SystemExit``: the loop's ``Terminated`` with its
+    exit code) that torch's CheckpointException ``error`` wraps, if it wraps one."""
+    stop = next((x for x in _wrapped(error) if isinstance(x, (KeyboardInterrupt, SystemExit))), None)
+    if stop is not None:
+        raise stop from None
+
+
 def _failure_reason(error: BaseException) -> str:
     """The first line of the error under torch's CheckpointException wrapping (which names only ranks)."""
     inner = _wrapped(error)
@@ -445,9 +453,8 @@ def load_common(path: str) -> Dict[str, Any]:
         raise
     except BaseException as e:  # corrupt or foreign directory
         # megatron-core 0.19 reads the common state through torch.distributed.checkpoint, whose
-        # CheckpointException (a BaseException) wraps each rank's error, a Ctrl-C during the read included.
-        if any(isinstance(x, KeyboardInterrupt) for x in _wrapped(e)):
-            raise KeyboardInterrupt from None
+        # CheckpointException (a BaseException) wraps each rank's error, a Ctrl-C or SIGTERM during the read too.
+        raise_stop_inside(e)
         first = _failure_reason(e).split(": ", 1)[-1]
         raise CheckpointError(f"{path}: not a readable dist_checkpointing checkpoint ({first})") from None
     refusal = checkpoint_refusal(common.get("megatron_core_version"), str(path))

@@ -41,7 +41,7 @@ from . import checksums
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _failure_reason, _first_line, _read_yaml, \
     _wrapped, check_checkpoint_tokenizer, check_intact, checkpoint_dir, complete_iterations, config_mismatch, \
     damaged_checkpoint_message, describe_damage, find_checkpoint, find_damage, load_common, looks_like_one_checkpoint, \
-    missing_manifest, newest_complete_checkpoint, read_tracker, write_tracker
+    missing_manifest, newest_complete_checkpoint, raise_stop_inside, read_tracker, write_tracker
 from .lock import LOCK_NAME
 
 CHECKPOINT_VERSION = 3.0
@@ -267,7 +267,8 @@ def _read(state, path: str, **kw):
     """``dist_checkpointing.load(state, path, **kw)``, whose failures come out as exceptions a caller's
     ``except Exception`` holds: torch's CheckpointException is a BaseException (a 60-line traceback
     escaped the handlers around a load), and a Ctrl-C during the read reaches the caller inside it, as
-    one rank's error; it is raised again as the KeyboardInterrupt it was (the one-line Ctrl-C report)."""
+    one rank's error; it is raised again as the KeyboardInterrupt it was (the one-line Ctrl-C report), as is a
+    SIGTERM's ``Terminated`` (its exit code kept)."""
     from megatron.core import dist_checkpointing
 
     try:
@@ -275,9 +276,7 @@ def _read(state, path: str, **kw):
     except (Exception, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
-        inner = _wrapped(e)
-        if any(isinstance(x, KeyboardInterrupt) for x in inner):
-            raise KeyboardInterrupt from None
+        raise_stop_inside(e)  # a Ctrl-C or SIGTERM during the read: the one-line report with its exit code
         raise CheckpointReadError(_failure_reason(e)) from e
 
 

@@ -55,7 +55,7 @@ def lev_model_config(rc: "RunConfig") -> LevModelConfig:
         normalization=m.normalization,
         activation="swiglu" if m.swiglu else "gelu",
         add_bias_linear=not m.disable_bias_linear,
-        transformer_impl=m.transformer_impl,
+        transformer_impl=m.transformer_impl or "auto",  # a config.yaml may say null
         init_seed=rc.run.seed,
         linear_cross_entropy_chunk_size=m.linear_cross_entropy_chunk_size,
     )
@@ -144,9 +144,10 @@ def build_configs(rc: "RunConfig", *, for_loading: bool = False, **overrides: An
     kw.update(overrides)
     config = build_transformer_config(model_config, megatron_ddp=not for_loading, **kw)
     model_config.validate(config)
-    check_fp8_tokens(config.fp8, config.fp8_recipe, micro_batch_size=rc.schedule.micro_batch_size,
-                     seq_length=rc.data.seq_length, tp=config.tensor_model_parallel_size,
-                     sequence_parallel=config.sequence_parallel)
+    if rc.schedule.micro_batch_size and rc.data.seq_length:  # an imported model's arguments have no batch
+        check_fp8_tokens(config.fp8, config.fp8_recipe, micro_batch_size=rc.schedule.micro_batch_size,
+                         seq_length=rc.data.seq_length, tp=config.tensor_model_parallel_size,
+                         sequence_parallel=config.sequence_parallel)
     if not for_loading:
         check_cuda_device_max_connections(config.tensor_model_parallel_size)
     return config, model_config

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -25,6 +26,26 @@ def test_the_te_program_is_registered_with_its_stages(te):
 
     assert gpu_check.PROGRAMS["te"] == "gpu_program_te"
     assert gpu_check.load_program("te").names == ("install", "env", "correctness", "fp8", "speed", "checkpoint")
+
+
+def test_the_fp8_probe_builds_and_runs_the_lev_model_here():
+    """The fp8 stage's probe child at the tiny sizes, without TE (no FP8): LEV's output and parameters in bf16, no
+    decoder verdict without FP8. It once called the bench's model builder with stale arguments and failed on
+    every device before its check ran. In a process of its own: the probe sets megatron's groups up."""
+    code = textwrap.dedent("""
+        import json, sys
+        from types import SimpleNamespace
+        sys.path.insert(0, "bench")
+        import gpu_program_te as te
+        te.te_ready = lambda ctx: False
+        print(json.dumps(te.child_fp8_probe(SimpleNamespace(device="cpu", size=te.SIZES["tiny"]), None)))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO), timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["stays_out_of_fp8"] and got["lev_output_dtype"] == "torch.bfloat16", got
+    assert got["fp8"] is None and got["decoder_layers_in_fp8"] is None and got["decoder_layer_calls"] == 0
 
 
 def test_the_plan_fits_one_window_with_the_carrying_calls(te, capsys, tmp_path):
