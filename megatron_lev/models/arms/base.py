@@ -59,7 +59,7 @@ class InputArm:
 
     def input_params(self, model_config, hidden_size: int) -> int:
         """Parameters of the input side (position embeddings excluded; for a tied arm the shared table)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"input arm {self.name!r} does not count its input-side parameters")
 
     def forward_flops_per_token(self, model_config, hidden_size: int) -> float:
         """Forward FLOPs of the input side per token (a multiply-add is 2; a row gather is 0)."""
