@@ -33,7 +33,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile
 # this seed, so that a test depending on what an earlier one left behind fails here, not on a user's machine.
 SHUFFLE_SEED ?= 33
 
-.PHONY: setup demo test test-gpu-programs test-next test-shuffled test-fast test-fake-cuda bench clean-venv
+.PHONY: setup setup-next demo test test-gpu-programs test-next test-shuffled test-fast test-fake-cuda bench clean-venv
 
 setup: $(STAMP)
 
@@ -82,6 +82,9 @@ test-next: $(STAMP_NEXT)
 test-shuffled: $(STAMP_NEXT)
 	$(PY_NEXT) -m pytest -q -p no:cacheprovider -n 0 --random-order-bucket=module \
 	  --random-order-seed=$(SHUFFLE_SEED) $(PYTEST_FLAGS)
+
+# The newer stack's environment alone (.ci/run builds it while the first stack's suite runs).
+setup-next: $(STAMP_NEXT)
 
 $(STAMP_NEXT): pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "error: make test-next needs Python 3.12 (python3.12 on PATH or under ~/.pyenv/versions); set PYTHON312=/path/to/python3.12"; exit 2; }

@@ -103,10 +103,38 @@ def field_flag(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def _module_classes(filename: str) -> Dict[str, ast.ClassDef]:
+    """Every class of a source file by qualified name, from one parse of the file (``inspect.getsource``
+    parses the whole module again for each class: about 40 ms a class, most of a parser's start-up)."""
+    with open(filename, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename)
+    found: Dict[str, ast.ClassDef] = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                found.setdefault(prefix + child.name, child)
+                visit(child, prefix + child.name + ".")
+
+    visit(tree, "")
+    return found
+
+
+def _class_node(cls) -> ast.ClassDef:
+    try:
+        filename = inspect.getsourcefile(cls)
+        node = _module_classes(filename).get(cls.__qualname__) if filename else None
+    except (OSError, TypeError, SyntaxError):
+        node = None
+    if node is None:  # a class made at run time, or one whose file is gone: inspect's own search
+        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    return node
+
+
+@functools.lru_cache(maxsize=None)
 def _field_docs(cls) -> Dict[str, str]:
     with _SOURCE_LOCK:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+        body = _class_node(cls).body
     docs: Dict[str, str] = {}
     for stmt, nxt in zip(body, body[1:]):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)

@@ -10,13 +10,11 @@ process).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_lev.testing.cli import free_port, run_cli
+from megatron_lev.testing.cli import run_cli, run_torchrun
 from tests.conftest import built_once
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,9 +34,8 @@ def _checked(r):
 
 
 def torchrun(nproc, script, args, timeout=300):
-    return _checked(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                                    "--master-port", str(free_port()), str(script)] + [str(a) for a in args],
-                                   capture_output=True, text=True, env=clean_env(), timeout=timeout, cwd=str(REPO)))
+    """``torchrun --nproc-per-node nproc script *args``, its ranks forked (``run_torchrun``)."""
+    return _checked(run_torchrun(script, args, nproc=nproc, env=clean_env(), timeout=timeout, cwd=str(REPO)))
 
 
 def run_script(script, args, timeout=300):

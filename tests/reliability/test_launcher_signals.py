@@ -35,12 +35,14 @@ def _rank_errors(text: str):
 
 
 def test_a_start_up_refusal_under_torchrun_is_the_last_line_of_its_summary():
-    r = launch(2, tiny_args(2, ["--no-such-flag"]), check=False)
+    r = launch(2, tiny_args(2, ["--no-such-flag"]), check=False, launcher=True)
     assert r.returncode == 1, r.stderr[-3000:]  # torchrun's own code; the ranks' is in the summary
     lines = _summary_lines(r.stderr)
     assert lines[-1] == "traceback : error: unrecognized arguments: --no-such-flag", lines[-12:]
     assert "exitcode  : 2 " in r.stderr and "To enable traceback" not in r.stderr
-    assert len(_rank_errors(r.stderr)) == 1  # printed once (rank 0), recorded by every rank
+    # Printed by rank 0 only, recorded by every rank; on a loaded machine torchrun may stop rank 0 on rank 1's
+    # exit before it prints: the summary's last line above holds the error in either case.
+    assert len(_rank_errors(r.stderr)) <= 1
 
 
 class _Launch:

@@ -199,21 +199,22 @@ def test_parsers_can_be_built_from_several_threads_at_once(monkeypatch):
     from megatron_lev.arguments import build_parser
 
     inside, most, lock = [0], [0], threading.Lock()
-    getsource = config_flags.inspect.getsource
+    parse = config_flags.ast.parse
 
-    def slow_getsource(obj):
+    def slow_parse(*a, **kw):
         with lock:
             inside[0] += 1
             most[0] = max(most[0], inside[0])
         time.sleep(0.02)  # give the other threads every chance to overlap
         try:
-            return getsource(obj)
+            return parse(*a, **kw)
         finally:
             with lock:
                 inside[0] -= 1
 
-    monkeypatch.setattr(config_flags.inspect, "getsource", slow_getsource)
+    monkeypatch.setattr(config_flags.ast, "parse", slow_parse)
     config_flags._field_docs.cache_clear()
+    config_flags._module_classes.cache_clear()
     with ThreadPoolExecutor(8) as pool:
         helps = list(pool.map(lambda _: build_parser().format_help(), range(16)))
     assert most[0] == 1

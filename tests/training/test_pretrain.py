@@ -5,8 +5,8 @@ check fires on an injected NaN (stop after saving, or skip); SIGTERM saves and e
 
 The corpus is the sample corpus's valid.jsonl.zst tokenised with the test BPE in GPT-2 format.
 The two-rank runs share one job (tests/training/_multi_run.py, its ranks forked by ``run_torchrun``
-from a process that imported torch once); the killed and signalled runs are torchrun's own; every run
-is reused by several checks.
+from a process that imported torch once); the killed run has a job of its own (the kill ends it), the
+signalled run a process of its own; every run is reused by several checks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.testing.cli import free_port, run_cli
+from megatron_lev.testing.cli import free_port, run_cli, run_torchrun
 from tests.training._multi_run import launch_plan
 
 # Its tests share multi-process jobs (~54 s for the module on 2 cores): not in make test-fast.
@@ -38,10 +38,16 @@ def _env():
     return env
 
 
-def launch(nproc, args, timeout=300, check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), PRETRAIN] + args
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=str(REPO))
+def launch(nproc, args, timeout=300, check=True, launcher=False):
+    """``torchrun --nproc-per-node nproc pretrain_lev.py *args``: its ranks forked as torchrun runs them
+    (``run_torchrun``: no interpreter start-up paid per rank), or, with ``launcher``, torchrun itself, for a
+    test whose subject is the launcher (its failure summary, its signals)."""
+    if launcher:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), PRETRAIN] + args
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=str(REPO))
+    else:
+        r = run_torchrun(PRETRAIN, args, nproc=nproc, env=_env(), timeout=timeout, cwd=str(REPO))
     if check and r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-6000:]}")
     return r
