@@ -9,7 +9,8 @@
 # SHARED_TOKENIZER when those files exist, otherwise an 8k SentencePiece BPE trained here on the corpus.
 #
 # Environment knobs: PYTHON (default .venv/bin/python), OUT (runs/quickstart), DATA (data/sample),
-# TRAIN_ITERS (100; any value >= 1, e.g. 2 for a smoke run), NPROC (2),
+# TRAIN_ITERS (100; any value >= 1, e.g. 2 for a smoke run), EVAL_TOKENS (every validation token; a number
+# scores only the first that many, as evaluate.py's --max-tokens), NPROC (2),
 # SHARED_TOKENIZER (../shared/data/tokenizers/gpt2; point it at a missing folder to force the
 # SentencePiece branch), SP_VOCAB (8000).
 set -euo pipefail
@@ -23,6 +24,8 @@ TRAIN_ITERS=${TRAIN_ITERS:-100}
 NPROC=${NPROC:-2}
 SHARED_TOKENIZER=${SHARED_TOKENIZER:-../shared/data/tokenizers/gpt2}
 SP_VOCAB=${SP_VOCAB:-8000}
+EVAL_LIMIT=()
+[ -z "${EVAL_TOKENS:-}" ] || EVAL_LIMIT=(--max-tokens "$EVAL_TOKENS")
 # Warm-up must end before the last iteration: none for smoke runs.
 WARMUP=$(( TRAIN_ITERS > 10 ? 5 : 0 ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -120,7 +123,7 @@ for arm in "${ARMS[@]}"; do
   if ! "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" tools/evaluate.py --load "$OUT/$arm/ckpt" \
       --tensor-model-parallel-size "$NPROC" --valid-data "valid=$DATA/${TOK_NAME}_valid_text_document" \
       --token-counts "$DATA/${TOK_NAME}_train_text_token_counts.npy" --label "$arm" \
-      --output-dir "$OUT/$arm/eval" --progress-interval 10 2>&1 | tee "$OUT/$arm/eval.log" \
+      --output-dir "$OUT/$arm/eval" --progress-interval 10 "${EVAL_LIMIT[@]}" 2>&1 | tee "$OUT/$arm/eval.log" \
       | { grep --line-buffered -E "^(evaluating [0-9]|valid: )" || true; }; then
     echo "$arm: evaluation failed; see $OUT/$arm/eval.log" >&2; tail -n 20 "$OUT/$arm/eval.log" >&2; exit 1
   fi

@@ -58,7 +58,7 @@ elif "tools/evaluate.py" in argv:
 """
 
 
-def _run(tmp_path: Path, calls: Path) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, calls: Path, **knobs: str) -> subprocess.CompletedProcess:
     data, tok = tmp_path / "data", tmp_path / "tok"
     tok.mkdir(exist_ok=True)
     for name in ("vocab.json", "merges.txt"):
@@ -68,7 +68,7 @@ def _run(tmp_path: Path, calls: Path) -> subprocess.CompletedProcess:
         for suffix in ("_text_document.idx", "_text_document.bin", "_text_token_counts.npy"):
             (data / f"gpt2_{split}{suffix}").write_text("")
     env = {**os.environ, "PYTHON": str(tmp_path / "python"), "CALLS": str(calls), "OUT": str(tmp_path / "out"),
-           "DATA": str(data), "SHARED_TOKENIZER": str(tok), "TRAIN_ITERS": "10"}
+           "DATA": str(data), "SHARED_TOKENIZER": str(tok), "TRAIN_ITERS": "10", **knobs}
     return subprocess.run(["bash", str(REPO / "examples/quickstart_cpu.sh")], env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -104,8 +104,9 @@ def test_the_demo_trains_evaluates_and_compares_the_three_arms(demo):
         return [a for i, a in enumerate(call) if a not in own and (i == 0 or call[i - 1] not in own)]
 
     assert all(shared(c) == shared(trained[0]) for c in trained)
-    evaluated = [c[c.index("--label") + 1] for c in calls if "tools/evaluate.py" in c and "--load" in c]
-    assert evaluated == ARMS
+    evaluations = [c for c in calls if "tools/evaluate.py" in c and "--load" in c]
+    assert [c[c.index("--label") + 1] for c in evaluations] == ARMS
+    assert not [c for c in evaluations if "--max-tokens" in c]  # every validation token by default
     (compare,) = [c for c in calls if "--compare" in c]
     files = compare[compare.index("--compare") + 1:compare.index("--labels")]
     labels = compare[compare.index("--labels") + 1:compare.index("--output-dir")]
@@ -137,3 +138,13 @@ def test_a_rerun_trains_and_evaluates_nothing_again(demo):
     assert all(f"{arm}: finished earlier" in again.stdout and f"{arm}: evaluated earlier" in again.stdout
                for arm in ARMS)
     assert [c for c in calls if "--compare" in c]  # the comparison is printed again
+
+
+def test_eval_tokens_limits_each_evaluation(tmp_path):
+    stand_in = tmp_path / "python"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+    r = _run(tmp_path, tmp_path / "calls.jsonl", EVAL_TOKENS="20000")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    evaluations = [c for c in _calls(tmp_path / "calls.jsonl") if "tools/evaluate.py" in c and "--load" in c]
+    assert [c[c.index("--max-tokens") + 1] for c in evaluations] == ["20000"] * len(ARMS)
