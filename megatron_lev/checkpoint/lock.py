@@ -10,8 +10,9 @@ the process's start time, so a reused pid is not taken for the holder).
   (a link fails where the name exists, on NFS as on a local disk); where the filesystem has no hard
   links, ``O_CREAT | O_EXCL``.
 - A lock whose holder is gone (on this host, in this pid namespace: no such process, another process
-  under its pid, or the host rebooted since) is stale: taken over with one notice line. It is first
-  renamed aside and read back, so two runs taking over the same stale lock cannot both win.
+  under its pid, a process that ended but is not yet collected by its parent, or the host rebooted since)
+  is stale: taken over with one notice line. It is first renamed aside and read back, so two runs taking
+  over the same stale lock cannot both win.
 - A lock held by a live process, or by one this host cannot check (another host, another container), is
   a refusal in one line naming the holder and the file to remove if that run is gone.
 - Readers (evaluation, the conversions) never need it: a checkpoint is complete once the tracker names it.
@@ -28,7 +29,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .files import CheckpointError
 
@@ -47,13 +48,20 @@ def _read_text(path: str) -> Optional[str]:
         return None
 
 
-def _process_start(pid: int) -> Optional[str]:
-    """The start time of process ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), or None."""
+def _process_stat(pid: int) -> Optional[List[str]]:
+    """The fields of ``/proc/PID/stat`` from the state on (field 3: ``[0]`` is the state, ``[19]`` the
+    start time in clock ticks since boot), or None."""
     text = _read_text(f"/proc/{pid}/stat")
     if not text:
         return None
     fields = text.rsplit(")", 1)[-1].split()
-    return fields[19] if len(fields) > 19 else None
+    return fields if len(fields) > 19 else None
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """The start time of process ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), or None."""
+    stat = _process_stat(pid)
+    return stat[19] if stat else None
 
 
 def _pid_namespace() -> Optional[str]:
@@ -93,7 +101,12 @@ def holder_is_gone(holder: Dict[str, Any]) -> bool:
         return True
     except PermissionError:  # alive, another user's
         pass
-    started = _process_start(pid)
+    stat = _process_stat(pid)
+    if stat and stat[0] in ("Z", "X"):
+        # Ended, not yet collected by its parent (a rank whose launcher was killed waits for init to
+        # reap it): it writes nothing more.
+        return True
+    started = stat[19] if stat else None
     return bool(holder.get("pid_start") and started and started != holder["pid_start"])  # pid reused
 
 

@@ -43,6 +43,30 @@ def _dead_pid():
     return proc.pid
 
 
+def _zombie():
+    """A child of this process that has ended and is not collected yet: (pid, wait for it)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    while True:  # until it has ended; waitid with WNOWAIT leaves it a zombie
+        if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+            return proc.pid, proc.wait
+        time.sleep(0.01)
+
+
+def test_a_holder_that_ended_but_is_not_collected_is_gone():
+    """A rank SIGKILLed with its launcher is a zombie until init reaps it: the pid answers signal 0 and keeps
+    its start time, but the process writes nothing more (a resume started at once found it alive)."""
+    from megatron_lev.checkpoint.lock import _process_start, holder_is_gone, this_process
+
+    pid, collect = _zombie()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert holder_is_gone(dict(this_process(), pid=pid, pid_start=_process_start(pid)))
+    finally:
+        collect()
+    assert not holder_is_gone(this_process())  # a live one is not
+
+
 def test_a_live_holder_is_refused_in_one_line_and_a_gone_one_taken_over(tmp_path):
     from megatron_lev.checkpoint import LOCK_NAME, SaveLockError, take_save_lock
     from megatron_lev.checkpoint.lock import read_lock, this_process
