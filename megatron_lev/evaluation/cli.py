@@ -328,9 +328,9 @@ def _tokenizer_for_checkpoint(args, saved: Dict[str, Any]):
                          "--vocab-file/--merge-file/--tokenizer-model)") from None
 
 
-def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, where: str = "") -> None:
-    """Refuse (UsageError, one line naming both) a tokenizer other than the checkpoint's (``saved``
-    arguments of ``where``) or than the one an indexed ``--valid-data``/``--zeroshot-data`` set was
+def check_tokenizer(args, tokenizer, saved: Optional[RunConfig] = None, where: str = "") -> None:
+    """Refuse (UsageError, one line naming both) a tokenizer other than the checkpoint's (``saved``: the
+    configuration of the checkpoint ``where``) or than the one an indexed ``--valid-data``/``--zeroshot-data`` set was
     made with, unless --allow-tokenizer-mismatch; and, mismatch allowed or not, an indexed set holding a
     token id the tokenizer cannot decode or the checkpoint's model cannot embed (training's check)."""
     if tokenizer is None:
@@ -339,7 +339,7 @@ def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, whe
     allow = bool(getattr(args, "allow_tokenizer_mismatch", False))
     if saved is not None:
         try:
-            check_checkpoint_tokenizer(saved, fp, tokenizer.tokenizer_type, where, allow_mismatch=allow, log=_log)
+            check_checkpoint_tokenizer(saved.data, fp, tokenizer.tokenizer_type, where, allow_mismatch=allow, log=_log)
         except CheckpointError as e:
             raise UsageError(str(e)) from None
     for _, path in _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot"):
@@ -351,13 +351,10 @@ def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, whe
                 raise UsageError(str(e)) from None
 
 
-def _vocabulary(tokenizer, saved: Optional[Dict[str, Any]]) -> Tuple[int, str]:
+def _vocabulary(tokenizer, saved: Optional[RunConfig]) -> Tuple[int, str]:
     """The smaller of the tokenizer's vocabulary and the checkpoint's (padded) one, and whose it is."""
     limits = [(int(tokenizer.vocab_size), "the tokenizer's vocabulary size")]
-    try:
-        rows = RunConfig.from_saved_args(saved).model.padded_vocab_size if saved else None
-    except ConfigError as e:  # a hand-edited config.yaml
-        raise UsageError(str(e)) from None
+    rows = saved.model.padded_vocab_size if saved is not None else None
     if rows:
         limits.append((rows, "the checkpoint's vocabulary size"))
     return min(limits)
@@ -445,10 +442,10 @@ def _checkpoint_tokenizer(args, iteration: Optional[int] = None):
     try:
         saved = open_checkpoint(args.load, iteration, read_common=False, older_hint=_older)
         tokenizer = _tokenizer_for_checkpoint(args, saved.args)
-        check_tokenizer(args, tokenizer, saved.args, saved.path)
+        check_tokenizer(args, tokenizer, saved.config().run if tokenizer is not None else None, saved.path)
         # Sizes here, in every process before the process group exists; the checksums once it does.
         check_intact(saved.root, saved.iteration, saved.path, _older, checksums=False)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:  # ConfigError: a hand-edited config.yaml
         raise UsageError(str(e)) from None
     return tokenizer, saved
 
