@@ -221,8 +221,8 @@ def resume_check(root: str, overlap: bool = False) -> Dict[str, Any]:
         for chunk in run.model:
             chunk.start_param_sync(force_sync=True)
     save_checkpoint(ckpt, run.state.iteration, run.model, run.optimizer, run.scheduler,
-                    consumed_train_samples=2 * GLOBAL_MICRO * MBS, counters={}, config=resolved_config(run.rc.to_saved_args()),
-                    log=lambda *a: None)
+                    consumed_train_samples=2 * GLOBAL_MICRO * MBS, counters={},
+                    config=resolved_config(run.rc.to_saved_args()), log=lambda *a: None)
     straight = _step(run, "resume: uninterrupted")[:2]
     run = _setup(root, **kw)  # fresh model and optimizer from the initial weights
     common = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run=run.rc, log=lambda *a: None)
