@@ -1,14 +1,17 @@
-"""Outside ``config/``, ``arguments/`` and ``checkpoint/``, nothing reads the run's flat arguments by name:
-neither the Megatron-style argument namespace (``args.seq_length``) nor the saved flat dictionary,
-``config.yaml`` (``saved["num_layers"]``, ``a.get("seq_length")``). ``config`` reads the flat form into the
-typed ``RunConfig`` (and writes it back), ``arguments`` parses into it, ``checkpoint`` still checks the saved
-form by key; everything else reads typed fields: ``RunConfig``'s groups, megatron-core's
-``TransformerConfig``, ``LevModelConfig``, ``LEVConfig`` and ``TokenizerSpec``.
+"""Outside ``config/`` and ``arguments/``, nothing reads the run's flat arguments by name: neither the
+Megatron-style argument namespace (``args.seq_length``) nor the saved flat dictionary, ``config.yaml`` or
+the copy in a checkpoint's common state (``saved["num_layers"]``, ``a.get("seq_length")``). ``config``
+reads the flat form into the typed ``RunConfig`` and ``SavedConfig`` (and writes it back), ``arguments``
+parses into it; everything else, ``checkpoint`` included, reads typed fields: ``RunConfig``'s groups,
+``SavedConfig``, megatron-core's ``TransformerConfig``, ``LevModelConfig``, ``LEVConfig`` and
+``TokenizerSpec``.
 
 The rule, checked on the sources (AST, no run). A value *is the flat arguments* when it is
 
 - the ``args`` attribute of anything (``open_checkpoint(...).args``: ``SavedCheckpoint.args`` is the one
-  attribute of that name in the package), or
+  attribute of that name in the package, ``self.args`` inside it), or
+- the ``"args"`` key of anything (``load_common(path)["args"]``, ``common.get("args")``: the saved
+  arguments inside a checkpoint's common state), or
 - returned by a function that makes or re-lays-out the flat form (:data:`SOURCES`: ``layout_args``,
   ``parse_args``, ``resolved_config``, ``RunConfig.to_saved_args``, ...), or
 - built from such a value (``dict(a, ...)``, ``{**a}``, ``vars(a)``, ``a.copy()``), or
@@ -16,8 +19,9 @@ The rule, checked on the sources (AST, no run). A value *is the flat arguments* 
   calls are then sources), or passed to a parameter of such a function (a call by name, or by
   ``run_ranks(fn, args=(...))``),
 
-followed to a fixed point over every module outside ``config/``, ``arguments/`` and ``checkpoint/``. A *read* of such a
-value is a constant key (``a["x"]``, ``a.get("x")``, ``a.pop("x")``, ``getattr(a, "x")``, ``"x" in a``),
+followed to a fixed point over every module outside ``config/`` and ``arguments/``. A *read* of such a
+value is a constant key (``a["x"]``, ``a.get("x")``, ``a.pop("x")``, ``getattr(a, "x")``, ``"x" in a``; a
+loop variable over a literal tuple of names is a constant key too),
 an attribute that is an argument's name (``args.seq_length``), or a call handing it on together with an
 argument's name (``helper(a, "normalization")``). Everything else a module reads by string key
 (JSON result files, Hugging Face ``config.json``, state dicts, a checkpoint's common state) is not the flat
@@ -34,11 +38,13 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_lev"
-EXEMPT = ("arguments", "checkpoint", "config")
+EXEMPT = ("arguments", "config")
 
 # Functions (by name) whose result is the flat arguments. ``parse_args`` called by its bare name is
 # ``megatron_lev.arguments.parse_args``; ``parser.parse_args(...)`` is a tool's own command line.
-SOURCES = {"layout_args", "parse_args", "resolved_config", "load_yaml_config", "to_saved_args"}
+SOURCES = {"layout_args", "parse_args", "resolved_config", "load_yaml_config", "to_saved_args", "_read_yaml"}
+# The key under which a checkpoint's common state holds the saved arguments.
+SAVED_KEY = "args"
 OWN_PARSERS = {"parse_args"}
 # Calls that copy the flat arguments they are given.
 COPIES = {"dict", "vars", "copy", "deepcopy"}
@@ -60,6 +66,7 @@ class _Function:
     params: List[str]
     vararg: Optional[str]
     tainted: Set[str] = field(default_factory=set)
+    names: Set[str] = field(default_factory=set)  # loop variables over a literal tuple of strings
     returns: Set[object] = field(default_factory=set)  # "all" or tuple positions that are the flat arguments
 
 
@@ -70,6 +77,9 @@ def _functions(tree: ast.AST, module: str) -> List[_Function]:
             a = node.args
             params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
             out.append(_Function(node, module, params, a.vararg.arg if a.vararg else None))
+            out[-1].names = {n.target.id for n in _own_nodes(node) if isinstance(n, ast.For)
+                             and isinstance(n.target, ast.Name) and isinstance(n.iter, (ast.Tuple, ast.List))
+                             and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in n.iter.elts)}
     return out
 
 
@@ -104,11 +114,17 @@ class _Walk:
         if isinstance(node, ast.Name):
             return node.id in fn.tainted
         if isinstance(node, ast.Attribute):
-            return node.attr == "args" and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+            return node.attr == "args"
+        if isinstance(node, ast.Subscript):
+            return isinstance(node.slice, ast.Constant) and node.slice.value == SAVED_KEY
         if isinstance(node, ast.Dict):
             return any(k is None and self.flat(v, fn) for k, v in zip(node.keys, node.values))
         if isinstance(node, ast.Call):
             name = _callee(node)
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "get" and node.args and \
+                    isinstance(node.args[0], ast.Constant) and node.args[0].value == SAVED_KEY:
+                return True
             if name in SOURCES and not (name in OWN_PARSERS and isinstance(node.func, ast.Attribute)):
                 return True
             if name in COPIES:
@@ -207,7 +223,8 @@ class _Walk:
 
     def _is_read(self, node: ast.AST, fn: _Function, names: Set[str]) -> bool:
         def key(n):
-            return isinstance(n, ast.Constant) and isinstance(n.value, str)
+            return (isinstance(n, ast.Constant) and isinstance(n.value, str)) or \
+                (isinstance(n, ast.Name) and n.id in fn.names)
 
         if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
             return key(node.slice) and self.flat(node.value, fn)
@@ -222,7 +239,8 @@ class _Walk:
             if getattr(f, "id", None) in ("getattr", "hasattr") and len(node.args) >= 2 and key(node.args[1]):
                 return self.flat(node.args[0], fn)
             given = node.args + [k.value for k in node.keywords]
-            return any(self.flat(a, fn) for a in given) and any(key(a) and a.value in names for a in given)
+            return any(self.flat(a, fn) for a in given) and \
+                any(isinstance(a, ast.Constant) and a.value in names for a in given)
         return False
 
 
@@ -240,7 +258,7 @@ def flat_reads(modules: Dict[str, ast.AST], names: Optional[Set[str]] = None) ->
     return _Walk(modules).reads(_names() if names is None else names)
 
 
-def test_nothing_outside_config_arguments_and_checkpoint_reads_the_flat_arguments_by_name():
+def test_nothing_outside_config_and_arguments_reads_the_flat_arguments_by_name():
     reads = flat_reads(_walked())
     assert not reads, ("read the typed configuration (RunConfig's groups; TransformerConfig, LevModelConfig, LEVConfig, "
                        "TokenizerSpec), not the flat arguments by name: "
@@ -277,6 +295,14 @@ def reader(path):
     saved, where = loaded(path)
     ns, own = parse_args(["--lr", "1"]), build_parser().parse_args(["--load", path])
     return saved.get("seq_length"), where["x"], ns.lr, getattr(ns, "seed"), ns.unknown_attribute, own.seed
+
+def resumed(path):
+    common = load_common(path)
+    for key in ("num_layers", "seq_length"):
+        if common.get("args", {}).get(key) is None:
+            return None
+    saved = common["args"]
+    return saved["seq_length"], common["iteration"], [common[k] for k in ("iteration",)]
 '''
 
 
@@ -288,4 +314,5 @@ def test_the_walk_tells_the_flat_arguments_from_other_string_keyed_reads():
         "saved_model_arg(saved, 'normalization')", "'lev_heads' in saved",  # a parameter given it
         "a['padded_vocab_size']",  # through run_ranks(fn, args=(...))
         "saved.get('seq_length')",  # returned in a tuple
-        "ns.lr", "getattr(ns, 'seed')"])  # the namespace parse_args makes
+        "ns.lr", "getattr(ns, 'seed')",  # the namespace parse_args makes
+        "common.get('args', {}).get(key)", "saved['seq_length']"])  # a common state's saved arguments

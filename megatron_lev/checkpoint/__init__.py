@@ -1,6 +1,7 @@
 """Checkpoints below training: find one (tracker file), read its saved arguments, load and save
 (megatron-core ``dist_checkpointing``). The model a checkpoint holds is built by ``models.factory`` from
-its typed configuration (``config.RunConfig.from_saved_args`` of its ``config.yaml``).
+its typed configuration (``config.RunConfig.from_saved_args`` of its ``config.yaml``); a resumed run's
+configuration is checked against the checkpoint's (``config.saved.SavedConfig``), never read by key here.
 
 - ``files``: the tracker, ``iter_*`` directories, ``open_checkpoint`` (saved arguments and common state).
 - ``lock``: ``take_save_lock``, one training run at a time in a ``--save`` directory.

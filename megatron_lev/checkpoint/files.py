@@ -19,6 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, tokenizer_mismatch
 
 from megatron_lev.compat.versions import checkpoint_refusal, unreadable_checkpoint
+from megatron_lev.config import DataConfig
+from megatron_lev.config.saved import SavedConfig, changed_keys, missing_model_key, recorded_checksums
 from megatron_lev.models.arms import arm_settings
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -39,19 +41,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (missing, incomplete, incompatible); one-line message."""
 
 
-def check_checkpoint_tokenizer(saved_args: Dict[str, Any], tokenizer_fp: Optional[Dict[str, Any]],
+def check_checkpoint_tokenizer(saved: DataConfig, tokenizer_fp: Optional[Dict[str, Any]],
                                tokenizer_type: Optional[str], path: str, *, allow_mismatch: bool = False,
                                log=print) -> None:
-    """Refuse a checkpoint saved with another tokenizer than ``tokenizer_fp`` (one line naming both).
+    """Refuse a checkpoint saved with another tokenizer (``saved``: its data settings, the tokenizer's) than
+    ``tokenizer_fp`` (one line naming both).
 
     ``allow_mismatch`` warns instead. A checkpoint saved before fingerprints were recorded is
     compared by tokenizer type only (and a warning says so).
     """
-    recorded = saved_args.get("tokenizer_fingerprint")
+    recorded, saved_type = saved.tokenizer_fingerprint, saved.tokenizer_type
     if recorded:
         msg = tokenizer_mismatch(recorded, tokenizer_fp, path, made="saved")
-    elif saved_args.get("tokenizer_type") and tokenizer_type and saved_args["tokenizer_type"] != tokenizer_type:
-        msg = (f"{path} was saved with --tokenizer-type {saved_args['tokenizer_type']} but this run's tokenizer is "
+    elif saved_type and tokenizer_type and saved_type != tokenizer_type:
+        msg = (f"{path} was saved with --tokenizer-type {saved_type} but this run's tokenizer is "
                f"{tokenizer_type}; give the same tokenizer, or pass {ALLOW_TOKENIZER_MISMATCH_FLAG} if this is "
                "deliberate")
     else:
@@ -149,10 +152,17 @@ class SavedCheckpoint:
 
     @property
     def layout(self) -> Dict[str, int]:
+        """TP, PP and world size the checkpoint was saved at (its common state's record, else its arguments')."""
         lay = self.common.get("layout") or {}
-        return {"tp": int(lay.get("tp", self.args.get("tensor_model_parallel_size", 1))),
-                "pp": int(lay.get("pp", self.args.get("pipeline_model_parallel_size", 1))),
-                "world_size": int(lay.get("world_size", self.args.get("world_size", 1)))}
+        if not all(k in lay for k in ("tp", "pp", "world_size")):
+            run = self.config().run.layout
+            lay = dict({"tp": run.tp, "pp": run.pp, "world_size": run.world_size}, **lay)
+        return {k: int(lay[k]) for k in ("tp", "pp", "world_size")}
+
+    def config(self) -> SavedConfig:
+        """The saved arguments, typed (ConfigError, one line naming its config.yaml, for a file that makes no
+        run configuration)."""
+        return SavedConfig.read(self.args, os.path.join(self.path, CONFIG_NAME))
 
 
 def _read_yaml(path: str) -> Dict[str, Any]:
@@ -254,10 +264,7 @@ def written_with_checksums(common: Dict[str, Any]) -> Optional[bool]:
     ``no_ckpt_checksums`` (added with the checksums) tells."""
     if "checksums" in common:
         return bool(common["checksums"])
-    args = common.get("args")
-    if isinstance(args, dict) and "no_ckpt_checksums" in args:
-        return not args["no_ckpt_checksums"]
-    return None
+    return recorded_checksums(common.get("args"))
 
 
 def missing_manifest(path: str, common: Dict[str, Any], allow: bool,
@@ -280,34 +287,16 @@ def missing_manifest(path: str, common: Dict[str, Any], allow: bool,
                            "only")
 
 
-def _yaml_form(value: Any) -> Any:
-    """``value`` as config.yaml holds it after a round trip (tuples are lists there)."""
-    import yaml
-
-    return yaml.safe_load(yaml.safe_dump(value))
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)  # NaN is NaN
-
-
 def config_mismatch(cfg_path: str, cfg: Dict[str, Any], saved: Any) -> Optional[str]:
     """One line naming the keys where ``config.yaml`` (``cfg``, read from ``cfg_path``) differs from the
     arguments the checkpoint saved in its common state (``saved``), or None when they agree (or none were
     saved)."""
     if not isinstance(saved, dict) or not saved:
         return None
-    saved = _yaml_form(dict(saved))
-    missing = object()
-    keys = [k for k in sorted(set(cfg) | set(saved), key=str)
-            if not _same(cfg.get(k, missing), saved.get(k, missing))]
+    keys = changed_keys(cfg, saved)
     if not keys:
         return None
-
-    def value(d, k):
-        return repr(d[k]) if k in d else "absent"
-
-    said = ", ".join(f"{k} ({value(cfg, k)} there, {value(saved, k)} saved)" for k in keys[:4])
+    said = ", ".join(f"{k} ({there} there, {was} saved)" for k, there, was in keys[:4])
     more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
     return (f"{cfg_path}: differs from the arguments saved in the checkpoint in {said}{more}; config.yaml was "
             "edited after the save or belongs to another checkpoint: restore it (nothing was loaded)")
@@ -522,7 +511,7 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
                      allow_missing_checksums=allow_missing_checksums)
         if isinstance(saved, dict) and saved:
             args = dict(saved)
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "input_embedding", "padded_vocab_size"):
-        if args.get(key) is None:
-            raise CheckpointError(f"{cfg_path}: the saved configuration has no {key}")
+    key = missing_model_key(args)
+    if key is not None:
+        raise CheckpointError(f"{cfg_path}: the saved configuration has no {key}")
     return SavedCheckpoint(root=root, iteration=int(it), path=iter_path, args=args, common=common)

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core_version
+from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.config.saved import SavedConfig
 
 from . import checksums
 from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _failure_reason, _first_line, _read_yaml, \
@@ -937,7 +939,7 @@ def strictness_refusal(error: BaseException, strict: str, path: str) -> Optional
             "them and go on")
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[str, Any], load_optim: bool = True,
+def load_checkpoint(root: str, model, optimizer, scheduler, *, run: RunConfig, load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, exit_on_missing: bool = False,
                     iteration: Optional[int] = None, verify: bool = True, allow_missing_checksums: bool = False,
                     log=print) -> Optional[Dict[str, Any]]:
@@ -949,7 +951,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     ``allow_missing_checksums``: a checkpoint whose save recorded them may be loaded without them. Its
     ``config.yaml`` must agree with the arguments saved inside it (every key).
 
-    ``run_args``: this run's resolved arguments (the model structure must match the checkpoint's).
+    ``run``: this run's configuration (the model structure and the tokenizer must match the checkpoint's).
     ``finetune``: model weights only, from iteration 0. Returns the checkpoint's common state (iteration,
     consumed samples, counters, args), or None when there is no checkpoint (the run starts from scratch).
     """
@@ -974,14 +976,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     verify_checksums(root, iteration, path, _ckpt_step_hint, log, local_error=local_error, checksums_on=verify,
                      allow_missing=allow_missing_checksums)
     saved_args = common.get("args", {})
-    check_checkpoint_tokenizer(saved_args, run_args.get("tokenizer_fingerprint"), run_args.get("tokenizer_type"),
-                               path, allow_mismatch=bool(run_args.get("allow_tokenizer_mismatch")), log=log)
-    for name in STRUCTURE_ARGS:
-        if name == "max_position_embeddings" and saved_args.get("position_embedding_type") != "learned_absolute":
-            continue  # only a learned position table is shaped by it (rotary positions have no parameters)
-        if name in saved_args and saved_args[name] != run_args.get(name):
-            raise CheckpointError(_structure_mismatch(name, saved_args[name], run_args.get(name),
-                                                      _saved_layout(common), _layout(), path))
+    if saved_args:  # a checkpoint saved with its arguments (every save of training and the conversions)
+        _check_saved_config(_saved_config(saved_args, path), run, common, path, log)
+    elif run.data.tokenizer_fingerprint is not None:
+        log(f"WARNING: {path}: saved without a tokenizer fingerprint; only its tokenizer type is checked")
     same_layout = _saved_layout(common) == _layout()
     want_rng = load_rng and not finetune
     load_optim = load_optim and not finetune and "optimizer" in _saved_keys(common, path)
@@ -999,8 +997,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     saved, match = saved_keys(path), KeyMatch()
     state = _sharded_state_dict(model, optimizer, include_optim=load_optim, include_rng=load_rng, is_loading=True,
                                 sharding_type=sharding, saved=saved, match=match)
-    strategy = _load_strategy(path, fully_parallel=bool(run_args.get("ckpt_fully_parallel_load")))
-    strict = run_args.get("dist_ckpt_strictness") or "assume_ok_unexpected"  # --dist-ckpt-strictness
+    strategy = _load_strategy(path, fully_parallel=run.checkpointing.ckpt_fully_parallel_load)
+    strict = run.checkpointing.dist_ckpt_strictness
     try:
         loaded = _read(state, path, sharded_strategy=strategy, strict=strict)
     except CheckpointError:
@@ -1042,6 +1040,26 @@ def load_checkpoint(root: str, model, optimizer, scheduler, *, run_args: Dict[st
     return {"iteration": common.get("iteration", iteration),
             "consumed_train_samples": common.get("consumed_train_samples", 0),
             "counters": common.get("counters", {}), "args": saved_args}
+
+
+def _saved_config(saved_args: Dict[str, Any], path: str) -> SavedConfig:
+    """The arguments saved in the checkpoint at ``path``, typed (one CheckpointError line when they make no run
+    configuration: they are config.yaml's, which was just compared with them)."""
+    try:
+        return SavedConfig.read(saved_args, os.path.join(path, CONFIG_NAME))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _check_saved_config(saved: SavedConfig, run: RunConfig, common: Dict[str, Any], path: str, log) -> None:
+    """Refuse (one line) a checkpoint saved with another tokenizer or model structure than ``run``'s."""
+    check_checkpoint_tokenizer(saved.run.data, run.data.tokenizer_fingerprint, run.data.tokenizer_type, path,
+                               allow_mismatch=run.data.allow_tokenizer_mismatch, log=log)
+    # only a learned position table is shaped by max_position_embeddings (rotary positions have no parameters)
+    learned = saved.holds("position_embedding_type") and saved.run.model.position_embedding_type == "learned_absolute"
+    for name, was, now in saved.differences(run, STRUCTURE_ARGS):
+        if name != "max_position_embeddings" or learned:
+            raise CheckpointError(_structure_mismatch(name, was, now, _saved_layout(common), _layout(), path))
 
 
 def _param_groups_refusal(path: str, error: BaseException) -> str:

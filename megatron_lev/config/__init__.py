@@ -6,10 +6,13 @@
   the folded flags), each field a flag of ``arguments``.
 - ``run``: :class:`RunConfig`, the groups and the parallel layout, from parsed flags or a saved
   ``config.yaml`` (with its range checks) and back.
+- ``saved``: :class:`~megatron_lev.config.saved.SavedConfig`, a checkpoint's saved arguments typed (the
+  ``RunConfig``, the names the file held, the keys no setting reads), and the comparison of two saved files.
 
 No argparse here: ``arguments`` generates flags from these fields and parses into them; ``models.factory``
-builds megatron-core's configs from them; ``checkpoint`` saves them; ``evaluation`` and ``conversion`` read a
-checkpoint's through :meth:`RunConfig.from_saved_args`.
+builds megatron-core's configs from them; ``checkpoint`` saves them and checks a resumed run against a
+checkpoint's ``SavedConfig``; ``evaluation`` and ``conversion`` read a checkpoint's through
+:meth:`RunConfig.from_saved_args` (``SavedConfig.read``).
 """
 
 from megatron_lev.lev.config import ConfigError

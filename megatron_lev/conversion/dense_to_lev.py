@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from megatron_lev.config.saved import SavedConfig
 from megatron_lev.distributed import set_seed
 from megatron_lev.kernels import register_default_kernels
 from megatron_lev.lev import ConfigError, LEVConfig, LEVEmbedding, lev_param_count
@@ -258,16 +259,24 @@ def fit_lev(table: torch.Tensor, lev_config: LEVConfig, *, init_method_std: floa
 # -------------------------------------------------------------------------------- checkpoint side
 
 
-def lev_config_for(a: Dict[str, Any], overrides: Dict[str, Any]) -> LEVConfig:
-    """The LEV config of the converted model: the source's saved ``--lev-*`` values, then ``overrides``
-    (LEVConfig field -> value; None = keep)."""
+def lev_config_for(saved: LEVConfig, overrides: Dict[str, Any]) -> LEVConfig:
+    """The LEV config of the converted model: the source's saved ``--lev-*`` values (``saved``), then
+    ``overrides`` (LEVConfig field -> value; None = keep)."""
     unknown = set(overrides) - {f.name for f in dataclasses.fields(LEVConfig)}
     if unknown:
         raise ConversionError(f"unknown LEV setting {sorted(unknown)[0]!r}")
-    return dataclasses.replace(LEVConfig.from_args(a), **{k: v for k, v in overrides.items() if v is not None})
+    return dataclasses.replace(saved, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def _read_table_rank(src_path: str, a: Dict[str, Any], out_file: str) -> Dict[str, Any]:
+def _as_lev(a: SavedConfig, lev: LEVConfig) -> SavedConfig:
+    """The saved configuration ``a`` with the lev input arm of settings ``lev`` (its head untied)."""
+    rc = a.run
+    model = dataclasses.replace(rc.model, input_embedding="lev", lev=lev)
+    folded = dataclasses.replace(rc.folded, untie_embeddings_and_output_weights=True)
+    return dataclasses.replace(a, run=dataclasses.replace(rc, model=model, folded=folded))
+
+
+def _read_table_rank(src_path: str, a: SavedConfig, out_file: str) -> Dict[str, Any]:
     """Load the dense model at TP=1 and write its input table to ``out_file`` (safetensors)."""
     from safetensors.torch import save_file
 
@@ -282,7 +291,7 @@ def _read_table_rank(src_path: str, a: Dict[str, Any], out_file: str) -> Dict[st
     return {"shape": list(table.shape)}
 
 
-def _write_lev_rank(src_path: str, src_a: Dict[str, Any], dst: str, iteration: int, a: Dict[str, Any],
+def _write_lev_rank(src_path: str, src_a: SavedConfig, dst: str, iteration: int, a: SavedConfig,
                     common: Dict[str, Any], lev_file: str, progress: bool) -> Dict[str, Any]:
     """Build the dense source and the lev model at TP=1, carry every weight but the input table, put the
     fitted LEV parameters in the arm and save the lev checkpoint."""
@@ -292,7 +301,7 @@ def _write_lev_rank(src_path: str, src_a: Dict[str, Any], dst: str, iteration: i
 
     from .model_io import build_model, load_model_weights, save_model_checkpoint
 
-    set_seed(saved_config(a).run.seed)
+    set_seed(a.run.run.seed)
     src_chunks, _c, _m = build_model(src_a)
     load_model_weights(src_chunks, src_path)
     src = src_chunks[0].state_dict()
@@ -351,8 +360,8 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     fit = fit or FitConfig(progress=progress)
     fit.validate()
     source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
-    a = source.args
-    rc = saved_config(source)
+    a = saved_config(source)
+    rc = a.run
     arm = find_arm(rc.model.input_embedding)
     if arm is None or not arm.megatron_embedding:
         raise ConversionError(f"{source.path}: --input-embedding is {rc.model.input_embedding}; to-lev needs a "
@@ -360,7 +369,7 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     dst = save_target(dst, source.root)
     counts = load_counts(token_counts)
     V, D = int(rc.model.padded_vocab_size), int(rc.model.hidden_size)
-    lev_cfg = lev_config_for(a, lev or {})
+    lev_cfg = lev_config_for(rc.model.lev, lev or {})
     tp, pp = rc.layout.tp, rc.layout.pp
     try:
         lev_cfg.validate(V, D, tp)
@@ -368,8 +377,7 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
         raise ConversionError(str(e)) from None
     if counts is not None and counts.size > V:
         raise ConversionError(f"--token-counts {token_counts}: {counts.size} entries but the model has {V} ids")
-    lev_a = dict(a, input_embedding="lev", untie_embeddings_and_output_weights=True,
-                 **lev_cfg.to_args())
+    lev_a = _as_lev(a, lev_cfg)
     log(f"converting {source.path} ({rc.model.input_embedding}, V={V}, D={D}, iteration {source.iteration}) to lev "
         f"-> {dst}")
     with disk_full_is_one_line(dst, "the LEV checkpoint"):

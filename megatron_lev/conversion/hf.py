@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from megatron_lev.config import ModelRunConfig, RunConfig
+from megatron_lev.config.saved import SavedConfig
 from megatron_lev.models.arms import get_arm
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
@@ -613,7 +614,7 @@ def llama_config(rc: RunConfig, vocab_size: int, dtype: str, tok: Optional[Dict[
 # ------------------------------------------------------------------------------------- the run
 
 
-def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str, Any]) -> Dict[str, Any]:
+def _export_rank(src_path: str, out_dir: str, a: SavedConfig, opts: Dict[str, Any]) -> Dict[str, Any]:
     import torch
 
     from megatron_lev.models import materialize_input_embedding
@@ -700,7 +701,8 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
     out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     check_writable(out_dir)  # before any work
     source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
-    rc = saved_config(source)
+    saved = saved_config(source)
+    rc = saved.run
     hf_class = check_hf_compatible(rc.model)
     dt = resolve_dtype(dtype, rc.model.params_dtype_name)
     shard = parse_size(max_shard_size)
@@ -727,7 +729,7 @@ def export_hf(src: str, out_dir: str, *, iteration: Optional[int] = None, dtype:
     if progress:
         print(f"exporting {source.path} ({rc.model.input_embedding}, iteration {source.iteration}) -> {out_dir} "
               f"as {hf_class} ({dt})", flush=True)
-    a1 = layout_args(source.args, 1, 1)
+    a1 = layout_args(saved, 1, 1)
     opts = {"hf_class": hf_class, "dtype": dt, "max_shard_size": shard, "vocab_rows": vocab_rows, "progress": progress, "lev": lev,
             "iteration": source.iteration,
             "reference_ids": None if reference_ids is None else [list(map(int, r)) for r in reference_ids]}

@@ -35,8 +35,10 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from megatron_lev.config.saved import SavedConfig
+
 from .hf import LLAMA3_ROPE, OUTPUT, LlamaShape, head_layout, mapped_names, megatron_tensors
-from .source import ConversionError, disk_full_is_one_line, save_target, saved_config
+from .source import ConversionError, disk_full_is_one_line, read_config, save_target
 
 # Tensors some Llama checkpoints carry that are derived from config.json (not parameters).
 IGNORED = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),)
@@ -271,9 +273,9 @@ def _keep_exported_identity(hf_dir: str, dst: str, tok, log) -> None:
 
 def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Optional[int] = None,
                 make_vocab_size_divisible_by: int = 128, dtype: Optional[str] = None, tokenizer: bool = True,
-                log=print) -> Dict[str, Any]:
-    """The resolved training arguments of the imported model at TP x PP (pretrain_lev.py's parser and
-    validation), with ``padded_vocab_size`` set. Training hyperparameters and data are left unset."""
+                log=print) -> SavedConfig:
+    """The configuration of the imported model at TP x PP (pretrain_lev.py's parser and validation, resolved),
+    with ``padded_vocab_size`` set. Training hyperparameters and data are left unset."""
     from megatron_lev.tokenizer import padded_vocab_size
     from megatron_lev.arguments import parse_args, resolved_config
     from megatron_lev.lev.config import ConfigError
@@ -320,13 +322,13 @@ def import_args(model: HFModel, save: str, *, tp: int, pp: int, seq_length: Opti
     a = resolved_config(args)
     a.update(padded_vocab_size=padded, lr=None, train_iters=None, lr_decay_iters=None, mock_data=False,
              micro_batch_size=None, global_batch_size=None, num_microbatches=None)
-    return a
+    return read_config(a)
 
 
 # ------------------------------------------------------------------------------------------ the run
 
 
-def _import_rank(files: Dict[str, str], dst: str, a: Dict[str, Any], tied: bool, progress: bool) -> Dict[str, Any]:
+def _import_rank(files: Dict[str, str], dst: str, a: SavedConfig, tied: bool, progress: bool) -> Dict[str, Any]:
     import torch
     from safetensors import safe_open
 
@@ -334,7 +336,7 @@ def _import_rank(files: Dict[str, str], dst: str, a: Dict[str, Any], tied: bool,
 
     from .model_io import build_model, save_model_checkpoint
 
-    set_seed(saved_config(a).run.seed)
+    set_seed(a.run.run.seed)
     chunks, config, model_config = build_model(a)
     model = chunks[0]
     state = model.state_dict(keep_vars=True)
@@ -387,11 +389,11 @@ def _write_import(model, save, tp, pp, seq_length, make_vocab_size_divisible_by,
     from .reshard import reshard_checkpoint
 
     os.makedirs(save, exist_ok=True)
-    a = import_args(model, save, tp=tp, pp=pp, seq_length=seq_length,
+    saved = import_args(model, save, tp=tp, pp=pp, seq_length=seq_length,
                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype, tokenizer=tokenizer,
                     log=log)
     ignored = model.ignored
-    m = saved_config(a).model
+    m = saved.run.model
     log(f"importing {model.path} (LlamaForCausalLM, {m.num_layers} layers, hidden {m.hidden_size}, "
         f"{'tied' if model.tied else 'untied'}, vocab {model.config['vocab_size']} -> {m.padded_vocab_size} "
         f"rows, {m.params_dtype_name}) -> {save} at TP={tp} PP={pp}"
@@ -400,7 +402,7 @@ def _write_import(model, save, tp, pp, seq_length, make_vocab_size_divisible_by,
     first = save if direct else os.path.join(save, ".import-tp1")
     if os.path.isdir(first) and not direct:
         shutil.rmtree(first)
-    run_ranks(_import_rank, tp=1, pp=1, args=(model.files, first, layout_args(a, 1, 1), model.tied, progress))
+    run_ranks(_import_rank, tp=1, pp=1, args=(model.files, first, layout_args(saved, 1, 1), model.tied, progress))
     if not direct:
         reshard_checkpoint(first, save, tp=tp, pp=pp, progress=progress)
         shutil.rmtree(first)

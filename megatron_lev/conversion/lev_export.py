@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any, Dict, Optional
 
+from megatron_lev.config.saved import SavedConfig
 from megatron_lev.models.arms import find_arm
 
 from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint, saved_config
@@ -90,7 +91,7 @@ def load_lev_embedding(folder: str, *, device: str = "cpu", dtype=None, compute_
     return emb.to(device)
 
 
-def _export_lev_rank(src_path: str, out_dir: str, a: Dict[str, Any], iteration: int,
+def _export_lev_rank(src_path: str, out_dir: str, a: SavedConfig, iteration: int,
                      progress: bool) -> Dict[str, Any]:
     from .model_io import build_model, load_model_weights
 
@@ -109,14 +110,15 @@ def export_lev(src: str, out_dir: str, *, iteration: Optional[int] = None, progr
     out_dir = os.path.abspath(os.path.expanduser(str(out_dir)))
     check_writable(out_dir)  # before any work
     source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
-    arm = saved_config(source).model.input_embedding
+    saved = saved_config(source)
+    arm = saved.run.model.input_embedding
     entry = find_arm(arm)
     if entry is None or not entry.lev_layer:
         raise ConversionError(f"{source.path}: --input-embedding is {arm}, "
                               "not lev: there are no LEV parameters to export")
     if os.path.isfile(os.path.join(out_dir, WEIGHTS_FILE)):
         raise ConversionError(f"{out_dir}: already holds {WEIGHTS_FILE}; choose another --save")
-    a = layout_args(source.args, 1, 1)
+    a = layout_args(saved, 1, 1)
     with disk_full_is_one_line(out_dir, "the LEV parameters"):
         os.makedirs(out_dir, exist_ok=True)
         run_ranks(_export_lev_rank, tp=1, pp=1, args=(source.path, out_dir, a, source.iteration, progress))

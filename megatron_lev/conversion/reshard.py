@@ -22,13 +22,14 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional
 
+from megatron_lev.config.saved import SavedConfig
 from megatron_lev.distributed import set_seed
 
 from .launch import run_ranks
 from .source import ConversionError, disk_full_is_one_line, open_checkpoint, save_target, saved_config
 
 
-def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any], common: Dict[str, Any],
+def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: SavedConfig, common: Dict[str, Any],
                   progress: bool) -> Dict[str, Any]:
     import torch
 
@@ -40,7 +41,7 @@ def _reshard_rank(src_path: str, dst_root: str, iteration: int, a: Dict[str, Any
         if progress and rank == 0:
             print(msg, flush=True)
 
-    set_seed(saved_config(a).run.seed)
+    set_seed(a.run.run.seed)
     chunks, config, _mc = build_model(a)
     log(f"  loading {src_path} at TP={config.tensor_model_parallel_size} PP={config.pipeline_model_parallel_size}")
     load_model_weights(chunks, src_path, log=log)
@@ -58,8 +59,8 @@ def reshard_checkpoint(src: str, dst: str, *, tp: int, pp: int = 1, vpp: Optiona
 
     source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
     dst = save_target(dst, source.root)
-    a = layout_args(source.args, tp, pp, vpp)
-    target = saved_config(a, f"target layout --target-tp {tp} --target-pp {pp}")
+    a = layout_args(saved_config(source), tp, pp, vpp)
+    target = a.run
     num_layers, stages = target.model.num_layers, target.layout.stages
     if num_layers % stages != 0:
         raise ConversionError(f"target layout: --num-layers {num_layers} is not divisible by "

@@ -7,10 +7,10 @@ import errno
 import os
 import shutil
 from contextlib import contextmanager
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 from megatron_lev._procutil import unwritable
-from megatron_lev.config import RunConfig
+from megatron_lev.config.saved import SavedConfig
 from megatron_lev.checkpoint import CONFIG_NAME, TRACKER, CheckpointError, SavedCheckpoint
 from megatron_lev.checkpoint import open_checkpoint as _open_checkpoint
 from megatron_lev.distributed import RankFailure
@@ -38,14 +38,20 @@ def open_checkpoint(path: str, iteration: Optional[int] = None, *, read_common: 
         raise ConversionError(str(e)) from None
 
 
-def saved_config(saved: Union[SavedCheckpoint, Mapping[str, Any]], where: str = CONFIG_NAME) -> RunConfig:
-    """The typed configuration of a checkpoint's saved arguments (``RunConfig.from_saved_args``: a setting
-    the file lacks is its flag's default), or of the arguments a conversion re-laid out (``where`` names
-    them); a broken one is one ConversionError line naming it."""
-    if isinstance(saved, SavedCheckpoint):
-        where, saved = os.path.join(saved.path, CONFIG_NAME), saved.args
+def saved_config(source: SavedCheckpoint) -> SavedConfig:
+    """The typed configuration of a checkpoint's saved arguments (``SavedConfig.read``: a setting the file
+    lacks is its flag's default); a broken one is one ConversionError line naming its config.yaml."""
     try:
-        return RunConfig.from_saved_args(saved, source=where)
+        return source.config()
+    except ConfigError as e:
+        raise ConversionError(str(e)) from None
+
+
+def read_config(saved: Mapping[str, Any], where: str = CONFIG_NAME) -> SavedConfig:
+    """The typed configuration of the flat arguments a conversion made (``where`` names them in a
+    ConversionError line)."""
+    try:
+        return SavedConfig.read(saved, source=where)
     except ConfigError as e:
         raise ConversionError(str(e)) from None
 

@@ -31,8 +31,8 @@ from megatron_lev._procutil import interrupted, unwritable
 from megatron_lev.data.datasets import DatasetValidationError, check_dataset_token_ids, validate_dataset_prefix
 from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
-from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, mark_verified, \
-    open_checkpoint, verify_checksums
+from megatron_lev.checkpoint import CheckpointError, SavedCheckpoint, check_checkpoint_tokenizer, check_intact, \
+    mark_verified, open_checkpoint, verify_checksums
 from megatron_lev.config import ConfigError, RunConfig
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, TokenizerSpec, tokenizer_fingerprint
 from megatron_lev.tokenizer.fingerprint import check_dataset_tokenizer, directory_fingerprints, read_sidecar, \
@@ -328,18 +328,20 @@ def _tokenizer_for_checkpoint(args, saved: Dict[str, Any]):
                          "--vocab-file/--merge-file/--tokenizer-model)") from None
 
 
-def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, where: str = "") -> None:
-    """Refuse (UsageError, one line naming both) a tokenizer other than the checkpoint's (``saved``
-    arguments of ``where``) or than the one an indexed ``--valid-data``/``--zeroshot-data`` set was
-    made with, unless --allow-tokenizer-mismatch; and, mismatch allowed or not, an indexed set holding a
-    token id the tokenizer cannot decode or the checkpoint's model cannot embed (training's check)."""
+def check_tokenizer(args, tokenizer, saved: Optional[SavedCheckpoint] = None, where: str = "") -> None:
+    """Refuse (UsageError, one line naming both) a tokenizer other than the checkpoint's (``saved``, at
+    ``where``) or than the one an indexed ``--valid-data``/``--zeroshot-data`` set was made with, unless
+    --allow-tokenizer-mismatch; and, mismatch allowed or not, an indexed set holding a token id the
+    tokenizer cannot decode or the checkpoint's model cannot embed (training's check)."""
     if tokenizer is None:
         return
     fp = tokenizer_fingerprint(tokenizer)
     allow = bool(getattr(args, "allow_tokenizer_mismatch", False))
-    if saved is not None:
+    recorded = _saved_run(saved) if saved is not None else None
+    if recorded is not None:
         try:
-            check_checkpoint_tokenizer(saved, fp, tokenizer.tokenizer_type, where, allow_mismatch=allow, log=_log)
+            check_checkpoint_tokenizer(recorded.data, fp, tokenizer.tokenizer_type, where, allow_mismatch=allow,
+                                       log=_log)
         except CheckpointError as e:
             raise UsageError(str(e)) from None
     for _, path in _named(args.valid_data, "valid") + _named(args.zeroshot_data, "zeroshot"):
@@ -351,11 +353,11 @@ def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, whe
                 raise UsageError(str(e)) from None
 
 
-def _vocabulary(tokenizer, saved: Optional[Dict[str, Any]]) -> Tuple[int, str]:
+def _vocabulary(tokenizer, saved: Optional[SavedCheckpoint]) -> Tuple[int, str]:
     """The smaller of the tokenizer's vocabulary and the checkpoint's (padded) one, and whose it is."""
     limits = [(int(tokenizer.vocab_size), "the tokenizer's vocabulary size")]
     try:
-        rows = RunConfig.from_saved_args(saved).model.padded_vocab_size if saved else None
+        rows = RunConfig.from_saved_args(saved.args).model.padded_vocab_size if saved is not None else None
     except ConfigError as e:  # a hand-edited config.yaml
         raise UsageError(str(e)) from None
     if rows:
@@ -445,12 +447,22 @@ def _checkpoint_tokenizer(args, iteration: Optional[int] = None):
     try:
         saved = open_checkpoint(args.load, iteration, read_common=False, older_hint=_older)
         tokenizer = _tokenizer_for_checkpoint(args, saved.args)
-        check_tokenizer(args, tokenizer, saved.args, saved.path)
+        check_tokenizer(args, tokenizer, saved, saved.path)
         # Sizes here, in every process before the process group exists; the checksums once it does.
         check_intact(saved.root, saved.iteration, saved.path, _older, checksums=False)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     return tokenizer, saved
+
+
+def _saved_run(saved: SavedCheckpoint) -> Optional[RunConfig]:
+    """The configuration of the checkpoint ``saved`` for its tokenizer check; None for a config.yaml edited
+    into one that makes none, which the indexed sets' check, the checksum verification (naming the keys
+    changed since the save) or the model's build refuses in one line before anything is scored."""
+    try:
+        return saved.config().run
+    except ConfigError:
+        return None
 
 
 def _rank0_checkpoint(args, tokenizer, saved):

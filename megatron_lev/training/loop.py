@@ -703,7 +703,7 @@ def _load(run: _Run, state: _State) -> None:
         return
     try:
         loaded = checkpoint.load_checkpoint(
-            ck.load, run.model, run.optimizer, run.scheduler, run_args=run.cfg,
+            ck.load, run.model, run.optimizer, run.scheduler, run=run.rc,
             load_optim=not ck.no_load_optim, load_rng=not ck.no_load_rng, finetune=ck.finetune,
             exit_on_missing=ck.exit_on_missing_checkpoint, iteration=ck.ckpt_step,
             verify=not ck.no_ckpt_checksums, allow_missing_checksums=ck.allow_missing_ckpt_checksums,

@@ -205,6 +205,15 @@ def _failed_save_tracker_unreadable_on_rank_1(root: str):
     return line
 
 
+def _tiny_run_config():
+    """A run configuration for a load that finds no checkpoint to compare it with."""
+    from megatron_lev.arguments import parse_run_config
+
+    return parse_run_config(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1", "--seq-length",
+                             "8", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
+                             "--vocab-size", "16"], world_size=torch.distributed.get_world_size())
+
+
 def _late_tracker_load(root: str):
     """--load's tracker appears while the ranks start (a save of another job completing): rank 0 looks
     before it exists, rank 1 after. Both go the same way, with rank 0's view: no rank loads (and waits in
@@ -221,7 +230,7 @@ def _late_tracker_load(root: str):
         with open(os.path.join(root, TRACKER), "w") as f:
             f.write("3\n")
     try:
-        outcome = load_checkpoint(root, [], None, None, run_args={}, log=lambda _line: None)
+        outcome = load_checkpoint(root, [], None, None, run=_tiny_run_config(), log=lambda _line: None)
     except CheckpointError as e:  # rank 0 looked late after all: the missing iter_0000003, on both ranks
         outcome = str(e)
     torch.distributed.barrier()

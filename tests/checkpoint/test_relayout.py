@@ -67,3 +67,18 @@ def test_saved_counts_are_whole_numbers_and_in_range_or_refused_in_one_line():
         with pytest.raises(ConfigError, match=rf"^config.yaml: .*{key.replace('lev_', '--lev-').replace('_', '.')}") as e:
             RunConfig.from_saved_args(_saved(**{key: bad}))
         assert "\n" not in str(e.value)
+
+
+def test_a_resume_compares_the_checkpoints_typed_structure_and_refuses_saved_arguments_that_make_none():
+    from megatron_lev.checkpoint import CheckpointError, STRUCTURE_ARGS
+    from megatron_lev.checkpoint.sharded import _saved_config
+
+    saved = _saved("--swiglu")
+    typed = _saved_config(saved, "/ck/iter_0000003")
+    run = RunConfig.from_saved_args(_saved())
+    # --swiglu derives 8/3 x 64 to a multiple of 64 (128) where the run has 4 x 64
+    assert list(typed.differences(run, STRUCTURE_ARGS)) == [("ffn_hidden_size", 128, 256), ("swiglu", True, False)]
+    assert list(typed.differences(RunConfig.from_saved_args(saved), STRUCTURE_ARGS)) == []
+    with pytest.raises(CheckpointError) as e:  # a hand-built checkpoint's partial arguments
+        _saved_config({"num_layers": 2, "hidden_size": 64}, "/ck/iter_0000003")
+    assert str(e.value).startswith("/ck/iter_0000003/config.yaml: no ") and "\n" not in str(e.value)

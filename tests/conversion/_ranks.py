@@ -49,7 +49,7 @@ def checkpoint_logits(checkpoints, ids):
     out = {}
     for path in checkpoints:
         src = open_checkpoint(path)
-        a = layout_args(src.args, ps.get_tensor_model_parallel_world_size(),
+        a = layout_args(src.config(), ps.get_tensor_model_parallel_world_size(),
                         ps.get_pipeline_model_parallel_world_size())
         chunks, _c, _m = build_model(a)
         load_model_weights(chunks, src.path)
@@ -111,12 +111,13 @@ def save_random_models(plan):
     """For each ``(save_dir, resolved arguments)`` of ``plan``: the model built at TP=1 with every parameter
     drawn at random (norm scales and biases too, so that a misplaced one changes the logits), saved as
     iteration 1 with the training checkpointer. A launch's imports are shared by all of them."""
+    from megatron_lev.config.saved import SavedConfig
     from megatron_lev.conversion.model_io import build_model, save_model_checkpoint
     from megatron_lev.distributed import set_seed
 
     for k, (save, a) in enumerate(plan):
         set_seed(1234 + k)
-        chunks, _config, _mc = build_model(a, fast_init=False)
+        chunks, _config, _mc = build_model(SavedConfig.read(a), fast_init=False)
         with torch.no_grad():
             for name, p in chunks[0].named_parameters():
                 if p.dim() > 1:
@@ -124,4 +125,4 @@ def save_random_models(plan):
                 else:  # biases and norm scales (megatron stores a zero-centred scale minus 1)
                     one = name.endswith("norm.weight") or name.endswith("layer_norm_weight")
                     p.normal_(0, 0.2).add_(1.0 if one and not a.get("layernorm_zero_centered_gamma") else 0.0)
-        save_model_checkpoint(chunks, save, 1, a, {})
+        save_model_checkpoint(chunks, save, 1, SavedConfig.read(a), {})

@@ -133,10 +133,12 @@ def sharded_keys(model) -> Tuple[Set[str], Set[str]]:
     return {v.key for v in sd.values() if not isinstance(v, ShardedObject)}, objects
 
 
-def _args_for(src_args, **changes):
+def _args_for(src, **changes):
+    """The checkpoint ``src``'s configuration at TP=1, PP=1 with ``changes`` (saved names) over it."""
+    from megatron_lev.config.saved import SavedConfig
     from megatron_lev.conversion.model_io import layout_args
 
-    return dict(layout_args(src_args, 1, 1), **changes)
+    return SavedConfig.read(dict(layout_args(src.config(), 1, 1).to_saved_args(), **changes))
 
 
 def compare_keys(src_path: str):
@@ -150,7 +152,7 @@ def compare_keys(src_path: str):
     for name, changes in (("llama", {}),
                           ("layernorm_bias_qknorm", {"normalization": "LayerNorm", "disable_bias_linear": False,
                                                      "swiglu": False})):
-        chunks, config, model_config = build_model(_args_for(src.args, **changes))
+        chunks, config, model_config = build_model(_args_for(src, **changes))
         if name != "llama":  # q/k norms: a TransformerConfig setting (no command-line flag)
             from megatron_lev.models import build_gpt_model
 
@@ -201,7 +203,7 @@ def write_layouts(src_path: str, te_root: str, old_root: str, te_extra: Set[str]
     from megatron_lev.models import specs
 
     src = open_checkpoint(src_path)
-    a = _args_for(src.args)
+    a = _args_for(src)
     chunks, config, _mc = build_model(a)
     load_model_weights(chunks, src.path)
     model = chunks[0]
@@ -266,7 +268,7 @@ def load_everywhere(paths: Dict[str, str], ids, sequences):
     for name, path in paths.items():
         src = open_checkpoint(path)
         notes = []
-        chunks, _c, _m = build_model(_args_for(src.args))
+        chunks, _c, _m = build_model(_args_for(src))
         load_model_weights(chunks, src.path, log=notes.append)
         out["conversion"][name] = logits(chunks)
         out["notes"][name] = notes
@@ -280,7 +282,7 @@ def load_everywhere(paths: Dict[str, str], ids, sequences):
 
     # The other direction on CPU: modules that request _extra_state (TE's) from a checkpoint without it.
     first = open_checkpoint(next(iter(paths.values())))
-    chunks, _c, _m = build_model(_args_for(first.args))
+    chunks, _c, _m = build_model(_args_for(first))
     attn = [m for m in chunks[0].modules() if type(m).__name__ == "SDPAttention"]
     for m in attn:
         m.__class__ = type("TEStyleAttention", (_ExtraStateAttention, type(m)), {})

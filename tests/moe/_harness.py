@@ -209,11 +209,11 @@ def resume_check(root: str, overlap: bool = False) -> Dict[str, Any]:
     checkpoint and train the third step again. ``overlap``: grad reduce and param gather overlapped; the
     parameters' all-gather of the last update then waits for the next forward, so it is forced before the
     save (as Megatron-LM's ``disable_forward_pre_hook(param_sync=True)`` does around its saves)."""
+    from megatron_lev.arguments import resolved_config
     from megatron_lev.checkpoint.sharded import load_checkpoint, save_checkpoint
 
     kw = dict(distributed_optimizer=True, overlap=overlap)
     ckpt = os.path.join(root, f"resume_ckpt_overlap{int(overlap)}")
-    args = {"num_layers": LAYERS, "hidden_size": HIDDEN, "input_embedding": "lev", "padded_vocab_size": VOCAB}
     run = _setup(root, **kw)
     for _ in range(2):
         _step(run, "resume: before the save")
@@ -221,10 +221,11 @@ def resume_check(root: str, overlap: bool = False) -> Dict[str, Any]:
         for chunk in run.model:
             chunk.start_param_sync(force_sync=True)
     save_checkpoint(ckpt, run.state.iteration, run.model, run.optimizer, run.scheduler,
-                    consumed_train_samples=2 * GLOBAL_MICRO * MBS, counters={}, config=args, log=lambda *a: None)
+                    consumed_train_samples=2 * GLOBAL_MICRO * MBS, counters={},
+                    config=resolved_config(run.rc.to_saved_args()), log=lambda *a: None)
     straight = _step(run, "resume: uninterrupted")[:2]
     run = _setup(root, **kw)  # fresh model and optimizer from the initial weights
-    common = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run_args=args, log=lambda *a: None)
+    common = load_checkpoint(ckpt, run.model, run.optimizer, run.scheduler, run=run.rc, log=lambda *a: None)
     run.state.iteration = int(common["iteration"])
     resumed = _step(run, "resume: resumed")[:2]
     return {"iteration": run.state.iteration, "straight": straight, "resumed": resumed}

@@ -572,22 +572,27 @@ def test_evaluation_allowed_another_tokenizer_refuses_ids_beyond_its_vocabulary(
 
 def test_checkpoint_tokenizer_check_old_checkpoints_and_the_override():
     from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer
+    from megatron_lev.config import DataConfig
     from megatron_lev.tokenizer import build_tokenizer, tokenizer_fingerprint
 
     a = tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=1000))
     b = tokenizer_fingerprint(build_tokenizer("NullTokenizer", vocab_size=999))
-    check_checkpoint_tokenizer({"tokenizer_fingerprint": a}, a, "NullTokenizer", "ck")
+
+    def saved(**tokenizer):  # a checkpoint's data settings: its tokenizer's type, and fingerprint where recorded
+        return DataConfig(seq_length=8, **{"tokenizer_type": "NullTokenizer", **tokenizer})
+
+    check_checkpoint_tokenizer(saved(tokenizer_fingerprint=a), a, "NullTokenizer", "ck")
     with pytest.raises(CheckpointError, match=r"^ck was saved with NullTokenizer \(1001 ids.*NullTokenizer \(1000 ids"):
-        check_checkpoint_tokenizer({"tokenizer_fingerprint": a}, b, "NullTokenizer", "ck")
+        check_checkpoint_tokenizer(saved(tokenizer_fingerprint=a), b, "NullTokenizer", "ck")
     logs = []
-    check_checkpoint_tokenizer({"tokenizer_fingerprint": a}, b, "NullTokenizer", "ck", allow_mismatch=True,
+    check_checkpoint_tokenizer(saved(tokenizer_fingerprint=a), b, "NullTokenizer", "ck", allow_mismatch=True,
                                log=logs.append)
     assert len(logs) == 1 and "allowed by --allow-tokenizer-mismatch" in logs[0]
     # Saved before fingerprints: the type is still compared; the same type warns.
     with pytest.raises(CheckpointError, match="--tokenizer-type GPT2BPETokenizer but this run's tokenizer is Null"):
-        check_checkpoint_tokenizer({"tokenizer_type": "GPT2BPETokenizer"}, b, "NullTokenizer", "ck")
+        check_checkpoint_tokenizer(saved(tokenizer_type="GPT2BPETokenizer"), b, "NullTokenizer", "ck")
     logs = []
-    check_checkpoint_tokenizer({"tokenizer_type": "NullTokenizer"}, b, "NullTokenizer", "ck", log=logs.append)
+    check_checkpoint_tokenizer(saved(), b, "NullTokenizer", "ck", log=logs.append)
     assert len(logs) == 1 and "without a tokenizer fingerprint" in logs[0]
 
 

@@ -250,7 +250,7 @@ def test_dist_ckpt_strictness_reaches_the_load(saved_checkpoint, strictness):
 
     root, model = saved_checkpoint
     rc = _setup_configs(MODEL + MOCK + ["--dist-ckpt-strictness", strictness])[0]
-    load = lambda: checkpoint.load_checkpoint(root, model, None, None, run_args=rc.to_saved_args(),  # noqa: E731
+    load = lambda: checkpoint.load_checkpoint(root, model, None, None, run=rc,  # noqa: E731
                                               load_optim=False, load_rng=False, log=lambda *_: None)
     if strictness != "raise_all":  # raise_unexpected: a checkpoint key left unread is no unexpected key
         assert load()["iteration"] == 1

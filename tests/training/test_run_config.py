@@ -228,3 +228,19 @@ def test_a_released_config_yaml_reads_as_the_same_flags_parse_today():
     written = yaml.safe_load(config_to_yaml(resolved_config(rc.to_saved_args())))
     assert {k: v for k, v in written.items() if k in saved} == saved
     assert {k: v for k, v in written.items() if k not in saved} == ADDED_SINCE_0A9B888
+
+
+def test_a_saved_config_keeps_the_keys_no_setting_reads_and_checks_only_what_the_file_held():
+    from megatron_lev.config.saved import SavedConfig
+
+    saved = dict(yaml.safe_load(RELEASED.read_text(encoding="utf-8")), log_throughput=True)  # a removed flag's key
+    typed = SavedConfig.read(saved, source=str(RELEASED))
+    rc = RunConfig.from_saved_args(saved, source=str(RELEASED))
+    assert typed.run == rc and typed.unread == {"log_throughput": True}
+    # Written again (a conversion's target): the typed values over the file's, its unread key as it was.
+    assert typed.to_saved_args() == dict(saved, **rc.to_saved_args())
+    assert typed.relayout(1, 1).to_saved_args() == dict(saved, **rc.relayout(1, 1).to_saved_args())
+    # A resumed run's structure: a setting added since the file was written is not compared.
+    run = dataclasses.replace(rc, model=dataclasses.replace(rc.model, hidden_size=128, qk_layernorm=True))
+    assert "qk_layernorm" in ADDED_SINCE_0A9B888
+    assert list(typed.differences(run, ["qk_layernorm", "hidden_size", "num_layers"])) == [("hidden_size", 64, 128)]
