@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="HF model device (default cuda if available)")
 
     g = p.add_argument_group("tokenizer (default: the checkpoint's)")
-    # Unset flags fall back to the checkpoint's saved settings (TokenizerSpec.from_args(flags, saved)).
+    # Unset flags fall back to the checkpoint's saved settings (TokenizerSpec.from_args(flags, saved.data)).
     TokenizerSpec.add_flags(g, names=("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"))
     g.add_argument(ALLOW_TOKENIZER_MISMATCH_FLAG, action="store_true",
                    help="evaluate with another tokenizer than the checkpoint's or an indexed set's (warns "
@@ -316,9 +316,10 @@ def _write_on_main(scorer, write) -> None:
         raise error
 
 
-def _tokenizer_for_checkpoint(args, saved: Dict[str, Any]):
-    """The tokenizer of the flags, else of the checkpoint's saved arguments; None when neither names one."""
-    spec = TokenizerSpec.from_args(args, saved)
+def _tokenizer_for_checkpoint(args, saved: Optional[RunConfig]):
+    """The tokenizer of the flags, else of the checkpoint's saved data settings (``saved``, None for no
+    checkpoint or one whose config.yaml makes no configuration); None when neither names one."""
+    spec = TokenizerSpec.from_args(args, *([saved.data] if saved is not None else []))
     if spec is None:
         return None
     try:
@@ -402,7 +403,7 @@ def _hf_model(args, meta: Dict[str, Any]):
         _check_hf_model_tokenizer(args)
     scorer = HFScorer(args.hf_model, batch_size=args.micro_batch_size, device=args.device, dtype=args.hf_dtype,
                       max_length=args.seq_length)
-    tokenizer = scorer.tokenizer() if args.tokenizer_type is None else _tokenizer_for_checkpoint(args, {})
+    tokenizer = scorer.tokenizer() if args.tokenizer_type is None else _tokenizer_for_checkpoint(args, None)
     if args.tokenizer_type is not None:
         check_tokenizer(args, tokenizer)
     meta.update(model=scorer.description, hf_model=os.path.abspath(args.hf_model))
@@ -446,7 +447,7 @@ def _checkpoint_tokenizer(args, iteration: Optional[int] = None):
     then the checkpoint's files are checked."""
     try:
         saved = open_checkpoint(args.load, iteration, read_common=False, older_hint=_older)
-        tokenizer = _tokenizer_for_checkpoint(args, saved.args)
+        tokenizer = _tokenizer_for_checkpoint(args, _saved_run(saved))
         check_tokenizer(args, tokenizer, saved, saved.path)
         # Sizes here, in every process before the process group exists; the checksums once it does.
         check_intact(saved.root, saved.iteration, saved.path, _older, checksums=False)
