@@ -22,7 +22,12 @@ TIMEOUT_RC = 124  # what a command killed at its time limit returns, as timeout(
 
 
 class Skip(Exception):
-    """A stage that cannot run here; the message says why."""
+    """A stage that cannot run here; the message says why. ``figures``: what it did run or would run
+    (the command lines of the runs it left out), kept in the report."""
+
+    def __init__(self, message: str, figures: Optional[Dict[str, Any]] = None):
+        super().__init__(message)
+        self.figures = figures or {}
 
 
 class CheckFailed(Exception):

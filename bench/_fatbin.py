@@ -7,7 +7,8 @@ or JIT-compiles a PTX entry; cubins of another major version never run there. ``
 container only the entries a device of ``keep`` arches can load and moves them to the container's
 front (each entry keeps its bytes, offsets stay 8-byte aligned as the linker laid them); the freed
 bytes are zeroed, so the section and every address in the library stay where they were and the
-file compresses to what is kept. A container with nothing to keep, or with PTX, is left whole.
+file compresses to what is kept. PTX the device could JIT (of at most its arch) is kept beside its
+cubin; a container with nothing to keep is left whole.
 
 Layout (as the linker writes it; little-endian): container header ``magic 0xBA55ED50 (u32), version
 (u16), header size (u16), size of what follows (u64)``; then entries, each ``kind (u16: 1 PTX,
@@ -106,14 +107,14 @@ def summary(containers: Iterable[Container]) -> Dict[str, Dict[str, int]]:
 
 
 def cut(src: Path, dst: Path, keep: Tuple[int, ...] = (90,)) -> Dict[str, object]:
-    """Write ``src`` to ``dst`` with each container holding only the ELF entries a device of one of
-    ``keep`` loads (see the module docstring); returns what was kept and dropped."""
+    """Write ``src`` to ``dst`` with each container holding only the entries a device of one of ``keep``
+    loads (see the module docstring); returns what was kept and dropped."""
     data = bytearray(Path(src).read_bytes())
     containers = scan(bytes(data))
     whole = 0
     for c in containers:
         kept = [e for e in c.entries if any(loadable(e, a) for a in keep)]
-        if not kept or any(e.kind != "elf" for e in c.entries):
+        if not kept:
             whole += 1
             continue
         body = b"".join(bytes(data[e.offset:e.offset + e.size]) for e in kept)
@@ -141,9 +142,7 @@ def verify_cut(src: Path, dst: Path, keep: Tuple[int, ...] = (90,)) -> None:
     if [c.offset for c in before] != [c.offset for c in after]:
         raise FatbinError(f"{dst}: the fat-binary containers moved")
     for c, d in zip(before, after):
-        want = [e for e in c.entries if any(loadable(e, k) for k in keep)]
-        if not want or any(e.kind != "elf" for e in c.entries):
-            want = list(c.entries)
+        want = [e for e in c.entries if any(loadable(e, k) for k in keep)] or list(c.entries)
         if [_digest(a, e) for e in want] != [_digest(b, e) for e in d.entries]:
             raise FatbinError(f"{dst}: the container at offset {c.offset} does not hold exactly the loadable "
                               f"entries of {src}")

@@ -121,7 +121,9 @@ _AUTOGRAD = "autograd::engine::evaluate_function: "
 # autograd functions (their backward nodes), and words of kernel names (Transformer Engine's RoPE, LEV's).
 PARTS = ("lev", "rope", "cross_entropy", "optimizer", "attention", "other")
 _PART_WORDS = {"rope": ("megatron_lev.rope", "RotaryPosEmb", "rotary", "rope"),
-               "cross_entropy": ("megatron_lev.cross_entropy", "CrossEntropy", "cross_entropy"),
+               # torch's own loss (F.cross_entropy) goes back through NllLoss and LogSoftmax nodes
+               "cross_entropy": ("megatron_lev.cross_entropy", "CrossEntropy", "cross_entropy", "_LinearCrossEntropy",
+                                 "NllLoss", "nll_loss", "LogSoftmax", "log_softmax", "LogSoftMax"),
                "optimizer": ("megatron_lev.optimizer", "Optimizer.step", "adam")}
 # LEV's forward range and the backward nodes of its products and table (lev/, kernels/).
 _LEV_WORDS = ("megatron_lev.lev", "_SeparableProduct", "_TritonProduct", "_FusedProduct", "_TableRows")

@@ -86,6 +86,7 @@ PROGRAMS: Dict[str, str] = {
     "default": "gpu_check",
     "science": "gpu_program_science",
     "speed": "gpu_program_speed",
+    "te": "gpu_program_te",
 }
 
 SHARED = REPO.parent / "shared" / "data"
@@ -93,7 +94,8 @@ SHARED = REPO.parent / "shared" / "data"
 # megatron-core is the newest release make test-next tests (the Makefile's MCORE_NEXT), so the device runs
 # what CI runs.
 WHEELS = ("megatron-core>=0.19,<0.20", "tiktoken", "zstandard", "psutil", "pyyaml")
-MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml"}
+MODULE_OF = {"megatron-core": "megatron.core", "pyyaml": "yaml", "transformer-engine-cu13": "transformer_engine",
+             "nvidia-cudnn-frontend": "cudnn"}
 PLAN_BUDGET_S = 400.0
 BUDGET_S = PLAN_BUDGET_S  # the default program's --budget-s
 # Each stage's limit at a 400 s budget (in proportion at others); the science stage gets the rest.
@@ -222,7 +224,7 @@ def in_child(name: str, **extra_env: str) -> Callable[[Ctx, float], Dict[str, An
         if rc == TIMEOUT_RC:
             raise CheckTimeout(timeout, figures, tail(output))
         if res.get("status") == "skipped":
-            raise Skip(res["reason"])
+            raise Skip(res["reason"], figures)
         if res.get("status") == "failed":
             raise CheckFailed(res["reason"], figures)
         if rc != 0 or res.get("status") != "ok":
@@ -243,7 +245,7 @@ def child_main(name: str, ctx_file: str, result_file: str) -> int:
         figures = load_program(ctx.program).children[name](ctx, partial)
         write_json(out, {"status": "ok", "figures": figures})
     except Skip as e:
-        write_json(out, {"status": "skipped", "reason": str(e)})
+        write_json(out, {"status": "skipped", "reason": str(e), "figures": e.figures})
     except CheckFailed as e:
         write_json(out, {"status": "failed", "reason": str(e), "figures": e.figures})
     except Exception as e:  # reported in the file, never hidden
@@ -778,7 +780,7 @@ def run_stages(stages: Sequence[Stage], ctx: Ctx, budget_s: float, *, clock=time
                 raise Skip(f"budget: {max(0.0, left):.0f} s left")
             entry["figures"] = stage.run(ctx, limit) or {}
         except Skip as e:
-            entry.update(status="skipped", reason=str(e))
+            entry.update(status="skipped", reason=str(e), figures=e.figures)
         except CheckTimeout as e:
             entry.update(status="failed", reason=str(e), figures=e.figures, log_tail=e.log_tail)
         except CheckFailed as e:
@@ -840,8 +842,8 @@ def not_run_notes(ctx: Ctx) -> List[str]:
     notes = ["Multi-rank collectives: one GPU runs TP=1 over NCCL at most (NCCL refuses two ranks on one device); "
              "tensor/pipeline-parallel LEV and its gradient reductions are tested on CPU (gloo) only."]
     if str(ctx.figures("env").get("transformer_engine", "not")).startswith("not"):
-        notes.append("FP8 / Transformer Engine: not installed here (its wheel is over the carry limit); the TE spec "
-                     "and FP8 recipes are tested on CPU for configuration and refusal only.")
+        notes.append("FP8 / Transformer Engine: not installed here; this program runs the local spec in bf16 "
+                     "(--program te checks TE and FP8, with TE carried in pieces: docs/gpu.md).")
     if not ctx.cuda:
         notes.append("No CUDA device: the stages ran at the tiny sizes on the CPU (eager or numba bases, Triton's "
                      "interpreter, gloo); no figure here is a GPU figure." if ctx.sizes == "tiny" else

@@ -37,8 +37,15 @@ BUDGET_S = 540.0  # one command within a 15-minute window: the machine's start a
 ARMS = ("tied", "untied", "lev")
 MFU_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? MFU: ([\d.]+)%")
 PILE = str(REPO / "examples" / "pile" / "configs" / "400m.yaml")
-# The CUDA defaults (fused AdamW, RoPE fusion) are what the runs time; on the CPU stand-in they are asked for.
-CUDA_DEFAULTS = ("--adam-impl", "fused", "--rope-fusion")
+# The CUDA defaults (fused AdamW, RoPE fusion) are what the runs time. At the device sizes AdamW is asked for
+# as auto, which is fused on CUDA and accepted where TE or Apex imports (a carried wheel; megatron then runs
+# their FusedAdam, and --adam-impl fused is refused); the CPU stand-in asks for fused to run that path.
+CUDA_DEFAULTS = ("--rope-fusion",)
+
+
+def cuda_defaults(ctx: Ctx) -> List[str]:
+    """The CUDA defaults' flags at ``ctx``'s sizes."""
+    return ["--adam-impl", ctx.size["adam_impl"], *CUDA_DEFAULTS]
 
 
 def _pile(layers: int, hidden: int, heads: int, ffn: int, seq: int, mb: int, gb: int, vocab: int) -> List[str]:
@@ -71,7 +78,7 @@ SIZES: Dict[str, Dict[str, Any]] = {
                                "V = 200k"),
         profile=dict(model=gc._model(24, 1024, 16, 2048, 4, 8, 50257), steps=6, window=(3, 5)),
         kernels=dict(shapes=None, reps=20, warmup=3),  # the kernel stage's default shape
-        precision=["--bf16"], lev=[],
+        precision=["--bf16"], lev=[], adam_impl="auto",
         seconds={"env": 25.0, "gpu400m": 170.0, "pile400m": 170.0, "profile": 70.0, "kernels": 30.0},
     ),
     "tiny": dict(
@@ -80,7 +87,7 @@ SIZES: Dict[str, Dict[str, Any]] = {
         profile=dict(model=gc._model(1, 32, 2, 32, 2, 2, 1000), steps=4, window=(2, 4)),
         kernels=dict(shapes=(("tiny", 40, 2, 3, 5, 6),), reps=2, warmup=1),
         precision=["--bf16"], lev=["--lev-heads", "2", "--lev-seed-dim", "8", "--lev-knots", "5", "--lev-rank", "4",
-                                   "--lev-init-sample-size", "4096"],
+                                   "--lev-init-sample-size", "4096"], adam_impl="fused",
         seconds={"env": 60.0, "gpu400m": 300.0, "pile400m": 240.0, "profile": 120.0, "kernels": 120.0},
     ),
 }
@@ -95,7 +102,7 @@ def _peak(ctx: Ctx) -> List[str]:
 def train_argv(ctx: Ctx, shape: str, arm: str) -> List[str]:
     size = ctx.size
     s = size[shape]
-    common = [*gc._transformer(), *size["precision"], *gc.PRODUCTION, *CUDA_DEFAULTS, "--seed", "1234",
+    common = [*gc._transformer(), *size["precision"], *gc.PRODUCTION, *cuda_defaults(ctx), "--seed", "1234",
               "--lr", "3e-4", "--lr-warmup-iters", "1", "--eval-iters", "0", "--quiet-config"]
     argv = ["pretrain_lev.py", *s["model"], *common, "--train-iters", str(s["steps"]), "--log-interval", "1",
             "--input-embedding", arm, *_peak(ctx)]
@@ -147,7 +154,7 @@ def stage_training(shape: str):
 def stage_profile(ctx: Ctx, timeout: float) -> Dict[str, Any]:
     """The default program's profile stage at this program's sizes, with the CUDA defaults the runs time
     (shapes not recorded: pretrain_lev.py's default)."""
-    return gc.stage_profile(ctx, timeout, CUDA_DEFAULTS)
+    return gc.stage_profile(ctx, timeout, cuda_defaults(ctx))
 
 
 STAGES = (

@@ -533,13 +533,14 @@ def param_breakdowns(a, rows) -> Dict[str, Dict[str, Any]]:
         try:
             import yaml  # here, not at the top: bench/gpu_check.py reads CONFIGS before its wheels are installed
 
-            from megatron_lev.checkpoint import build_configs
+            from megatron_lev.config import RunConfig
             from megatron_lev.models import parameter_breakdown
+            from megatron_lev.models.factory import build_configs
 
             saved = yaml.safe_load(cfgs[-1].read_text())
             if saved.get("padded_vocab_size") is None:
                 continue
-            config, model_config = build_configs(saved)
+            config, model_config = build_configs(RunConfig.from_saved_args(saved))
             out[r["arm"]] = parameter_breakdown(model_config, config)
         except Exception as e:  # reported in the table instead of failing the report
             out[r["arm"]] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}

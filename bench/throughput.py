@@ -52,6 +52,9 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
     "quick": dict(layers=2, hidden=128, heads=4, seq=128, micro_batch=4),
     # A 400M-class Llama-style model (24 x 1024, 16 heads, seq 2048) for a GPU.
     "gpu-400m": dict(layers=24, hidden=1024, heads=16, seq=2048, micro_batch=4),
+    # examples/pile/configs/400m.yaml on one GPU: its transformer (20 x 1280, FFN 3456), sequence, micro-batch
+    # and o200k-class vocabulary (200,064 rows), one micro-batch a step.
+    "pile-400m": dict(layers=20, hidden=1280, heads=20, ffn=3456, seq=512, micro_batch=8, vocab=200064),
 }
 
 
@@ -108,7 +111,8 @@ def arm_list(device: str, modes=("token", "unique", "table")) -> List[Dict[str, 
     return arms
 
 
-def pretrain_flags(arm: Dict[str, Any], shape: Dict[str, Any], dtype_name: str, fp8: Optional[str] = None) -> List[str]:
+def pretrain_flags(arm: Dict[str, Any], shape: Dict[str, Any], dtype_name: str, fp8: Optional[str] = None,
+                   fp8_recipe: str = "delayed") -> List[str]:
     """The ``pretrain_lev.py`` flags of ``arm`` at ``shape``: the bench builds its model from them through
     pretrain_lev.py's own parsing and validation (``megatron_lev.training.model_configs``), so the MLP
     width, the vocabulary padding and every default are those of the model that trains."""
@@ -117,32 +121,38 @@ def pretrain_flags(arm: Dict[str, Any], shape: Dict[str, Any], dtype_name: str, 
     seq, mb = str(shape["seq"]), str(shape["micro_batch"])
     flags = ["--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
              "--num-attention-heads", str(shape["heads"]), "--seq-length", seq, "--max-position-embeddings", seq,
-             "--micro-batch-size", mb, "--global-batch-size", mb, "--mock-data", "--vocab-size", str(GPT2_VOCAB),
+             "--micro-batch-size", mb, "--global-batch-size", mb, "--mock-data",
+             # a shape's own vocabulary is its rows: the mock tokenizer's ids plus its EOD
+             "--vocab-size", str(shape["vocab"] - 1 if "vocab" in shape else GPT2_VOCAB),
              "--train-iters", "1", "--lr", "1e-4", *TRANSFORMER, "--input-embedding", arm["arm"]]
+    if "ffn" in shape:
+        flags += ["--ffn-hidden-size", str(shape["ffn"])]
     if arm["arm"] == "lev":
         flags += ["--lev-compute-mode", arm.get("mode", "unique"), "--lev-basis", arm.get("basis", "auto")]
     if dtype_name == "bfloat16":
         flags.append("--bf16")
     if fp8:
-        flags += ["--fp8-format", fp8, "--fp8-recipe", "delayed"]
+        flags += ["--fp8-format", fp8, "--fp8-recipe", fp8_recipe]
     return flags
 
 
-def bench_configs(arm: Dict[str, Any], shape: Dict[str, Any], dtype_name: str, fp8: Optional[str] = None):
+def bench_configs(arm: Dict[str, Any], shape: Dict[str, Any], dtype_name: str, fp8: Optional[str] = None,
+                  fp8_recipe: str = "delayed"):
     """(TransformerConfig, LevModelConfig) of ``arm`` at ``shape``, as pretrain_lev.py builds them."""
     from megatron_lev.training import model_configs
 
-    return model_configs(pretrain_flags(arm, shape, dtype_name, fp8))
+    return model_configs(pretrain_flags(arm, shape, dtype_name, fp8, fp8_recipe))
 
 
-def _build(arm: Dict[str, Any], shape: Dict[str, Any], device: str, dtype_name: str, fp8: Optional[str]):
+def _build(arm: Dict[str, Any], shape: Dict[str, Any], device: str, dtype_name: str, fp8: Optional[str],
+           fp8_recipe: str = "delayed"):
     import torch
 
-    from megatron_lev.checkpoint import build_model_chunks
     from megatron_lev.models import parameter_breakdown
+    from megatron_lev.models.factory import build_model_chunks
     from megatron_lev.training.flops import flops_per_iteration
 
-    gcfg, mcfg = bench_configs(arm, shape, dtype_name, fp8)
+    gcfg, mcfg = bench_configs(arm, shape, dtype_name, fp8, fp8_recipe)
     torch.manual_seed(1234)
     (model,) = build_model_chunks(gcfg, mcfg)
     tokens = shape["micro_batch"] * shape["seq"]
@@ -154,14 +164,15 @@ def _build(arm: Dict[str, Any], shape: Dict[str, Any], device: str, dtype_name: 
 class _Runner:
     """One arm: model, optimizer, a timed training step and a timed input-layer forward+backward."""
 
-    def __init__(self, arm, shape, ids, device, dtype_name, fp8=None):
+    def __init__(self, arm, shape, ids, device, dtype_name, fp8=None, fp8_recipe="delayed"):
         import torch
 
         from megatron_lev.models import lev_modules
 
         self.arm, self.device = arm, device
         dtype = getattr(torch, dtype_name)
-        self.model, self.config, self.breakdown, self.flops_per_token = _build(arm, shape, device, dtype_name, fp8)
+        self.model, self.config, self.breakdown, self.flops_per_token = _build(arm, shape, device, dtype_name, fp8,
+                                                                                   fp8_recipe)
         self.model.train()
         self.table = [m for m in lev_modules(self.model) if m.lev_config.compute_mode == "table"]
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -212,7 +223,8 @@ class _Runner:
 
 
 def measure(shape: Dict[str, Any], arms: List[Dict[str, Any]], *, device: str, dtype_name: str, repeats: int,
-            warmup: int, shared: Path, fp8: Optional[str] = None, log=print, clock: str = "wall") -> Dict[str, Any]:
+            warmup: int, shared: Path, fp8: Optional[str] = None, log=print, clock: str = "wall",
+            fp8_recipe: str = "delayed") -> Dict[str, Any]:
     import torch
     from lev_layer import PeakMemory, _ids
 
@@ -221,7 +233,7 @@ def measure(shape: Dict[str, Any], arms: List[Dict[str, Any]], *, device: str, d
     runners = []
     for a in arms:
         t0 = time.perf_counter()
-        runners.append(_Runner(a, shape, ids, device, dtype_name, fp8))
+        runners.append(_Runner(a, shape, ids, device, dtype_name, fp8, fp8_recipe))
         log(f"  built {a['name']} ({runners[-1].params:,} parameters, {time.perf_counter() - t0:.1f} s)")
     for r in runners:  # warm-up (numba compilation, allocator, first-touch) and peak memory
         for _ in range(warmup):

@@ -1,26 +1,27 @@
-"""Outside ``arguments/`` and ``checkpoint/``, nothing reads the run's flat arguments by name: neither the
-Megatron-style argument namespace (``args.seq_length``) nor the saved flat dictionary, ``config.yaml``
-(``saved["num_layers"]``, ``a.get("seq_length")``). Those two packages parse, check, save and relayout the
-flat form; everything else reads typed fields: ``RunConfig``'s groups, megatron-core's
-``TransformerConfig``, ``LevModelConfig``, ``LEVConfig``, ``TokenizerSpec`` and ``checkpoint.SavedModel``.
+"""Outside ``config/``, ``arguments/`` and ``checkpoint/``, nothing reads the run's flat arguments by name:
+neither the Megatron-style argument namespace (``args.seq_length``) nor the saved flat dictionary,
+``config.yaml`` (``saved["num_layers"]``, ``a.get("seq_length")``). ``config`` reads the flat form into the
+typed ``RunConfig`` (and writes it back), ``arguments`` parses into it, ``checkpoint`` still checks the saved
+form by key; everything else reads typed fields: ``RunConfig``'s groups, megatron-core's
+``TransformerConfig``, ``LevModelConfig``, ``LEVConfig`` and ``TokenizerSpec``.
 
 The rule, checked on the sources (AST, no run). A value *is the flat arguments* when it is
 
 - the ``args`` attribute of anything (``open_checkpoint(...).args``: ``SavedCheckpoint.args`` is the one
   attribute of that name in the package), or
-- returned by a function that makes or re-lays-out the flat form (:data:`SOURCES`: ``relayout``,
-  ``layout_args``, ``parse_args``, ``resolved_config``, ``RunConfig.flat`` / ``to_saved_args``, ...), or
+- returned by a function that makes or re-lays-out the flat form (:data:`SOURCES`: ``layout_args``,
+  ``parse_args``, ``resolved_config``, ``RunConfig.to_saved_args``, ...), or
 - built from such a value (``dict(a, ...)``, ``{**a}``, ``vars(a)``, ``a.copy()``), or
 - assigned from one of these (tuple unpacking included), returned by a function of the walked modules (its
   calls are then sources), or passed to a parameter of such a function (a call by name, or by
   ``run_ranks(fn, args=(...))``),
 
-followed to a fixed point over every module outside ``arguments/`` and ``checkpoint/``. A *read* of such a
+followed to a fixed point over every module outside ``config/``, ``arguments/`` and ``checkpoint/``. A *read* of such a
 value is a constant key (``a["x"]``, ``a.get("x")``, ``a.pop("x")``, ``getattr(a, "x")``, ``"x" in a``),
 an attribute that is an argument's name (``args.seq_length``), or a call handing it on together with an
-argument's name (``saved_model_arg(a, "normalization")``). Everything else a module reads by string key
+argument's name (``helper(a, "normalization")``). Everything else a module reads by string key
 (JSON result files, Hugging Face ``config.json``, state dicts, a checkpoint's common state) is not the flat
-arguments and stays free. Handing the flat form on whole (to ``checkpoint.build_configs``, ``relayout``,
+arguments and stays free. Handing the flat form on whole (to ``RunConfig.from_saved_args``,
 ``save_checkpoint(config=...)``) or writing a key is not a read.
 """
 
@@ -33,11 +34,11 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_lev"
-EXEMPT = ("arguments", "checkpoint")
+EXEMPT = ("arguments", "checkpoint", "config")
 
 # Functions (by name) whose result is the flat arguments. ``parse_args`` called by its bare name is
 # ``megatron_lev.arguments.parse_args``; ``parser.parse_args(...)`` is a tool's own command line.
-SOURCES = {"relayout", "layout_args", "parse_args", "resolved_config", "load_yaml_config", "flat", "to_saved_args"}
+SOURCES = {"layout_args", "parse_args", "resolved_config", "load_yaml_config", "to_saved_args"}
 OWN_PARSERS = {"parse_args"}
 # Calls that copy the flat arguments they are given.
 COPIES = {"dict", "vars", "copy", "deepcopy"}
@@ -47,7 +48,7 @@ KEY_METHODS = {"get", "pop", "setdefault"}
 def _names() -> Set[str]:
     """Every argument name the flat form holds (the parser's destinations and the derived values)."""
     from megatron_lev.arguments import build_parser
-    from megatron_lev.arguments.run_config import flat_names
+    from megatron_lev.config import flat_names
 
     return {a.dest for a in build_parser()._actions} | set(flat_names())
 
@@ -239,21 +240,22 @@ def flat_reads(modules: Dict[str, ast.AST], names: Optional[Set[str]] = None) ->
     return _Walk(modules).reads(_names() if names is None else names)
 
 
-def test_nothing_outside_arguments_and_checkpoint_reads_the_flat_arguments_by_name():
+def test_nothing_outside_config_arguments_and_checkpoint_reads_the_flat_arguments_by_name():
     reads = flat_reads(_walked())
     assert not reads, ("read the typed configuration (RunConfig's groups; TransformerConfig, LevModelConfig, LEVConfig, "
-                       "TokenizerSpec, checkpoint.SavedModel), not the flat arguments by name: "
+                       "TokenizerSpec), not the flat arguments by name: "
                        + "; ".join(f"megatron_lev/{m}:{line}: {code}" for m, line, code in reads))
 
 
 WALKED = '''
 import json
-from megatron_lev.checkpoint import open_checkpoint, relayout
+from megatron_lev.checkpoint import open_checkpoint
+from megatron_lev.conversion.model_io import layout_args
 from megatron_lev.arguments import parse_args
 
 def evaluate(path, flags):
     ckpt = open_checkpoint(path)
-    a = relayout(ckpt.args, 1, 1)
+    a = layout_args(ckpt.args, 1, 1)
     b = dict(a, seed=3)
     n = b["num_layers"]
     opts = {"dtype": "float32"}
@@ -282,7 +284,7 @@ def test_the_walk_tells_the_flat_arguments_from_other_string_keyed_reads():
     reads = [code for _m, _line, code in flat_reads({"m.py": ast.parse(WALKED)}, {
         "num_layers", "seq_length", "normalization", "lev_heads", "padded_vocab_size", "lr", "seed"})]
     assert sorted(reads) == sorted([
-        "b['num_layers']", "ckpt.args.get('seq_length')",  # from relayout; open_checkpoint(...).args
+        "b['num_layers']", "ckpt.args.get('seq_length')",  # from layout_args; open_checkpoint(...).args
         "saved_model_arg(saved, 'normalization')", "'lev_heads' in saved",  # a parameter given it
         "a['padded_vocab_size']",  # through run_ranks(fn, args=(...))
         "saved.get('seq_length')",  # returned in a tuple

@@ -21,10 +21,12 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=200019, help="tokenizer vocabulary (o200k_base: 200019)")
     a = p.parse_args(argv)
 
-    from megatron_lev.checkpoint import build_configs
-    from megatron_lev.arguments import parse_args
-    from megatron_lev.lev.config import ConfigError, LEVConfig
+    import dataclasses
+
+    from megatron_lev.arguments import parse_run_config
+    from megatron_lev.lev.config import ConfigError, lev_param_count
     from megatron_lev.models import parameter_breakdown
+    from megatron_lev.models.factory import build_configs
     from megatron_lev.tokenizer import padded_vocab_size
 
     print(f"Tokenizer vocabulary {a.vocab_size:,}; padded as Megatron pads it (128 x TP).\n")
@@ -32,23 +34,23 @@ def main(argv=None) -> int:
     print("|---|---|---:|---:|---:|---:|---:|")
     for scale in SCALES:
         for arm in ARMS:
-            args = parse_args(["--config", os.path.join(HERE, "configs", f"{scale}.yaml"), "--mock-data",
-                               "--vocab-size", str(a.vocab_size - 1), "--input-embedding", arm,
-                               "--save", "unused"], world_size=8)
-            args.padded_vocab_size = padded_vocab_size(a.vocab_size, args.make_vocab_size_divisible_by,
-                                                       args.tensor_model_parallel_size)
+            rc = parse_run_config(["--config", os.path.join(HERE, "configs", f"{scale}.yaml"), "--mock-data",
+                                   "--vocab-size", str(a.vocab_size - 1), "--input-embedding", arm,
+                                   "--save", "unused"], world_size=8)
+            m = rc.model
+            rc = rc.with_padded_vocab(padded_vocab_size(a.vocab_size, m.make_vocab_size_divisible_by, rc.layout.tp))
             note = ""
             try:
-                config, model_config = build_configs(vars(args))
+                config, model_config = build_configs(rc)
             except ConfigError:
                 # albert's width moves the count in steps of V + D: with a 200k vocabulary no width is
                 # within 2% of LEV, so the launch script passes the nearest one explicitly.
-                from megatron_lev.lev.config import lev_param_count
-
-                budget = lev_param_count(args.padded_vocab_size, args.hidden_size, LEVConfig.from_args(vars(args)))
-                args.albert_dim = max(1, round((budget - args.hidden_size) / (args.padded_vocab_size + args.hidden_size)))
-                note = f" (--albert-dim {args.albert_dim})"
-                config, model_config = build_configs(vars(args))
+                rows, hidden = rc.model.padded_vocab_size, rc.model.hidden_size
+                budget = lev_param_count(rows, hidden, rc.model.lev)
+                width = max(1, round((budget - hidden) / (rows + hidden)))
+                note = f" (--albert-dim {width})"
+                rc = dataclasses.replace(rc, model=dataclasses.replace(rc.model, albert_dim=width))
+                config, model_config = build_configs(rc)
             b = parameter_breakdown(model_config, config)
             ratio = b["input_side"] / max(1, b["dense_table"])
             print(f"| {scale} | {arm}{note} | {b['input_side']:,} | {b['transformer']:,} | {b['output_head']:,} | "

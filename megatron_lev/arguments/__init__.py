@@ -14,8 +14,8 @@ One module per flag group, in ``--help`` order:
 - ``megatron_lm``: the Megatron-LM flags refused here (one line naming the feature) and the no-ops.
 
 ``parser`` builds the parser from the groups (``build_parser``) and parses (``parse_args``: flags,
-``--config``, validation); ``run_config`` holds the result as typed groups (``RunConfig``), which
-``parse_run_config`` returns.
+``--config``, validation); ``parse_run_config`` returns the result as typed groups, a
+:class:`megatron_lev.config.RunConfig` (the package below this one, whose fields most flags are generated from).
 
 ``validate`` checks the combination and derives what Megatron-LM derives; ``config_file`` reads
 ``--config FILE.yaml`` and writes the resolved config (``config.yaml`` beside every checkpoint).
@@ -38,7 +38,7 @@ from megatron_lev.lev.config import ConfigError
 
 from .config_file import config_to_yaml, format_config, load_yaml_config, resolved_config
 from .parser import build_parser, parse_args
-from .run_config import RunConfig
+from megatron_lev.config import RunConfig
 from .validate import validate_args
 
 __all__ = ["ConfigError", "RunConfig", "build_parser", "config_to_yaml", "format_config", "load_yaml_config",

@@ -7,7 +7,7 @@ from megatron_lev._procutil import unwritable
 from megatron_lev.config_flags import add_config_flags, add_switch_flags, field_flag
 from megatron_lev.lev.config import ConfigError
 
-from .groups import DIST_CKPT_STRICTNESS, CheckpointingConfig
+from megatron_lev.config.groups import DIST_CKPT_STRICTNESS, CheckpointingConfig
 
 __all__ = ["DIST_CKPT_STRICTNESS", "add_checkpointing_flags", "check_output_dirs"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
 from megatron_lev.config_flags import Number
 from megatron_lev.lev.config import ConfigError
@@ -168,10 +168,11 @@ def _convert(action: argparse.Action, value: Any) -> Any:
     return action.type.check(v) if isinstance(action.type, Number) else v
 
 
-def resolved_config(args: argparse.Namespace) -> Dict[str, Any]:
-    """Every argument after validation, as plain YAML-able values (sorted by name)."""
+def resolved_config(args: Union[argparse.Namespace, Mapping[str, Any]]) -> Dict[str, Any]:
+    """Every argument after validation (the namespace, or ``RunConfig.to_saved_args()``), as plain YAML-able
+    values (sorted by name)."""
     out: Dict[str, Any] = {}
-    for k, v in sorted(vars(args).items()):
+    for k, v in sorted((vars(args) if isinstance(args, argparse.Namespace) else dict(args)).items()):
         if k == "config" or k.startswith("_"):
             continue
         if isinstance(v, tuple):

@@ -14,7 +14,7 @@ from megatron_lev.lev.config import ConfigError
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG
 from megatron_lev.tokenizer.spec import TokenizerSpec
 
-from .groups import DataConfig
+from megatron_lev.config.groups import DataConfig
 
 
 _SOURCES = ("data_path", "split", "train_data_path", "valid_data_path", "test_data_path", "data_cache_path",

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from megatron_lev.config_flags import add_config_flags
 from megatron_lev.lev.config import LEVConfig, lev_flag
+from megatron_lev.models.arms import arm_settings
 from megatron_lev.models.config import LevModelConfig
 
 from .model import field_flag
 
-# LevModelConfig fields that choose or size the input arm.
-_MODEL_FLAG_FIELDS = ("input_embedding", "albert_dim", "flat_mlp_dim", "mlp_hidden")
 
 
 def add_lev_flags(p) -> None:
     g = p.add_argument_group("input embedding (the paper's arms) and LEV")
     # Default: tied (Megatron's shared embedding/head), or untied with --untie-embeddings-and-output-weights.
-    add_config_flags(g, LevModelConfig, field_flag, _MODEL_FLAG_FIELDS, defaults={"input_embedding": None})
+    # The LevModelConfig fields that choose the input arm and size it (the registry's arms' settings).
+    add_config_flags(g, LevModelConfig, field_flag, ("input_embedding",) + arm_settings(),
+                     defaults={"input_embedding": None})
     add_config_flags(g, LEVConfig, lev_flag)

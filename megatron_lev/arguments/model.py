@@ -1,34 +1,34 @@
 """Model-shape flags under Megatron-LM's names (``--num-layers``, ``--swiglu``, ...); the
 ``LevModelConfig`` fields that are flags of their own name (``--position-embedding-type``,
 ``--normalization``, ``--rotary-base``, ``--transformer-impl``) are generated from that dataclass.
-``checkpoint.build.model_config_from_args`` reads them back. Each default is written once: on the
-``LevModelConfig`` field (Megatron-LM's default where the flag is Megatron-LM's: learned positions,
-LayerNorm, GeLU, biases), or on megatron-core's ``TransformerConfig`` field the flag sets
-(``--norm-epsilon``, ``--init-method-std``, the dropouts); ``saved_model_arg`` reads saved arguments
-with those defaults.
+``models.factory.lev_model_config`` reads them back (typed, from ``config.ModelRunConfig``). Each flag
+takes its default from one field: the ``LevModelConfig`` field (Megatron-LM's default where the flag is
+Megatron-LM's: learned positions, LayerNorm, GeLU, biases), or megatron-core's ``TransformerConfig`` field
+the flag sets (``--norm-epsilon``, ``--init-method-std``, the dropouts); ``config.ModelRunConfig``'s
+field of the flag's name states it again, held equal by ``tests/training/test_defaults.py``, and is what a
+saved ``config.yaml`` without the key reads (``RunConfig.from_saved_args``).
 
 The attention, norm and fusion flags that are megatron-core ``TransformerConfig`` fields are generated
 from the installed ``TransformerConfig`` (type, choices, help; a flag whose field the installed release
-lacks is not offered); their destinations are the field names, and ``checkpoint.build`` passes every
+lacks is not offered); their destinations are the field names, and ``models.factory`` passes every
 one that is set to the ``TransformerConfig`` (``models.config.TRANSFORMER_FLAG_FIELDS``)."""
 
 from __future__ import annotations
 
-import argparse
-import functools
-from typing import Any, Dict, Mapping
+from typing import Any, Dict
 
 from megatron.core.transformer import TransformerConfig
 
 from megatron_lev.config_flags import POSITIVE_FLOAT, POSITIVE_INT, PROBABILITY, add_config_flags, add_switch_flags, \
     field_flag
 from megatron_lev.lev.config import ConfigError
+from megatron_lev.models.arms import find_arm
 from megatron_lev.models.config import LevModelConfig, check_lev_basis, check_rope_scaling, model_field_default, \
     use_transformer_engine
 
 # LevModelConfig fields that are model-shape flags of their own name (their defaults, Megatron-LM's, are
 # the fields'); the other shape fields come from Megatron-LM's flags (--seq-length, --swiglu,
-# --disable-bias-linear, ...) in model_config_from_args.
+# --disable-bias-linear, ...) in models.factory.lev_model_config.
 _MODEL_SHAPE_FLAG_FIELDS = ("position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling_factor",
                             "normalization", "transformer_impl")
 
@@ -71,20 +71,6 @@ def _transformer_default(name: str):
     """A TransformerConfig field's default: Megatron-LM generates --norm-epsilon, --init-method-std and the
     dropouts from these fields, so theirs are these."""
     return TransformerConfig.__dataclass_fields__[name].default
-
-
-@functools.lru_cache(maxsize=None)
-def _model_flag_defaults() -> Dict[str, Any]:
-    p = argparse.ArgumentParser(add_help=False)
-    add_model_flags(p)
-    return {a.dest: p.get_default(a.dest) for a in p._actions}
-
-
-def saved_model_arg(saved: Mapping[str, Any], dest: str) -> Any:
-    """A model flag's value in saved arguments (a checkpoint's config.yaml); the flag's default where they
-    lack it: what a run that did not give the flag used (every default here is the one the flag has had
-    since config.yaml was first written)."""
-    return saved[dest] if dest in saved else _model_flag_defaults()[dest]
 
 
 def add_model_flags(p) -> None:
@@ -145,7 +131,8 @@ def check_model_flags(args) -> None:
                               f"--recompute-granularity {args.recompute_granularity}")
         args.recompute_granularity = "selective"
     _check_recompute_modules(args)
-    if args.input_embedding == "lev":
+    arm = find_arm(args.input_embedding)  # None until _check_input_arm makes it tied or untied
+    if arm is not None and arm.lev_layer:
         check_lev_basis(args.lev_basis)
     backend = getattr(args, "attention_backend", "auto")
     try:

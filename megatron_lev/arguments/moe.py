@@ -6,7 +6,7 @@ generated from the installed ``TransformerConfig`` (type, default, help); the ot
 ``--num-experts`` (``num_moe_experts``), and the flags whose field type has no single command-line form
 (``--moe-layer-freq``: an int or a pattern; the load-balancing type and aux-loss coefficient: one value
 here, where the field also takes a list; the dispatcher: the choices this project runs).
-``checkpoint.build.MOE_ARGS`` maps the argument names back to the fields. The expert-parallel sizes
+``models.factory.MOE_FIELDS`` maps the settings to the TransformerConfig fields. The expert-parallel sizes
 (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``) are the parallel layout's flags
 (``arguments.parallel``).
 """

@@ -12,7 +12,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_lev.config_flags import add_config_flags, add_switch_flags, field_flag
 from megatron_lev.distributed.layout import ParallelLayout, size_flag
 
-from .groups import DistributedConfig, FoldedFlagsConfig, OptimizerRunConfig
+from megatron_lev.config.groups import DistributedConfig, FoldedFlagsConfig, OptimizerRunConfig
 
 _DDP_VALUES = ("ddp_bucket_size", "num_distributed_optimizer_instances", "distributed_backend",
                "distributed_timeout_minutes")

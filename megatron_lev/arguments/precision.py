@@ -11,7 +11,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_lev.config_flags import add_config_flags, add_switch_flags
 from megatron_lev.lev.config import ConfigError
 
-from .groups import OPTIMIZER_DTYPES, FoldedFlagsConfig, OptimizerRunConfig
+from megatron_lev.config.groups import OPTIMIZER_DTYPES, FoldedFlagsConfig, OptimizerRunConfig
 from .model import TRANSFORMER_RANGES, TRANSFORMER_VALUE_FIELDS, field_flag
 
 __all__ = ["OPTIMIZER_DTYPES", "OPTIMIZER_DTYPE_FIELDS", "add_precision_flags", "check_precision_flags",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from megatron_lev.config_flags import add_config_flags, add_switch_flags, field_flag
 from megatron_lev.lev.config import ConfigError
 
-from .groups import CheckpointingConfig, DistributedConfig, LoggingConfig, RunControlConfig, ScheduleConfig
+from megatron_lev.config.groups import CheckpointingConfig, DistributedConfig, LoggingConfig, RunControlConfig, ScheduleConfig
 
 # The logging flags, generated from LoggingConfig's fields (--logging-level is declared with the
 # garbage-collection and profiling flags, as in Megatron-LM's help).

@@ -22,7 +22,7 @@ from megatron_lev.compat.versions import batch_size_calculator
 from megatron_lev.config_flags import POSITIVE_INT, add_config_flags, add_switch_flags, field_flag
 from megatron_lev.lev.config import ConfigError
 
-from .groups import OptimizerRunConfig, ScheduleConfig
+from megatron_lev.config.groups import OptimizerRunConfig, ScheduleConfig
 
 
 # The optimizer, schedule, batch-size and training-length flags, generated from the fields of the
@@ -78,33 +78,34 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def batch_calculator(args, rank: int = -1):
-    """A micro-batch calculator of megatron-core for these arguments (constant, ramp-up or step
+def batch_calculator(s, dp: int, seq_length: Optional[int] = None, rank: int = -1):
+    """A micro-batch calculator of megatron-core for the batch settings ``s`` (a ``ScheduleConfig``, or the
+    arguments during validation: the same names) at data-parallel size ``dp`` (constant, ramp-up or step
     schedule); ``rank`` 0 logs its schedule, as Megatron-LM's does."""
     from megatron.core import num_microbatches_calculator as nmc
 
-    dp = args.data_parallel_size
-    if args.step_batch_size_schedule is not None:
+    if s.step_batch_size_schedule is not None:
         return batch_size_calculator("step")(
-            micro_batch_size=args.micro_batch_size, data_parallel_size=dp, decrease_batch_size_if_needed=False,
-            rank=rank, schedule=args.step_batch_size_schedule, seq_length=args.seq_length)
-    if args.rampup_batch_size is not None:
-        start, incr, samples = args.rampup_batch_size
+            micro_batch_size=s.micro_batch_size, data_parallel_size=dp, decrease_batch_size_if_needed=False,
+            rank=rank, schedule=s.step_batch_size_schedule, seq_length=seq_length)
+    if s.rampup_batch_size is not None:
+        start, incr, samples = s.rampup_batch_size
         return batch_size_calculator("rampup")(
-            global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+            global_batch_size=s.global_batch_size, micro_batch_size=s.micro_batch_size,
             data_parallel_size=dp, decrease_batch_size_if_needed=False, rank=rank,
             start_global_batch_size=start, batch_size_increment=incr, ramup_samples=samples)
-    return nmc.ConstantNumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size, dp, False, rank)
+    return nmc.ConstantNumMicroBatchesCalculator(s.global_batch_size, s.micro_batch_size, dp, False, rank)
 
 
-def batch_sizes(args, start_samples: int = 0, iterations: Optional[int] = None) -> List[Tuple[int, int]]:
+def batch_sizes(s, dp: int, seq_length: Optional[int] = None, start_samples: int = 0,
+                iterations: Optional[int] = None) -> List[Tuple[int, int]]:
     """``(consumed_samples, global_batch)`` of each iteration from ``start_samples`` on, for
-    ``iterations`` iterations (default: up to ``train_iters``, or ``train_samples`` for a schedule
-    whose iteration count is not fixed yet), as the calculator gives them."""
-    calc = batch_calculator(args)
+    ``iterations`` iterations (default: up to ``train_samples``, for a schedule whose iteration count is
+    not fixed yet), as the calculator of :func:`batch_calculator` gives them."""
+    calc = batch_calculator(s, dp, seq_length)
     out: List[Tuple[int, int]] = []
     consumed = start_samples
-    while (iterations is None and consumed < (args.train_samples or 0)) or \
+    while (iterations is None and consumed < (s.train_samples or 0)) or \
             (iterations is not None and len(out) < iterations):
         calc.update(consumed, consistency_check=False)
         gbs = calc.get_current_global_batch_size()
@@ -130,7 +131,7 @@ def check_batch_sizes(args) -> None:
             raise ConfigError("give only one of --step-batch-size-schedule and --global-batch-size (the "
                               "schedule's largest batch is the global batch size)")
         try:
-            calc = batch_calculator(args)
+            calc = batch_calculator(args, dp, args.seq_length)
         except (AssertionError, ValueError) as e:
             raise ConfigError(f"--step-batch-size-schedule {steps!r}: {str(e).splitlines()[0]}") from None
         args.global_batch_size = max(bs for _, bs in calc.schedule)
@@ -161,13 +162,15 @@ def check_batch_sizes(args) -> None:
                 raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: the batch size {bs} of the ramp "
                                   f"is not divisible by --micro-batch-size {mbs} x data-parallel size {dp}")
     args.num_microbatches = args.global_batch_size // (mbs * dp)
-    check_interleaved_microbatches(args, [args.global_batch_size])
+    check_interleaved_microbatches(args, dp, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
+                                   [args.global_batch_size])
 
 
-def check_interleaved_microbatches(args, sizes) -> None:
-    """The interleaved schedule needs every step's micro-batch count divisible by the pipeline size."""
-    pp, dp, mbs = args.pipeline_model_parallel_size, args.data_parallel_size, args.micro_batch_size
-    if args.virtual_pipeline_model_parallel_size is None:
+def check_interleaved_microbatches(s, dp: int, pp: int, vpp: Optional[int], sizes) -> None:
+    """The interleaved schedule (``vpp`` virtual stages) needs every step's micro-batch count divisible by the
+    pipeline size ``pp``; ``s``: the batch settings (``ScheduleConfig``'s names), ``sizes``: global batches."""
+    mbs = s.micro_batch_size
+    if vpp is None:
         return
     for bs in sizes:
         if (bs // (mbs * dp)) % pp:
@@ -191,7 +194,7 @@ def check_training_length(args) -> None:
     if args.rampup_batch_size is not None:
         derived = _ramp_iterations(args)
     elif args.step_batch_size_schedule is not None:
-        derived = len(batch_sizes(args))
+        derived = len(batch_sizes(args, args.data_parallel_size, args.seq_length))
     else:
         derived = samples // args.global_batch_size
     # A resolved config (config.yaml) holds both: accepted when they agree.
@@ -202,14 +205,16 @@ def check_training_length(args) -> None:
         raise ConfigError(f"--train-samples {samples} is less than one global batch ({args.global_batch_size})")
     args.train_iters = derived
     if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
-        check_interleaved_microbatches(args, sorted({bs for _, bs in batch_sizes(args, iterations=derived)}))
+        sizes = batch_sizes(args, args.data_parallel_size, args.seq_length, iterations=derived)
+        check_interleaved_microbatches(args, args.data_parallel_size, args.pipeline_model_parallel_size,
+                                       args.virtual_pipeline_model_parallel_size, sorted({bs for _, bs in sizes}))
 
 
 def _ramp_iterations(args) -> int:
     """Megatron-LM's ``update_train_iters`` with a ramp-up: the ramp phase step by step, then whole
     global batches (a partial last batch is dropped)."""
     ramp_samples, samples = int(args.rampup_batch_size[2]), args.train_samples
-    calc = batch_calculator(args)
+    calc = batch_calculator(args, args.data_parallel_size, args.seq_length)
     iterations = consumed = 0
     while consumed <= ramp_samples and consumed <= samples:
         calc.update(consumed, consistency_check=False)

@@ -12,6 +12,7 @@ from typing import List
 
 from megatron_lev.distributed.layout import ParallelLayout
 from megatron_lev.lev.config import ConfigError, LEVConfig
+from megatron_lev.models.arms import get_arm
 from megatron_lev.models.config import check_mtp_stage, check_parallel_settings
 from megatron_lev.tokenizer.tokenizers import MEGATRON_NUM_SPECIAL_TOKENS, MEGATRON_TIKTOKEN_PATTERNS, \
     SENTENCEPIECE_TYPES, hub_cached_tokenizer
@@ -122,11 +123,12 @@ def _check_input_arm(args) -> None:
     """Input arm."""
     if args.input_embedding is None:
         args.input_embedding = "untied" if args.untie_embeddings_and_output_weights else "tied"
-    elif args.input_embedding == "tied" and args.untie_embeddings_and_output_weights:
-        raise ConfigError("--untie-embeddings-and-output-weights contradicts --input-embedding tied")
-    args.untie_embeddings_and_output_weights = args.input_embedding != "tied"
+    arm = get_arm(args.input_embedding)
+    if arm.ties_output_head and args.untie_embeddings_and_output_weights:
+        raise ConfigError(f"--untie-embeddings-and-output-weights contradicts --input-embedding {arm.name}")
+    args.untie_embeddings_and_output_weights = not arm.ties_output_head
     # The LEV settings that need no vocabulary (the heads shard over TP in the lev arm only).
-    tp = args.tensor_model_parallel_size if args.input_embedding == "lev" else 1
+    tp = args.tensor_model_parallel_size if arm.lev_layer else 1
     LEVConfig.from_args(vars(args)).validate_settings(tp)
     # MTP on the last stage needs this arm there (else rank 1's model build refuses while rank 0 waits).
     check_mtp_stage(args.input_embedding, args.mtp_num_layers, args.pipeline_model_parallel_size)

@@ -19,15 +19,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, tokenizer_mismatch
 
 from megatron_lev.compat.versions import checkpoint_refusal, unreadable_checkpoint
+from megatron_lev.models.arms import arm_settings
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG_NAME = "config.yaml"
-# Saved arguments that fix the model's tensors: a resumed run and a config.yaml must agree on them.
+# Saved arguments that fix the model's tensors: a resumed run and a config.yaml must agree on them (with the
+# input arms' settings, models.arms).
 STRUCTURE_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "input_embedding", "padded_vocab_size", "normalization", "swiglu", "position_embedding_type",
     "disable_bias_linear", "rotary_percent", "lev_digits", "lev_base", "lev_seed_dim", "lev_knots", "lev_rank",
-    "lev_heads", "albert_dim", "flat_mlp_dim", "mlp_hidden", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+    "lev_heads", *arm_settings(), "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
     "mtp_num_layers", "max_position_embeddings",
 )
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -217,6 +219,30 @@ def find_damage(path: str) -> Optional[Tuple[str, str]]:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _wrapped(error: BaseException) -> List[BaseException]:
+    """The errors ``error`` carries in its arguments: torch's CheckpointException holds each rank's as
+    (exception, traceback) in a dict."""
+    found: List[BaseException] = []
+    for v in (getattr(error, "args", ()) or ()):
+        for x in (v.values() if isinstance(v, dict) else [v]):
+            found += [y for y in (x if isinstance(x, tuple) else (x,)) if isinstance(y, BaseException)]
+    return found
+
+
+def raise_stop_inside(error: BaseException) -> None:
+    """Raise again the Ctrl-C or SIGTERM (``KeyboardInterrupt``, ``SystemExit``: the loop's ``Terminated`` with its
+    exit code) that torch's CheckpointException ``error`` wraps, if it wraps one."""
+    stop = next((x for x in _wrapped(error) if isinstance(x, (KeyboardInterrupt, SystemExit))), None)
+    if stop is not None:
+        raise stop from None
+
+
+def _failure_reason(error: BaseException) -> str:
+    """The first line of the error under torch's CheckpointException wrapping (which names only ranks)."""
+    inner = _wrapped(error)
+    return _first_line(inner[0] if inner and type(error).__name__ == "CheckpointException" else error)
 
 
 ALLOW_MISSING_CHECKSUMS_FLAG = "--allow-missing-ckpt-checksums"
@@ -423,8 +449,13 @@ def load_common(path: str) -> Dict[str, Any]:
         raise CheckpointError(refusal)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
-    except Exception as e:  # corrupt or foreign directory
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # corrupt or foreign directory
+        # megatron-core 0.19 reads the common state through torch.distributed.checkpoint, whose
+        # CheckpointException (a BaseException) wraps each rank's error, a Ctrl-C or SIGTERM during the read too.
+        raise_stop_inside(e)
+        first = _failure_reason(e).split(": ", 1)[-1]
         raise CheckpointError(f"{path}: not a readable dist_checkpointing checkpoint ({first})") from None
     refusal = checkpoint_refusal(common.get("megatron_core_version"), str(path))
     if refusal:

@@ -38,10 +38,10 @@ import torch
 from megatron_lev.compat.versions import checkpoint_writer_errors, megatron_core_version
 
 from . import checksums
-from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _first_line, _read_yaml, \
-    check_checkpoint_tokenizer, check_intact, checkpoint_dir, complete_iterations, config_mismatch, \
-    damaged_checkpoint_message, describe_damage, find_checkpoint, find_damage, load_common, \
-    looks_like_one_checkpoint, missing_manifest, newest_complete_checkpoint, read_tracker, write_tracker
+from .files import CONFIG_NAME, STRUCTURE_ARGS, TRACKER, CheckpointError, _failure_reason, _first_line, _read_yaml, \
+    _wrapped, check_checkpoint_tokenizer, check_intact, checkpoint_dir, complete_iterations, config_mismatch, \
+    damaged_checkpoint_message, describe_damage, find_checkpoint, find_damage, load_common, looks_like_one_checkpoint, \
+    missing_manifest, newest_complete_checkpoint, raise_stop_inside, read_tracker, write_tracker
 from .lock import LOCK_NAME
 
 CHECKPOINT_VERSION = 3.0
@@ -267,7 +267,8 @@ def _read(state, path: str, **kw):
     """``dist_checkpointing.load(state, path, **kw)``, whose failures come out as exceptions a caller's
     ``except Exception`` holds: torch's CheckpointException is a BaseException (a 60-line traceback
     escaped the handlers around a load), and a Ctrl-C during the read reaches the caller inside it, as
-    one rank's error; it is raised again as the KeyboardInterrupt it was (the one-line Ctrl-C report)."""
+    one rank's error; it is raised again as the KeyboardInterrupt it was (the one-line Ctrl-C report), as is a
+    SIGTERM's ``Terminated`` (its exit code kept)."""
     from megatron.core import dist_checkpointing
 
     try:
@@ -275,9 +276,7 @@ def _read(state, path: str, **kw):
     except (Exception, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
-        inner = _wrapped(e)
-        if any(isinstance(x, KeyboardInterrupt) for x in inner):
-            raise KeyboardInterrupt from None
+        raise_stop_inside(e)  # a Ctrl-C or SIGTERM during the read: the one-line report with its exit code
         raise CheckpointReadError(_failure_reason(e)) from e
 
 
@@ -397,16 +396,6 @@ def _no_space(error: BaseException) -> bool:
     return False
 
 
-def _wrapped(error: BaseException) -> List[BaseException]:
-    """The errors ``error`` carries in its arguments: torch's CheckpointException holds each rank's as
-    (exception, traceback) in a dict."""
-    found: List[BaseException] = []
-    for v in (getattr(error, "args", ()) or ()):
-        for x in (v.values() if isinstance(v, dict) else [v]):
-            found += [y for y in (x if isinstance(x, tuple) else (x,)) if isinstance(y, BaseException)]
-    return found
-
-
 def _disk_is_full(root: str) -> bool:
     """Whether 1 MiB more can be written under ``root`` now: a full disk often reaches us without its
     errno (torch's stream writer says only "file write failed")."""
@@ -421,12 +410,6 @@ def _disk_is_full(root: str) -> bool:
     except OSError as e:
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     return False
-
-
-def _failure_reason(error: BaseException) -> str:
-    """The first line of the error under torch's CheckpointException wrapping (which names only ranks)."""
-    inner = _wrapped(error)
-    return _first_line(inner[0] if inner and type(error).__name__ == "CheckpointException" else error)
 
 
 def _human_bytes(n: float) -> str:

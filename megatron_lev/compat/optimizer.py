@@ -181,10 +181,11 @@ def keep_grad_norm_on_device() -> bool:
 def device_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """``amp_C.multi_tensor_scale``'s contract, ``tensor_lists[1][i] = tensor_lists[0][i] * scale``, in torch's
     foreach operators: one launch per operator and dtype group instead of megatron-core's stand-in
-    (``megatron.core.utils.local_multi_tensor_scale``), which issues a multiply and a copy per tensor (the
-    distributed optimizer copies its fp32 shards into the bf16 parameters this way, and clipping scales
-    every gradient; 2 x 146 launches a step at gpu-400m's 24 layers). The same products, rounded to the
-    destination's dtype as ``copy_`` rounds them; a scale of 1 is a copy."""
+    (``megatron.core.utils.local_multi_tensor_scale``), which issues a multiply and a copy per tensor
+    (clipping scales every gradient this way, 2 x 146 launches a step at gpu-400m's 24 layers; the
+    non-distributed mixed-precision optimizer copies its fp32 parameters into the bf16 ones this way, where
+    0.16.1's distributed optimizer copies shard by shard with ``copy_``: :func:`copy_main_params_in_one_launch`).
+    The same products, rounded to the destination's dtype as ``copy_`` rounds them; a scale of 1 is a copy."""
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
     if not dst:
         return
@@ -228,9 +229,10 @@ def _torch_adams(optimizer):
 def use_adam_impl(optimizer, impl: str) -> str:
     """Run the torch AdamW inside megatron-core's ``optimizer`` (built without Transformer Engine or Apex) as
     ``impl``: ``fused`` (torch's fused=True: one kernel per dtype and device a step, the step counts on the
-    device, so no per-parameter host read of them), ``foreach`` (torch's default), ``auto`` (fused where every
-    parameter is on CUDA). Called after the build and again after a checkpoint's load, whose saved groups
-    carry the implementation they were saved with. Returns the implementation in use ('' without a torch Adam)."""
+    device; foreach reads its host-side counts per parameter, which syncs no GPU: the gain is launches),
+    ``foreach`` (torch's default), ``auto`` (fused where every parameter is on CUDA). Called after the build
+    and again after a checkpoint's load, whose saved groups carry the implementation they were saved with.
+    Returns the implementation in use ('' without a torch Adam)."""
     adams = _torch_adams(optimizer)
     if not adams:
         return ""
@@ -247,34 +249,60 @@ def use_adam_impl(optimizer, impl: str) -> str:
                 state = o.state.get(p, {})
                 step = state.get("step")
                 if isinstance(step, torch.Tensor):
-                    # torch keeps the count on the parameter's device for the fused kernel, on the host otherwise
-                    state["step"] = (step.to(device=p.device, dtype=torch.float32) if fused
-                                     else torch.tensor(float(step)))
+                    # A new tensor a parameter: megatron's load_state_dict gives every parameter one shared step
+                    # tensor, which the fused kernel's in-place increment would advance once per parameter.
+                    # torch keeps the count on the parameter's device for the fused kernel and where the group
+                    # is capturable (CUDA graphs; it refuses a host step then), on the host otherwise.
+                    on_device = fused or group.get("capturable", False)
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                                 device=p.device if on_device else "cpu")
     return impl
+
+
+def _pairs_by_dst_dtype(dst, src) -> list[tuple[list, list]]:
+    """``(destinations, sources)`` grouped by the destination's dtype, in first-seen order."""
+    groups: dict[torch.dtype, tuple[list, list]] = {}
+    for d, s in zip(dst, src):
+        ds, ss = groups.setdefault(d.dtype, ([], []))
+        ds.append(d)
+        ss.append(s)
+    return list(groups.values())
 
 
 def _copy_main_params_in_one_launch(optimizer) -> None:
     """``DistributedOptimizer._copy_main_params_to_model_params`` for bf16/fp16/fp32 parameters: the same
-    copies of the updated fp32 shards into the parameter buffer, as one foreach copy."""
+    copies of the updated fp32 shards into the parameter buffers, as one foreach copy a destination dtype
+    (torch's CUDA foreach copy takes every destination to have the first one's dtype)."""
     dst, src = [], []
     for shard_groups, model_groups in ((optimizer.shard_fp32_from_float16_groups, optimizer.model_float16_groups),
                                        (optimizer.shard_fp32_groups, optimizer.model_fp32_groups)):
         for shard_group, model_group in zip(shard_groups, model_groups):
             for shard_main_param, model_param in zip(shard_group, model_group):
                 world_range = optimizer._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                assert world_range.size == shard_main_param.nelement()
                 gbuf_index, _, bucket_id = optimizer.model_param_gbuf_map[model_param]
                 buffer = optimizer.buffers[gbuf_index].buckets[bucket_id].param_data
                 dst.append(buffer.view(-1)[world_range.start:world_range.end])
                 src.append(shard_main_param)
-    if dst:
-        torch._foreach_copy_(dst, src)
+    for dsts, srcs in _pairs_by_dst_dtype(dst, src):
+        torch._foreach_copy_(dsts, srcs)
+
+
+def _quantizes(sub) -> bool:
+    """Whether megatron's own copy quantizes the main shards or gathers from elsewhere: FP8 parameter gather,
+    the MXFP8 gather through the gradient buffer (a DDP and an optimizer config field), 0.19's FP4 gather."""
+    ddp, config = sub.ddp_config, sub.config
+    return bool(getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "fp4_param_gather", False)
+                or getattr(ddp, "reuse_grad_buf_for_mxfp8_param_ag", False)
+                or getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False))
 
 
 def copy_main_params_in_one_launch(optimizer) -> bool:
     """Give megatron-core's distributed optimizers (inside ``optimizer``) a parameter copy after the update in
-    one foreach launch, where megatron copies shard by shard (146 launches a step at gpu-400m's 24 layers); not
-    where it does more than copy (FP8 parameters, Megatron FSDP, the precision-aware optimizer). True when
-    at least one was given it."""
+    one foreach launch a dtype, where megatron copies shard by shard (146 launches a step at gpu-400m's 24
+    layers); not where it does more than copy (FP8 parameters, FP8/FP4 parameter all-gather, 0.19's MXFP8
+    all-gather from the gradient buffer, Megatron FSDP, the precision-aware optimizer). True when at least one
+    was given it."""
     from megatron.core.fp8_utils import is_float8tensor
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -285,7 +313,7 @@ def copy_main_params_in_one_launch(optimizer) -> bool:
         if not isinstance(sub, DistributedOptimizer) or sub.is_stub_optimizer or sub.ddp_config.use_megatron_fsdp \
                 or getattr(sub.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
             continue
-        if any(is_float8tensor(p) for group in sub.model_float16_groups for p in group):
+        if any(is_float8tensor(p) for group in sub.model_float16_groups for p in group) or _quantizes(sub):
             continue
         sub._copy_main_params_to_model_params = functools.partial(_copy_main_params_in_one_launch, sub)
         done = True

@@ -45,6 +45,7 @@ import torch
 from megatron_lev.distributed import set_seed
 from megatron_lev.kernels import register_default_kernels
 from megatron_lev.lev import ConfigError, LEVConfig, LEVEmbedding, lev_param_count
+from megatron_lev.models.arms import find_arm
 
 from .source import ConversionError, disk_full_is_one_line, open_checkpoint, save_target, saved_config
 
@@ -352,7 +353,8 @@ def to_lev(src: str, dst: str, *, lev: Optional[Dict[str, Any]] = None, token_co
     source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
     a = source.args
     rc = saved_config(source)
-    if rc.model.input_embedding not in ("tied", "untied"):
+    arm = find_arm(rc.model.input_embedding)
+    if arm is None or not arm.megatron_embedding:
         raise ConversionError(f"{source.path}: --input-embedding is {rc.model.input_embedding}; to-lev needs a "
                               "dense input table (tied or untied)")
     dst = save_target(dst, source.root)

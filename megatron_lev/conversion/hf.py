@@ -67,7 +67,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from megatron_lev.arguments.run_config import ModelRunConfig, RunConfig
+from megatron_lev.config import ModelRunConfig, RunConfig
+from megatron_lev.models.arms import get_arm
 from megatron_lev.models.config import INPUT_EMBEDDINGS
 from megatron_lev.tokenizer import TokenizerSpec
 from megatron_lev.tokenizer.fingerprint import MODEL_DIR_SIDECAR, write_sidecar
@@ -573,7 +574,7 @@ def hf_config(cls: str, rc: RunConfig, vocab_size: int, dtype: str, tok: Optiona
     n, g, hd = head_layout(m)
     bos, eos = _special_ids(tok)
     common = dict(vocab_size=int(vocab_size), initializer_range=float(m.init_method_std),
-                  tie_word_embeddings=m.input_embedding == "tied", bos_token_id=bos, eos_token_id=eos,
+                  tie_word_embeddings=get_arm(m.input_embedding).ties_output_head, bos_token_id=bos, eos_token_id=eos,
                   pad_token_id=None, architectures=[cls])
     max_pos = int(m.max_position_embeddings or rc.data.seq_length)
     if cls == "GPT2LMHeadModel":
@@ -625,21 +626,21 @@ def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str,
     model = chunks[0]
     log(f"  loading {src_path}")
     load_model_weights(chunks, src_path, log=log)
-    arm = model_config.input_embedding
+    arm = model_config.arm
     dtype = getattr(torch, opts["dtype"])
     table = None
-    if arm not in ("tied", "untied"):
-        log(f"  materialising the {arm} input layer over {model_config.vocab_size} ids")
+    if not arm.megatron_embedding:
+        log(f"  materialising the {arm.name} input layer over {model_config.vocab_size} ids")
         table = materialize_input_embedding(model)
     state = model.state_dict()
     vocab_rows = opts.get("vocab_rows")
     weight_map, experts = WEIGHT_MAPS[opts["hf_class"]], int(config.num_moe_experts or 0)
-    total = sum(len(hf) for _e, _m, hf in mapped_names(int(config.num_layers), arm == "tied", weight_map, experts))
+    total = sum(len(hf) for _e, _m, hf in mapped_names(int(config.num_layers), arm.ties_output_head, weight_map, experts))
     writer = ShardedSafetensorsWriter(out_dir, opts["max_shard_size"], dtype=dtype)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="writing safetensors", unit="tensor", disable=not progress)
-    for name, tensor in hf_tensors(state, config, input_table=table, vocab_rows=vocab_rows, tied=arm == "tied",
+    for name, tensor in hf_tensors(state, config, input_table=table, vocab_rows=vocab_rows, tied=arm.ties_output_head,
                                    weight_map=weight_map, num_experts=experts,
                                    zero_centered_gamma=bool(config.layernorm_zero_centered_gamma)):
         writer.add(name, tensor)
@@ -647,7 +648,7 @@ def _export_rank(src_path: str, out_dir: str, a: Dict[str, Any], opts: Dict[str,
     bar.close()
     files = writer.close()
     result: Dict[str, Any] = {"files": [os.path.basename(f) for f in files], "total_size": writer.total_size}
-    if arm == "lev" and opts.get("lev", True):
+    if arm.lev_layer and opts.get("lev", True):
         from .lev_export import write_lev
 
         write_lev(model, config, model_config, opts["iteration"], os.path.join(out_dir, "lev"), table=table)

@@ -21,6 +21,8 @@ import json
 import os
 from typing import Any, Dict, Optional
 
+from megatron_lev.models.arms import find_arm
+
 from .source import ConversionError, check_writable, disk_full_is_one_line, open_checkpoint, saved_config
 
 CONFIG_FILE = "lev_config.json"
@@ -108,7 +110,8 @@ def export_lev(src: str, out_dir: str, *, iteration: Optional[int] = None, progr
     check_writable(out_dir)  # before any work
     source = open_checkpoint(src, iteration, allow_missing_checksums=allow_missing_checksums)
     arm = saved_config(source).model.input_embedding
-    if arm != "lev":
+    entry = find_arm(arm)
+    if entry is None or not entry.lev_layer:
         raise ConversionError(f"{source.path}: --input-embedding is {arm}, "
                               "not lev: there are no LEV parameters to export")
     if os.path.isfile(os.path.join(out_dir, WEIGHTS_FILE)):

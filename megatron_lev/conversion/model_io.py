@@ -11,15 +11,17 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_lev import checkpoint
-from megatron_lev.lev.config import ConfigError
+from megatron_lev.config import ConfigError, RunConfig
+from megatron_lev.models import factory
 
 from .source import ConversionError
 
 
 def layout_args(saved: Dict[str, Any], tp: int, pp: int, vpp: Optional[int] = None) -> Dict[str, Any]:
-    """The saved arguments with the parallel layout replaced (data-parallel size 1; ``checkpoint.relayout``)."""
+    """The saved arguments with the parallel layout replaced (data-parallel size 1; ``RunConfig.relayout``);
+    keys of the file that no setting reads are kept as they were."""
     try:
-        return checkpoint.relayout(saved, tp, pp, vpp)
+        return dict(saved, **RunConfig.from_saved_args(saved).relayout(tp, pp, vpp).to_saved_args())
     except ConfigError as e:
         raise ConversionError(f"target layout --target-tp {tp} --target-pp {pp}: {e}") from None
 
@@ -32,8 +34,8 @@ def build_model(a: Dict[str, Any], *, fast_init: bool = True):
     where TE or CUDA is missing (same checkpoint keys); ``a`` keeps the saved settings for the checkpoint
     written from it."""
     try:
-        config, model_config = checkpoint.build_configs(a, for_loading=fast_init)
-        chunks = checkpoint.build_model_chunks(config, model_config)
+        config, model_config = factory.build_configs(RunConfig.from_saved_args(a), for_loading=fast_init)
+        chunks = factory.build_model_chunks(config, model_config)
     except ConfigError as e:
         raise ConversionError(f"target layout: {str(e).strip().splitlines()[0]}") from None
     for c in chunks:

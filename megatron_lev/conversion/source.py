@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any, Mapping, Optional, Union
 
 from megatron_lev._procutil import unwritable
-from megatron_lev.arguments.run_config import RunConfig
+from megatron_lev.config import RunConfig
 from megatron_lev.checkpoint import CONFIG_NAME, TRACKER, CheckpointError, SavedCheckpoint
 from megatron_lev.checkpoint import open_checkpoint as _open_checkpoint
 from megatron_lev.distributed import RankFailure

@@ -31,8 +31,9 @@ from megatron_lev._procutil import interrupted, unwritable
 from megatron_lev.data.datasets import DatasetValidationError, check_dataset_token_ids, validate_dataset_prefix
 from megatron_lev.distributed import destroy_distributed, init_distributed, report_error
 from megatron_lev.jsonl import expand_inputs
-from megatron_lev.checkpoint import CheckpointError, SavedModel, check_checkpoint_tokenizer, check_intact, \
-    mark_verified, open_checkpoint, verify_checksums
+from megatron_lev.checkpoint import CheckpointError, check_checkpoint_tokenizer, check_intact, mark_verified, \
+    open_checkpoint, verify_checksums
+from megatron_lev.config import ConfigError, RunConfig
 from megatron_lev.tokenizer import ALLOW_TOKENIZER_MISMATCH_FLAG, TokenizerSpec, tokenizer_fingerprint
 from megatron_lev.tokenizer.fingerprint import check_dataset_tokenizer, directory_fingerprints, read_sidecar, \
     same_tokenizer, sidecar_path
@@ -353,7 +354,10 @@ def check_tokenizer(args, tokenizer, saved: Optional[Dict[str, Any]] = None, whe
 def _vocabulary(tokenizer, saved: Optional[Dict[str, Any]]) -> Tuple[int, str]:
     """The smaller of the tokenizer's vocabulary and the checkpoint's (padded) one, and whose it is."""
     limits = [(int(tokenizer.vocab_size), "the tokenizer's vocabulary size")]
-    rows = SavedModel.from_saved_args(saved).padded_vocab_size if saved else None
+    try:
+        rows = RunConfig.from_saved_args(saved).model.padded_vocab_size if saved else None
+    except ConfigError as e:  # a hand-edited config.yaml
+        raise UsageError(str(e)) from None
     if rows:
         limits.append((rows, "the checkpoint's vocabulary size"))
     return min(limits)

@@ -17,12 +17,15 @@ results gathered, so every rank ends with every score.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from megatron_lev.config import ConfigError, RunConfig
 
 from .scorer import Scorer, TokenScores, logprobs_from_logits
 
@@ -61,24 +64,22 @@ def checkpoint_config(load_dir: str, iteration: Optional[int] = None) -> Tuple[D
 
 
 def eval_args(cfg: Dict[str, Any], tp: int = 1, pp: int = 1, world_size: int = 1,
-              micro_batch_size: int = 4) -> Dict[str, Any]:
-    """The checkpoint's saved arguments, re-laid-out for evaluation at TP x PP (no virtual stages,
-    sequence parallelism, dropout or recomputation)."""
-    from megatron_lev.checkpoint import relayout
-    from megatron_lev.lev.config import ConfigError
-
+              micro_batch_size: int = 4) -> RunConfig:
+    """The checkpoint's saved configuration, re-laid-out for evaluation at TP x PP (no virtual stages,
+    sequence parallelism, dropout, recomputation or multi-token prediction)."""
     try:
-        a = relayout(cfg, tp, pp, world_size=world_size)
+        rc = RunConfig.from_saved_args(cfg).relayout(tp, pp, world_size=world_size)
     except ConfigError as e:
         raise EvalSetupError(f"the checkpoint cannot be evaluated at TP={tp} PP={pp}: {e}") from None
-    # relayout took the world size, so TP x PP divides it; the rest is data parallel
-    a.update(sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=None,
-             recompute_method=None, recompute_num_layers=None, micro_batch_size=micro_batch_size,
-             global_batch_size=micro_batch_size * (world_size // (tp * pp)), num_microbatches=1)
     # Evaluation scores the main head: the multi-token-prediction block is built only for its training
     # loss (megatron-core's forward needs labels for it); its saved weights are left unread.
-    a["mtp_num_layers"] = None
-    return a
+    model = dataclasses.replace(rc.model, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                                mtp_num_layers=None)
+    # relayout took the world size, so TP x PP divides it; the rest (its data-parallel size) is data parallel
+    schedule = dataclasses.replace(rc.schedule, micro_batch_size=micro_batch_size,
+                                   global_batch_size=micro_batch_size * rc.layout.dp, num_microbatches=1)
+    return dataclasses.replace(rc, model=model, schedule=schedule)
 
 
 def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 4, log=None,
@@ -88,23 +89,23 @@ def load_model(load_dir: str, tp: int = 1, pp: int = 1, micro_batch_size: int = 
 
     Needs megatron's TP/PP groups (:func:`megatron_lev.distributed.init_distributed`) first. Returns
     ``(chunks, transformer_config, model_config, saved, info)`` with ``model_config`` the evaluated model's
-    ``LevModelConfig``, ``saved`` the checkpoint's :class:`~megatron_lev.checkpoint.SavedModel` and ``info`` =
+    ``LevModelConfig``, ``saved`` the checkpoint's :class:`~megatron_lev.config.RunConfig` as saved and ``info`` =
     {checkpoint, iteration, iteration_dir, config}.
     """
-    from megatron_lev.checkpoint import SavedModel, build_configs, build_model_chunks, load_model_state
-    from megatron_lev.lev.config import ConfigError
+    from megatron_lev.checkpoint import load_model_state
+    from megatron_lev.models.factory import build_configs, build_model_chunks
 
     cfg, iteration, path = checkpoint_config(load_dir, iteration)
     try:
-        saved = SavedModel.from_saved_args(cfg)
+        saved = RunConfig.from_saved_args(cfg, source=os.path.join(path, "config.yaml"))
     except ConfigError as e:
-        raise EvalSetupError(f"{path}: {e}") from None
-    args = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
-    if saved.mtp_num_layers and log is not None:
-        log(f"  {path}: trained with --mtp-num-layers {saved.mtp_num_layers}; the main head is scored "
+        raise EvalSetupError(str(e)) from None
+    rc = eval_args(cfg, tp, pp, torch.distributed.get_world_size(), micro_batch_size)
+    if saved.model.mtp_num_layers and log is not None:
+        log(f"  {path}: trained with --mtp-num-layers {saved.model.mtp_num_layers}; the main head is scored "
             f"(the MTP block is not loaded)")
     try:
-        config, model_config = build_configs(args, for_loading=True)
+        config, model_config = build_configs(rc, for_loading=True)
     except ConfigError as e:
         raise EvalSetupError(f"the checkpoint cannot be evaluated at TP={tp} PP={pp}: {e}") from None
     chunks = build_model_chunks(config, model_config)
@@ -203,12 +204,12 @@ class MegatronScorer(Scorer):
                         iteration: Optional[int] = None):
         """Load ``load_dir`` (its tracker's checkpoint, or ``iteration``'s; after
         :func:`megatron_lev.distributed.init_distributed`); return ``(scorer, saved, info)`` (``saved``: the
-        checkpoint's :class:`~megatron_lev.checkpoint.SavedModel`)."""
+        checkpoint's :class:`~megatron_lev.config.RunConfig` as saved)."""
         chunks, config, model_config, saved, info = load_model(load_dir, tp, pp, micro_batch_size, log=log,
                                                                iteration=iteration)
         # Learned absolute positions cap the window at max_position_embeddings; RoPE models may be
         # given a longer window than they were trained on.
-        limit = saved.seq_length
+        limit = saved.data.seq_length
         if model_config.position_embedding_type == "learned_absolute":
             limit = min(max_length or limit, model_config.max_sequence_length)
         elif max_length:

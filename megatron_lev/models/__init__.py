@@ -1,5 +1,6 @@
-"""The GPT model on megatron-core with a choice of input representation (tied, untied, albert,
-flat_mlp, factored_mlp, lev), its layer specs, parameter matching and parameter report."""
+"""The GPT model on megatron-core with a choice of input representation (tied, untied, albert, flat_mlp,
+factored_mlp, lev: the input-arm registry, ``models.arms``), its layer specs, parameter matching and parameter
+report."""
 
 from .config import ConfigError, LevModelConfig, build_transformer_config
 from .gpt import LevGPTModel, build_gpt_model, lev_modules, materialize_input_embedding

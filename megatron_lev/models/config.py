@@ -25,12 +25,10 @@ from megatron_lev.lev.config import ConfigError, LEVConfig
 
 from . import rope
 from .moe import check_moe_settings, check_te_only_moe_flags
-from .params import ARMS_MATCHED, match_flat_mlp_hidden, matched_widths
+from .arms import InputArm, arm_names, find_arm, get_arm
 
-# The input arms, in the order of the paper's tables; the flag's choices and the check use this tuple.
-INPUT_EMBEDDINGS = ("tied", "untied") + ARMS_MATCHED + ("lev",)
-# The arms whose input layer is megatron-core's own (its embedding table, shared with the head when tied).
-MEGATRON_ARMS = ("tied", "untied")
+# The input arms (the registry's names, models.arms); the flag's choices and the check read it.
+INPUT_EMBEDDINGS = arm_names()
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute", "none")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
@@ -38,7 +36,7 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")
 
 # TransformerConfig fields that pretrain_lev.py's flags generated from TransformerConfig set
-# (arguments.model); checkpoint.build passes each one that is set.
+# (arguments.model); models.factory passes each one that is set.
 TRANSFORMER_FLAG_FIELDS = ("layernorm_zero_centered_gamma", "attention_softmax_in_fp32", "masked_softmax_fusion",
                            "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion",
                            "attention_backend", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
@@ -221,8 +219,8 @@ class LevModelConfig:
     """Longest sequence the model accepts; sizes learned absolute positions (flag --seq-length)."""
 
     input_embedding: str = field(default="lev", metadata={"choices": INPUT_EMBEDDINGS})
-    """Input representation, one of tied, untied, albert, flat_mlp, factored_mlp, lev
-    (flag --input-embedding). Every arm but ``tied`` has an untied vocab-parallel output head."""
+    """Input representation, one of the registered input arms (models.arms: tied, untied, albert, flat_mlp,
+    factored_mlp, lev; flag --input-embedding). Every arm but ``tied`` has an untied vocab-parallel output head."""
 
     lev: LEVConfig = field(default_factory=LEVConfig)
     """LEV knobs; also used by factored_mlp (seed) and by the parameter matching (flags --lev-*)."""
@@ -287,42 +285,22 @@ class LevModelConfig:
     # ------------------------------------------------------------------ helpers
 
     @property
+    def arm(self) -> InputArm:
+        """The registry's entry of ``input_embedding`` (``ConfigError`` for a name it does not hold)."""
+        return get_arm(self.input_embedding)
+
+    @property
     def share_embeddings_and_output_weights(self) -> bool:
-        """Only the ``tied`` arm shares the input table with the output head."""
-        return self.input_embedding == "tied"
+        """Only an arm that ties its table to the head (``tied``) shares the input table with the output head."""
+        return self.arm.ties_output_head
 
     def resolved_widths(self, hidden_size: int) -> Dict[str, int]:
-        """Widths of the baseline arms: explicit values where given, else parameter-matched.
-
-        Keys: ``albert_dim``, ``flat_mlp_dim``, ``mlp_hidden`` (flat_mlp), ``factored_mlp_hidden``.
-        Only the keys of this config's arm are computed (matching can fail for other arms)."""
-        arm = self.input_embedding
-        out: Dict[str, int] = {}
-        if arm not in ARMS_MATCHED:
-            return out
-        need_match = (
-            (arm == "albert" and self.albert_dim is None)
-            or (arm == "flat_mlp" and (self.flat_mlp_dim is None or self.mlp_hidden is None))
-            or (arm == "factored_mlp" and self.mlp_hidden is None)
-        )
-        matched = matched_widths(self.vocab_size, hidden_size, self.lev, arms=(arm,)) if need_match else {}
-        if arm == "albert":
-            out["albert_dim"] = self.albert_dim if self.albert_dim is not None else matched["albert_dim"]
-        elif arm == "flat_mlp":
-            if self.flat_mlp_dim is not None and self.mlp_hidden is None:
-                # e given, m matched to the remaining budget.
-                m = match_flat_mlp_hidden(self.vocab_size, hidden_size, self.lev, self.flat_mlp_dim)
-                out.update(flat_mlp_dim=self.flat_mlp_dim, mlp_hidden=m)
-            else:
-                out["flat_mlp_dim"] = (
-                    self.flat_mlp_dim if self.flat_mlp_dim is not None else matched["flat_mlp_dim"]
-                )
-                out["mlp_hidden"] = self.mlp_hidden if self.mlp_hidden is not None else matched["flat_mlp_hidden"]
-        else:
-            out["factored_mlp_hidden"] = (
-                self.mlp_hidden if self.mlp_hidden is not None else matched["factored_mlp_hidden"]
-            )
-        return out
+        """Widths of this config's arm: explicit values where given, else parameter-matched
+        (``InputArm.widths``: albert ``albert_dim``; flat_mlp ``flat_mlp_dim``, ``mlp_hidden``;
+        factored_mlp ``factored_mlp_hidden``; none for the other arms). Only this arm's are computed
+        (matching can fail for other arms)."""
+        arm = find_arm(self.input_embedding)
+        return arm.widths(self, hidden_size) if arm is not None else {}
 
     def use_transformer_engine(self) -> bool:
         return use_transformer_engine(self.transformer_impl)
@@ -332,7 +310,7 @@ class LevModelConfig:
     def validate(self, config: Any) -> None:
         """Raise ``ConfigError`` (one line: flag and fix) if this model cannot be built with ``config``
         (a megatron-core TransformerConfig)."""
-        _check_choice("--input-embedding", self.input_embedding, INPUT_EMBEDDINGS)
+        get_arm(self.input_embedding)  # one line: --input-embedding's choices, and how an arm of one's own is added
         _check_choice("--position-embedding-type", self.position_embedding_type, POSITION_EMBEDDING_TYPES)
         _check_choice("--normalization", self.normalization, NORMALIZATIONS)
         _check_choice("--swiglu/--no-swiglu (activation)", self.activation, ACTIVATIONS)
@@ -385,9 +363,10 @@ class LevModelConfig:
         check_rope_scaling(self.position_embedding_type, self.use_rope_scaling, self.rope_scaling_factor)
 
         # The LEV settings matter for lev (layer) and factored_mlp (seed), and for matching.
-        if self.input_embedding in ("lev",) + ARMS_MATCHED:
-            self._validate_lev(config.hidden_size, tp if self.input_embedding == "lev" else 1)
-        if self.input_embedding in ARMS_MATCHED:
+        arm = self.arm
+        if arm.lev_layer or arm.matched:
+            self._validate_lev(config.hidden_size, tp if arm.lev_layer else 1)
+        if arm.matched:
             self.resolved_widths(config.hidden_size)  # raises ConfigError when matching is impossible
 
     def _validate_lev(self, hidden_size: int, tp: int) -> None:
@@ -419,7 +398,7 @@ def check_mtp_stage(input_embedding: str, mtp_num_layers: Optional[int], pp: int
     """One-line ``ConfigError`` for an MTP block this layout cannot hold: megatron-core puts it on the
     last pipeline stage, and an input arm of ours (LEV, the matched baselines) embeds its shifted tokens,
     which only the first stage can do (megatron's own tied/untied table is shared across stages)."""
-    if mtp_num_layers and pp > 1 and input_embedding not in MEGATRON_ARMS:
+    if mtp_num_layers and pp > 1 and not get_arm(input_embedding).megatron_embedding:
         raise ConfigError(
             f"--mtp-num-layers with --input-embedding {input_embedding} needs the MTP block on the first pipeline "
             "stage (it embeds the shifted tokens with the input arm, which lives there); use "

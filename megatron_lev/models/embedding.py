@@ -3,7 +3,7 @@
 It mirrors ``megatron/core/models/common/embeddings/language_model_embedding.py`` (0.16.1) step by
 step, so the rest of GPTModel cannot tell the difference:
 
-- the arm (albert, flat_mlp, factored_mlp or lev; attribute ``arm``) maps ``input_ids [b, s]`` to
+- the arm (albert, flat_mlp, factored_mlp, lev or any registered arm's ``build``; attribute ``arm``) maps ``input_ids [b, s]`` to
   ``[s, b, D]``; under sequence parallelism (and without learned absolute positions or token
   types, the same condition as megatron's ``reduce_scatter_embeddings``) it returns its sequence
   shard ``[s/t, b, D]``, reduce-scattered where the arm reduces;
@@ -24,8 +24,9 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
-from megatron_lev.parallel.arms import build_arm
 from megatron_lev.parallel.lev_embedding import parameter_device
+
+from .arms import get_arm
 
 
 class InputArmEmbedding(MegatronModule):
@@ -55,8 +56,7 @@ class InputArmEmbedding(MegatronModule):
             (not self.add_position_embedding) and config.sequence_parallel and scatter_to_sequence_parallel
         )
         self.input_embedding = model_config.input_embedding
-        self.arm = build_arm(
-            model_config.input_embedding,
+        self.arm = get_arm(model_config.input_embedding).build(
             config=config,
             vocab_size=self.vocab_size,
             model_config=model_config,

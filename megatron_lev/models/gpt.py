@@ -6,7 +6,8 @@ megatron-core has no spec slot for the embedding, so this subclasses ``GPTModel`
   (one V x D matrix; under pipeline parallelism megatron keeps the last stage's copy in sync
   through its embedding group).
 - ``untied``: megatron's own ``LanguageModelEmbedding`` and a separate ColumnParallelLinear head.
-- ``albert``, ``flat_mlp``, ``factored_mlp``, ``lev``: the first stage's ``embedding`` is an
+- ``albert``, ``flat_mlp``, ``factored_mlp``, ``lev`` (every arm of the registry, ``models.arms``, but
+  megatron's own two): the first stage's ``embedding`` is an
   ``InputArmEmbedding`` (same interface as megatron's). megatron-core's GPTModel has no slot for another
   embedding class (its constructor builds ``LanguageModelEmbedding`` whenever ``pre_process``), so
   ``LevGPTModel`` builds the GPTModel as a stage without an input layer and then makes it the first
@@ -60,7 +61,7 @@ from megatron.core.transformer.multi_token_prediction import MultiTokenPredictio
 from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding
 from megatron_lev.parallel.linear_cross_entropy import DeferredLogits, LinearCrossEntropyHead
 
-from .config import MEGATRON_ARMS, LevModelConfig, check_mtp_stage, linear_cross_entropy_on
+from .config import LevModelConfig, check_mtp_stage, linear_cross_entropy_on
 from .embedding import InputArmEmbedding
 from .init_streams import InputSideStreams
 from .specs import get_block_spec, get_mtp_block_spec
@@ -95,7 +96,7 @@ class LevGPTModel(GPTModel):
         if transformer_layer_spec is None:
             transformer_layer_spec = get_block_spec(config, model_config, vp_stage=vp_stage)
         arm = model_config.input_embedding
-        own_input = arm not in MEGATRON_ARMS
+        own_input = not model_config.arm.megatron_embedding
         mtp_spec = get_mtp_block_spec(config, model_config, transformer_layer_spec, vp_stage=vp_stage)
         if mtp_spec is not None and not pre_process:
             check_mtp_stage(arm, config.mtp_num_layers, config.pipeline_model_parallel_size)
@@ -115,7 +116,7 @@ class LevGPTModel(GPTModel):
             post_process=post_process,
             fp16_lm_cross_entropy=fp16_lm_cross_entropy,
             parallel_output=parallel_output,
-            share_embeddings_and_output_weights=(arm == "tied"),
+            share_embeddings_and_output_weights=model_config.share_embeddings_and_output_weights,
             position_embedding_type=model_config.position_embedding_type,
             rotary_percent=model_config.rotary_percent,
             rotary_base=model_config.rotary_base,
@@ -228,7 +229,7 @@ class LevGPTModel(GPTModel):
         the V x D table (``InputArmEmbedding.arm``): with LEV its codebooks, spline heads and projections;
         with albert/flat_mlp/factored_mlp their table and projection. The learned position embedding is
         left out, as megatron leaves its own out."""
-        if self.model_config.input_embedding in MEGATRON_ARMS:
+        if self.model_config.arm.megatron_embedding:
             return super().setup_embeddings_and_output_layer()
         if self.pre_process and isinstance(getattr(self, "embedding", None), InputArmEmbedding):
             for p in self.embedding.arm.parameters():
@@ -238,7 +239,7 @@ class LevGPTModel(GPTModel):
             self.output_layer.weight.is_embedding_or_output_parameter = True
 
     def shared_embedding_or_output_weight(self) -> Optional[Tensor]:
-        if self.model_config.input_embedding in MEGATRON_ARMS:
+        if self.model_config.arm.megatron_embedding:
             return super().shared_embedding_or_output_weight()
         return self.output_layer.weight if self.post_process else None
 

@@ -1,6 +1,7 @@
 """Parameter matching of the baseline arms to LEV, and the analytic parameter breakdown.
 
-Input-side parameter counts (V vocabulary, D hidden size, LEV knobs k, b, d_s, ...):
+Each arm's input-side count and its matching rule are its entry in the input-arm registry
+(``models.arms``: the formulas in each arm's module docstring):
 
     tied, untied   V*D
     albert         V*e + e*D + D                       (table, projection weight and bias)
@@ -8,67 +9,29 @@ Input-side parameter counts (V vocabulary, D hidden size, LEV knobs k, b, d_s, .
     factored_mlp   k*b*d_s + (d_s*m + m) + (m*D + D)   (LEV codebooks, MLP d_s -> m -> D)
     lev            P_LEV = k b d_s + h (d_s^2 + 3 d_s + d_s kappa r + r D) + D
 
-Matching rule (``matched_widths``), budget P = P_LEV for the same V, D and LEV knobs:
-
-- albert: e = the integer nearest to (P - D) / (V + D) (at least 1). Its granularity is V + D
-  parameters, so the match is within 2% only when (V + D) / 2 <= 2% of P; otherwise (large V,
-  small D) no albert width is within 2%, and matching raises ``ConfigError`` asking for an
-  explicit ``--albert-dim``.
-- flat_mlp: half of the budget to the table, e = max(1, round(P / (2 V))) (lowered until the MLP
-  gets at least one hidden unit), then m = the integer nearest to (P - V e - D) / (e + 1 + D).
-  m has a granularity of about D parameters, so the match is tight whenever e fits.
-- factored_mlp: the codebooks are fixed by the LEV knobs; m = the integer nearest to
-  (P - k b d_s - D) / (d_s + 1 + D).
-
-If V alone (e = 1) exceeds the budget, albert and flat_mlp cannot be matched: ``ConfigError``.
+The matched arms (``InputArm.matched``) are fitted to the budget P = P_LEV for the same V, D and LEV
+knobs, within ``MATCH_TOLERANCE``; an arm that cannot be matched raises ``ConfigError`` asking for its
+width explicitly.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional
 
-from megatron_lev.lev.config import ConfigError, LEVConfig, lev_param_count
+from megatron_lev.lev.config import LEVConfig, lev_param_count
 
+from .arms import MATCH_TOLERANCE, get_arm, matched_arms
+from .arms.albert import albert_params
+from .arms.factored_mlp import factored_mlp_params
+from .arms.flat_mlp import flat_mlp_params, match_flat_mlp_hidden
 from .moe import is_moe, moe_layer_pattern
 
 if TYPE_CHECKING:  # models/config.py imports this module (the matching), not the other way round
     from .config import LevModelConfig
 
-MATCH_TOLERANCE = 0.02
-ARMS_MATCHED = ("albert", "flat_mlp", "factored_mlp")
-
-
-def albert_params(vocab_size: int, hidden_size: int, e: int) -> int:
-    return vocab_size * e + e * hidden_size + hidden_size
-
-
-def flat_mlp_params(vocab_size: int, hidden_size: int, e: int, m: int) -> int:
-    return vocab_size * e + e * m + m + m * hidden_size + hidden_size
-
-
-def factored_mlp_params(vocab_size: int, hidden_size: int, lev: LEVConfig, m: int) -> int:
-    b = lev.resolved_base(vocab_size)
-    ds = lev.seed_dim
-    return lev.num_digits * b * ds + ds * m + m + m * hidden_size + hidden_size
-
-
-def _closest(width_estimate: float, count, budget: int) -> int:
-    import math
-
-    cands = {max(1, int(math.floor(width_estimate))), max(1, int(math.ceil(width_estimate)))}
-    return min(sorted(cands), key=lambda x: abs(count(x) - budget))
-
-
-def match_flat_mlp_hidden(vocab_size: int, hidden_size: int, lev: LEVConfig, e: int) -> int:
-    V, D = vocab_size, hidden_size
-    P = lev_param_count(V, D, lev)
-    rest = P - V * e - D
-    if rest < e + 1 + D:
-        raise ConfigError(
-            f"--flat-mlp-dim {e}: the V x e table ({V * e:,} parameters) leaves no room for the MLP "
-            f"within the LEV budget of {P:,}; lower --flat-mlp-dim or give --mlp-hidden explicitly"
-        )
-    return _closest(rest / (e + 1 + D), lambda m: flat_mlp_params(V, D, e, m), P)
+__all__ = ["MATCH_TOLERANCE", "albert_params", "factored_mlp_params", "flat_mlp_params", "format_parameter_breakdown",
+           "input_side_params", "match_flat_mlp_hidden", "matched_widths", "mtp_params", "parameter_breakdown",
+           "transformer_layer_params", "transformer_params"]
 
 
 def matched_widths(
@@ -76,10 +39,11 @@ def matched_widths(
     hidden_size: int,
     lev_config: Optional[LEVConfig] = None,
     *,
-    arms: Iterable[str] = ARMS_MATCHED,
+    arms: Optional[Iterable[str]] = None,
     tolerance: float = MATCH_TOLERANCE,
 ) -> Dict[str, Any]:
-    """Widths of albert / flat_mlp / factored_mlp whose input-side counts match LEV's (module doc).
+    """Widths of the matched arms (``arms``: their names, default every one) whose input-side counts match
+    LEV's (``InputArm.match``).
 
     Returns ``lev_params`` and, per requested arm, its widths, its parameter count and the
     relative error: ``albert_dim``, ``albert_params``, ``albert_rel_error``; ``flat_mlp_dim``,
@@ -91,66 +55,16 @@ def matched_widths(
     V, D = int(vocab_size), int(hidden_size)
     P = lev_param_count(V, D, lev)
     out: Dict[str, Any] = {"lev_params": P}
-    arms = tuple(arms)
-
-    def check(arm: str, count: int, flag: str) -> None:
-        err = (count - P) / P
-        out[f"{arm}_params"] = count
-        out[f"{arm}_rel_error"] = err
-        if abs(err) > tolerance:
-            raise ConfigError(
-                f"{arm}: no width matches LEV's {P:,} input-side parameters within {tolerance:.0%} "
-                f"(closest {count:,}, {err:+.1%}) for V={V}, D={D}; give {flag} explicitly"
-            )
-
-    if "albert" in arms:
-        if albert_params(V, D, 1) > P * (1 + tolerance):
-            raise ConfigError(
-                f"albert: even --albert-dim 1 needs {albert_params(V, D, 1):,} parameters, above LEV's "
-                f"{P:,} for V={V}, D={D}; parameter matching is impossible, give --albert-dim explicitly"
-            )
-        e = _closest((P - D) / (V + D), lambda x: albert_params(V, D, x), P)
-        out["albert_dim"] = e
-        check("albert", albert_params(V, D, e), "--albert-dim")
-    if "flat_mlp" in arms:
-        e = max(1, round(P / (2 * V)))
-        while e > 1 and P - V * e - D < e + 1 + D:
-            e -= 1
-        if P - V * e - D < e + 1 + D:
-            raise ConfigError(
-                f"flat_mlp: a V x 1 table ({V:,} parameters) already exhausts LEV's {P:,} for V={V}, "
-                f"D={D}; parameter matching is impossible, give --flat-mlp-dim and --mlp-hidden explicitly"
-            )
-        m = match_flat_mlp_hidden(V, D, lev, e)
-        out["flat_mlp_dim"], out["flat_mlp_hidden"] = e, m
-        check("flat_mlp", flat_mlp_params(V, D, e, m), "--flat-mlp-dim/--mlp-hidden")
-    if "factored_mlp" in arms:
-        b = lev.resolved_base(V)
-        fixed = lev.num_digits * b * lev.seed_dim + D
-        ds = lev.seed_dim
-        if P - fixed < ds + 1 + D:
-            raise ConfigError(f"factored_mlp: LEV's budget {P:,} leaves no room for the MLP; give --mlp-hidden")
-        m = _closest((P - fixed) / (ds + 1 + D), lambda x: factored_mlp_params(V, D, lev, x), P)
-        out["factored_mlp_hidden"] = m
-        check("factored_mlp", factored_mlp_params(V, D, lev, m), "--mlp-hidden")
+    wanted = None if arms is None else set(arms)
+    for arm in matched_arms():
+        if wanted is None or arm.name in wanted:
+            out.update(arm.match(V, D, lev, P, tolerance))
     return out
 
 
 def input_side_params(model_config: LevModelConfig, hidden_size: int) -> int:
     """Parameters of the input arm (position embeddings excluded)."""
-    V, D, arm = model_config.vocab_size, hidden_size, model_config.input_embedding
-    if arm in ("tied", "untied"):
-        return V * D
-    if arm == "lev":
-        return lev_param_count(V, D, model_config.lev)
-    w = model_config.resolved_widths(D)
-    if arm == "albert":
-        return albert_params(V, D, w["albert_dim"])
-    if arm == "flat_mlp":
-        return flat_mlp_params(V, D, w["flat_mlp_dim"], w["mlp_hidden"])
-    if arm == "factored_mlp":
-        return factored_mlp_params(V, D, model_config.lev, w["factored_mlp_hidden"])
-    raise ConfigError(f"--input-embedding {arm!r}: not an input arm (LevModelConfig.validate lists them)")
+    return get_arm(model_config.input_embedding).input_params(model_config, hidden_size)
 
 
 def _mlp_params(hidden_size: int, ffn: int, gated: bool, bias: bool) -> int:
@@ -251,7 +165,7 @@ def parameter_breakdown(model_config: LevModelConfig, config: Any) -> Dict[str, 
     final_norm = D * (2 if config.normalization == "LayerNorm" else 1)
     trans = decoder["dense"] + decoder["experts"] + final_norm
     mtp = mtp_params(config)
-    head = 0 if arm == "tied" else V * D
+    head = 0 if get_arm(arm).ties_output_head else V * D
     total = inp + pos + trans + mtp["dense"] + mtp["experts"] + head
     experts = decoder["experts"] + mtp["experts"]
     num_experts = getattr(config, "num_moe_experts", None)
@@ -294,7 +208,7 @@ def format_parameter_breakdown(breakdown: Dict[str, Any]) -> str:
         rows += [("  of which experts", breakdown["experts"]), ("  dense (no experts)", breakdown["dense"])]
     for name, n in rows:
         extra = ""
-        if name == "output head" and breakdown["arm"] == "tied":
+        if name == "output head" and get_arm(breakdown["arm"]).ties_output_head:
             extra = "  (shared with the input table)"
         lines.append(f"  {name:<20}{fmt(n)}  {100.0 * n / total:5.1f}%{extra}")
     lines.append(f"  {'total':<20}{fmt(breakdown['total'])}")

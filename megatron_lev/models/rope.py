@@ -11,8 +11,10 @@ the same values in 4 operators each way,
 
 (``roll(t, d/2) * sin'`` is ``rotate_half(t) * sin`` element for element, a negation being exact), with the
 cosine and signed sine taken once per frequency tensor (megatron's rotary module hands every layer the same
-one). Forward and backward are bit for bit megatron's unfused ones; on CUDA with Triton they are compiled
-(one kernel each way; inductor rounds the products once, in fp32). Installed as megatron's
+one). On the CPU (eager) forward and backward are bit for bit megatron's unfused ones. On CUDA with Triton
+they are compiled (one kernel each way), which computes in fp32 and rounds once to the input's dtype (a
+multiply-add may be contracted), where megatron's unfused path rounds every operator's result: equal within 1
+ulp of the dtype, not bit for bit (``tests/models/test_rope.py``'s ``gpu`` test bounds it against fp64). Installed as megatron's
 ``fused_apply_rotary_pos_emb`` (TE's signature) by :func:`install` where TE's is missing, so that
 megatron's own switch, ``apply_rope_fusion`` (``--no-rope-fusion``), chooses it.
 """
@@ -36,7 +38,10 @@ def _rotate_back(g: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _compiled():
-    return torch.compile(_rotate, dynamic=False), torch.compile(_rotate_back, dynamic=False)
+    # dynamic=None: one kernel for the first shape, then one with dynamic sizes at the first other shape
+    # (evaluation, another sequence length), where dynamic=False recompiles every new shape up to dynamo's
+    # recompile limit and then runs eager.
+    return torch.compile(_rotate, dynamic=None), torch.compile(_rotate_back, dynamic=None)
 
 
 class _Tables:

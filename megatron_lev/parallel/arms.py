@@ -4,7 +4,8 @@
     flat_mlp      dense V x e table (vocab-parallel), then an MLP e -> m -> D (GELU)
     factored_mlp  the LEV seed z(i) = sum_m C_m[i_m] (k replicated codebooks), then an MLP d_s -> m -> D
 
-(``tied`` and ``untied`` are megatron-core's own ``LanguageModelEmbedding``.)
+(``tied`` and ``untied`` are megatron-core's own ``LanguageModelEmbedding``; which module an arm
+builds is its entry in ``models.arms``, the input-arm registry.)
 
 Every arm has the interface of ``LEVParallelEmbedding``: ``forward(input_ids [b, s])`` returns
 ``[s, b, D]`` identical on every TP rank, or, with ``reduce_scatter_embeddings=True``, this rank's
@@ -54,9 +55,9 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from megatron_lev.parallel.collectives import broadcast_
-from megatron_lev.parallel.lev_embedding import LEVParallelEmbedding, parameter_device
+from megatron_lev.parallel.lev_embedding import parameter_device
 
-__all__ = ["AlbertEmbedding", "FlatMLPEmbedding", "FactoredMLPEmbedding", "build_arm", "gelu_second_moment"]
+__all__ = ["AlbertEmbedding", "FlatMLPEmbedding", "FactoredMLPEmbedding", "TableArm", "gelu_second_moment"]
 
 _GELU_M2: Optional[float] = None
 
@@ -158,8 +159,9 @@ class _ArmBase(MegatronModule):
                 table.reduce_scatter_embeddings = saved
 
 
-class _TableArm(_ArmBase):
-    """V x e vocab-parallel table; ``_lookup`` returns [s, b, e] (or the sequence shard)."""
+class TableArm(_ArmBase):
+    """V x e vocab-parallel table; ``_lookup`` returns [s, b, e] (or the sequence shard). The base of a new
+    table arm (``models.arms``): a subclass adds its layers after the table and calls ``_finish_replicated``."""
 
     def __init__(self, *, config, vocab_size: int, table_dim: int, reduce_scatter_embeddings: bool = False,
                  tp_group=None):
@@ -183,7 +185,7 @@ class _TableArm(_ArmBase):
         return x
 
 
-class AlbertEmbedding(_TableArm):
+class AlbertEmbedding(TableArm):
     """albert: V x e table, then a linear e -> D (weight [D, e], bias [D])."""
 
     def __init__(self, *, config, vocab_size: int, albert_dim: int, reduce_scatter_embeddings: bool = False,
@@ -214,7 +216,7 @@ def _mlp(x: Tensor, fc1_w: Tensor, fc1_b: Tensor, fc2_w: Tensor, fc2_b: Tensor) 
     return F.linear(F.gelu(F.linear(x, fc1_w, fc1_b)), fc2_w, fc2_b)
 
 
-class FlatMLPEmbedding(_TableArm):
+class FlatMLPEmbedding(TableArm):
     """flat_mlp: V x e table, then an MLP e -> m -> D with GELU (biases on both layers)."""
 
     def __init__(self, *, config, vocab_size: int, table_dim: int, mlp_hidden: int,
@@ -277,27 +279,3 @@ class FactoredMLPEmbedding(_ArmBase):
             ids = self._sequence_shard(ids)
         z = self.seed(ids)  # [s(/t), b, d_s]
         return _mlp(z.to(self.fc1_weight.dtype), self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
-
-
-def build_arm(arm: str, *, config, vocab_size: int, model_config, reduce_scatter_embeddings: bool = False,
-              tp_group=None):
-    """The input module of ``arm`` (albert, flat_mlp, factored_mlp, lev) with widths from ``model_config``."""
-    if arm == "lev":
-        return LEVParallelEmbedding(config=config, lev_config=model_config.lev, vocab_size=vocab_size,
-                                    reduce_scatter_embeddings=reduce_scatter_embeddings,
-                                    init_seed=model_config.init_seed,
-                                    initialize=not model_config.weights_from_checkpoint)
-    w = model_config.resolved_widths(config.hidden_size)
-    if arm == "albert":
-        return AlbertEmbedding(config=config, vocab_size=vocab_size, albert_dim=w["albert_dim"],
-                               reduce_scatter_embeddings=reduce_scatter_embeddings, tp_group=tp_group)
-    if arm == "flat_mlp":
-        return FlatMLPEmbedding(config=config, vocab_size=vocab_size, table_dim=w["flat_mlp_dim"],
-                                mlp_hidden=w["mlp_hidden"], reduce_scatter_embeddings=reduce_scatter_embeddings,
-                                tp_group=tp_group)
-    if arm == "factored_mlp":
-        return FactoredMLPEmbedding(config=config, vocab_size=vocab_size, lev_config=model_config.lev,
-                                    mlp_hidden=w["factored_mlp_hidden"],
-                                    reduce_scatter_embeddings=reduce_scatter_embeddings, tp_group=tp_group,
-                                    init_seed=model_config.init_seed)
-    raise ValueError(f"no TP arm module for input embedding {arm!r}")

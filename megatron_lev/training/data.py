@@ -22,7 +22,7 @@ from megatron_lev.data.datasets import build_train_valid_test_datasets
 from megatron_lev.tokenizer import TokenizerSpec
 
 if TYPE_CHECKING:
-    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.config import RunConfig
 
 
 def build_tokenizer_from_args(args):

@@ -43,7 +43,7 @@ from megatron_lev.distributed import report_error
 from megatron_lev.parallel.collectives import all_reduce_
 
 if TYPE_CHECKING:
-    from megatron_lev.arguments import RunConfig
+    from megatron_lev.config import RunConfig
 
 EXIT_CONFIG_ERROR = 2
 EXIT_NAN = 3
@@ -247,7 +247,10 @@ class SigtermRaises:
 
     def release(self) -> None:
         if self._prev is not None:
-            signal.signal(signal.SIGTERM, self._prev)
+            # Only our own handler is undone: one put in since (a lost rank's SIG_IGN, Stops.release) stays, or
+            # torchrun's SIGTERM during the teardown would turn that rank's exit code 5 into a death by SIGTERM.
+            if signal.getsignal(signal.SIGTERM) is self._handle:
+                signal.signal(signal.SIGTERM, self._prev)
             self._prev = None
 
 

@@ -12,7 +12,9 @@ differ from D with --kv-channels), g query groups, F the MLP width, V the padded
     attention scores        2 * L * 2 * s * a * d_h           (Q K^T and attention x V)
     MLP                     2 * L * D * F * (3 if SwiGLU else 2)
     output head             2 * D * V
-    input side, per token   tied/untied: 0 (a row gather)
+    input side              the arm's own count (``models.arms``: ``InputArm.forward_flops_per_token`` and
+                            ``forward_flops_per_iteration``):
+                            tied/untied: 0 (a row gather)
                             albert: 2 e D;  flat_mlp: 2 (e m + m D);  factored_mlp: 2 (d_s m + m D)
     LEV, per evaluated id   2 * h * (d_s^2 + d_s*r*c + d_s*r + r*D)
                             (seed projection, spline basis x Delta with c = 3 non-zero knots, the
@@ -25,6 +27,7 @@ differ from D with --kv-channels), g query groups, F the MLP width, V the padded
                             heads, so one model replica evaluates each of the V ids once).
 
     FLOPs per iteration = 3 * (tokens * per-token forward + LEV ids * LEV per-id forward)
+                          (LEV's ids: the lev arm's ``forward_flops_per_iteration``)
 
 Norms, softmax, rotary and the loss are left out (a few FLOPs per element, under 1% at these sizes).
 """
@@ -33,7 +36,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_lev.lev.config import LEVConfig
+from megatron_lev.models.arms import get_arm
+from megatron_lev.models.arms.lev import lev_forward_flops_per_id  # noqa: F401  (the LEV count's name here)
 
 # Dense (no sparsity) bf16 tensor-core peak TFLOP/s, NVIDIA's datasheet figures (half the "with sparsity"
 # ones), for MFU when --peak-tflops-per-device is not given. Matched against torch.cuda.get_device_name()
@@ -44,29 +48,6 @@ _PEAK_TFLOPS = (
     ("H100", 989.0), ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("A10", 125.0),
     ("V100", 125.0),
 )
-
-
-def lev_forward_flops_per_id(lev: LEVConfig, hidden_size: int) -> float:
-    """Forward FLOPs of G for one id. The same for every ``lev.basis`` (and whatever ``auto`` resolves to
-    on a device, ``LEVConfig.resolved_basis``): model FLOPs count the 3 non-zero knots of a quadratic
-    B-spline; the dense basis's kappa - 3 zero products are work of that implementation."""
-    h, ds, r, D = lev.num_heads, lev.seed_dim, lev.rank, hidden_size
-    active_knots = 3
-    return 2.0 * h * (ds * ds + ds * r * active_knots + ds * r + r * D)
-
-
-def _input_side_per_token(model_config, hidden_size: int) -> float:
-    arm, D = model_config.input_embedding, hidden_size
-    widths = model_config.resolved_widths(D)
-    if arm == "albert":
-        return 2.0 * widths["albert_dim"] * D
-    if arm == "flat_mlp":
-        e, m = widths["flat_mlp_dim"], widths["mlp_hidden"]
-        return 2.0 * (e * m + m * D)
-    if arm == "factored_mlp":
-        m = widths["factored_mlp_hidden"]
-        return 2.0 * (model_config.lev.seed_dim * m + m * D)
-    return 0.0
 
 
 def transformer_forward_flops_per_token(config: Any, vocab_size: int, seq_length: int) -> float:
@@ -91,15 +72,11 @@ def flops_per_iteration(config: Any, model_config, *, global_batch_size: int, se
     data-parallel size where its parallel state is initialised, else 1 (one process)."""
     D, V = config.hidden_size, model_config.vocab_size
     tokens = global_batch_size * seq_length
-    per_token = transformer_forward_flops_per_token(config, V, seq_length) + _input_side_per_token(model_config, D)
+    arm = get_arm(model_config.input_embedding)
+    per_token = transformer_forward_flops_per_token(config, V, seq_length) + arm.forward_flops_per_token(model_config, D)
     total = 3.0 * tokens * per_token
-    if model_config.input_embedding == "lev":
-        if model_config.lev.compute_mode == "table":
-            ids = V * (data_parallel_size if data_parallel_size is not None else _data_parallel_size())
-        else:
-            ids = tokens
-        total += 3.0 * ids * lev_forward_flops_per_id(model_config.lev, D)
-    return total
+    dp = (lambda: data_parallel_size) if data_parallel_size is not None else _data_parallel_size
+    return total + 3.0 * arm.forward_flops_per_iteration(model_config, D, tokens=tokens, data_parallel_size=dp)
 
 
 def _data_parallel_size() -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 
 if TYPE_CHECKING:
-    from megatron_lev.arguments.groups import LoggingConfig
+    from megatron_lev.config.groups import LoggingConfig
 
 
 def is_rank0() -> bool:

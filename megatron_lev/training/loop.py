@@ -43,18 +43,19 @@ import torch
 
 from megatron_lev import checkpoint
 from megatron_lev._procutil import EXIT_INTERRUPTED
-from megatron_lev.arguments import RunConfig, format_config, parse_run_config, resolved_config
-from megatron_lev.arguments.groups import ScheduleConfig
+from megatron_lev.arguments import format_config, parse_run_config, resolved_config
 from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
 from megatron_lev.arguments.schedule import batch_calculator, batch_sizes, check_interleaved_microbatches
 from megatron_lev.compat.optimizer import NonFiniteGrads, check_grads_in_step, keep_grad_norm_on_device, \
     copy_main_params_in_one_launch, keep_multi_tensor_scale_batched, use_adam_impl
 from megatron_lev.compat.versions import fallback_notice
+from megatron_lev.config import RunConfig
+from megatron_lev.config.groups import ScheduleConfig
 from megatron_lev.data.datasets import DatasetValidationError
 from megatron_lev.distributed import DistributedConfigError, destroy_distributed, init_distributed, report_error, \
     set_seed
 from megatron_lev.lev.config import ConfigError
-from megatron_lev.models import format_parameter_breakdown, parameter_breakdown
+from megatron_lev.models import factory, format_parameter_breakdown, parameter_breakdown
 from megatron_lev.parallel.collectives import all_gather_objects, all_reduce_, broadcast_object, group_device
 from megatron_lev.parallel.weight_decay import weight_decay_overrides
 
@@ -502,15 +503,15 @@ def _setup_configs(argv):
         rc = parse_run_config(argv)
         # Newer checkpoints in --save are judged once the ranks can share reading them (_run), unless only
         # their sizes are checked.
-        checkpoint.check_save_and_load(rc.flat(), newer=rc.checkpointing.no_ckpt_checksums)
+        checkpoint.check_save_and_load(rc.checkpointing, newer=rc.checkpointing.no_ckpt_checksums)
         try:
             tokenizer = build_tokenizer_from_args(rc.data)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise ConfigError(f"--tokenizer-type {rc.data.tokenizer_type}: {str(e).splitlines()[0]}") from None
         rc = rc.with_tokenizer(tokenizer)
         # The loss flags are TransformerConfig fields that only training reads.
-        config, model_config = checkpoint.build_configs(
-            rc.to_saved_args(), calculate_per_token_loss=rc.model.calculate_per_token_loss,
+        config, model_config = factory.build_configs(
+            rc, calculate_per_token_loss=rc.model.calculate_per_token_loss,
             cross_entropy_loss_fusion=rc.model.cross_entropy_loss_fusion,
             cross_entropy_fusion_impl=rc.model.cross_entropy_fusion_impl)
     except _startup_errors() as e:
@@ -559,7 +560,7 @@ def _run(rc: RunConfig, tokenizer, config, model_config) -> int:
 def _run_recorded(rc: RunConfig, tokenizer, config, model_config) -> int:
     if not rc.checkpointing.no_ckpt_checksums:
         try:
-            checkpoint.refuse_newer_checkpoints(rc.flat(), checksums_on=True)
+            checkpoint.refuse_newer_checkpoints(rc.checkpointing, checksums_on=True)
         except checkpoint.CheckpointError as e:
             raise _StartupError(str(e)) from None
     run = _start(rc, config, model_config)
@@ -638,7 +639,7 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
     notice = _vocab_size_notice(rc)
     if notice:
         logger.log(notice)
-    cfg = resolved_config(rc.flat())
+    cfg = resolved_config(rc.to_saved_args())
     if not rc.logging.quiet_config:
         logger.log(format_config(cfg))
     logger.set_config(cfg)
@@ -646,18 +647,19 @@ def _start(rc: RunConfig, config, model_config) -> _Run:
     set_seed(rc.run.seed)
     # Every weight is about to come from the checkpoint: LEV skips its vocabulary-wide initialisation.
     model_config.weights_from_checkpoint = _will_load_checkpoint(rc)
-    chunks = checkpoint.build_model_chunks(config, model_config)
+    chunks = factory.build_model_chunks(config, model_config)
     logger.log(format_parameter_breakdown(parameter_breakdown(model_config, config)))
     logger.log(f" > number of parameters on (tensor, pipeline) model parallel rank "
                f"({ps.get_tensor_model_parallel_rank()}, {ps.get_pipeline_model_parallel_rank()}): "
                f"{_count_params(chunks)}")
     model = _wrap_model(rc, config, chunks)
-    table_modules = checkpoint.lev_table_modules(chunks)
+    table_modules = factory.lev_table_modules(chunks)
     optimizer, scheduler = _build_optimizer(rc, config, model)
     _configure_hooks(rc, config, model, optimizer, table_modules)
     return _Run(rc=rc, config=config, model_config=model_config, cfg=cfg, logger=logger, model=model,
                 optimizer=optimizer, scheduler=scheduler, table_modules=table_modules, t_start=t_start,
-                batches=batch_calculator(rc.flat(), rank=torch.distributed.get_rank()), logging_level=logging_level)
+                batches=batch_calculator(rc.schedule, rc.layout.dp, rc.data.seq_length,
+                                                                    rank=torch.distributed.get_rank()), logging_level=logging_level)
 
 
 def _start_logger(rc: RunConfig) -> TrainingLogger:
@@ -755,7 +757,7 @@ def _check_batches_ahead(rc: RunConfig, state: _State) -> None:
     instead, naming the batch)."""
     if rc.schedule.rampup_batch_size is None and rc.schedule.step_batch_size_schedule is None:
         return
-    ahead = batch_sizes(rc.flat(), state.consumed_train_samples,
+    ahead = batch_sizes(rc.schedule, rc.layout.dp, rc.data.seq_length, state.consumed_train_samples,
                         iterations=max(0, rc.schedule.train_iters - state.iteration))
     per_step = rc.schedule.micro_batch_size * rc.layout.dp
     for consumed, gbs in ahead:
@@ -765,7 +767,8 @@ def _check_batches_ahead(rc: RunConfig, state: _State) -> None:
                                 f"--micro-batch-size {rc.schedule.micro_batch_size} x data-parallel size "
                                 f"{rc.layout.dp}")
     try:
-        check_interleaved_microbatches(rc.flat(), sorted({gbs for _, gbs in ahead}))
+        check_interleaved_microbatches(rc.schedule, rc.layout.dp, rc.layout.pp, rc.layout.vpp,
+                                       sorted({gbs for _, gbs in ahead}))
     except ConfigError as e:
         raise _StartupError(str(e)) from None
 

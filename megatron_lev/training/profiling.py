@@ -30,7 +30,7 @@ import torch
 from megatron_lev._procutil import atomic_path
 
 if TYPE_CHECKING:
-    from megatron_lev.arguments import RunConfig
+    from megatron_lev.config import RunConfig
 
 
 def _profiled_rank(rc: "RunConfig") -> bool:

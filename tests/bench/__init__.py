@@ -9,6 +9,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+BENCH = REPO / "bench"
+
+
+def bench_module(name: str):
+    """``bench/<name>.py`` imported under its own name (bench/ put on sys.path, where the scripts import each
+    other by bare name): one module object shared by every test, unlike :func:`load_bench`'s fresh copy."""
+    import importlib
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
 def load_bench(name: str):
     """Import ``bench/<name>.py`` as a module (bench/ on sys.path for the scripts' own imports)."""
     if str(REPO / "bench") not in sys.path:

@@ -11,18 +11,12 @@ import sys
 
 import pytest
 
-from tests.bench import REPO
-
-BENCH = REPO / "bench"
+from tests.bench import BENCH, REPO, bench_module
 
 
 @pytest.fixture(scope="module")
 def carry():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import _carry
-
-    return _carry
+    return bench_module("_carry")
 
 
 def _folder(tmp_path):
@@ -96,8 +90,9 @@ def _elf_with_fatbin(containers):
     fat = b""
     for entries in containers:
         body = b""
-        for arch, payload in entries:
-            header = struct.pack("<HHIQIIHHIIIQQQ", 2, 0x101, 64, len(payload), 0, 0, 0, 0, arch, 0, 0, 0x8011, 0, 0)
+        for arch, payload, *kind in entries:  # kind 2 (ELF) unless given: 1 is PTX
+            header = struct.pack("<HHIQIIHHIIIQQQ", kind[0] if kind else 2, 0x101, 64, len(payload), 0, 0, 0, 0, arch,
+                                 0, 0, 0x8011, 0, 0)
             body += header + payload
         fat += struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
     head, tail = b"\x7fELF\x02\x01" + bytes(58) + b"code" * 10, b"symbols" * 3
@@ -115,9 +110,7 @@ def _elf_with_fatbin(containers):
 
 
 def test_the_fatbin_cut_keeps_the_loadable_entries_byte_for_byte(tmp_path):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import _fatbin
+    _fatbin = bench_module("_fatbin")
 
     p = lambda tag, n: (tag * n)[:n]  # noqa: E731
     lib = _elf_with_fatbin([[(75, p(b"a", 40)), (80, p(b"b", 48)), (90, p(b"c", 56)), (100, p(b"d", 64)),
@@ -141,3 +134,79 @@ def test_the_fatbin_cut_keeps_the_loadable_entries_byte_for_byte(tmp_path):
         _fatbin.verify_cut(src, tmp_path / "bad.so", (90,))
     assert _fatbin.loadable(_fatbin.Entry(0, 8, "elf", 90), 90) and not _fatbin.loadable(_fatbin.Entry(0, 8, "elf", 80), 90)
     assert json.loads(json.dumps(r))  # the report is JSON (prepare.json)
+
+
+def _wheel(path, name="carried_demo", version="1.0"):
+    """A minimal pure wheel holding one module."""
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": "VALUE = 42\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{dist}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(path / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+
+
+def test_install_joins_the_pieces_and_installs_their_wheels(carry, tmp_path, capsys):
+    """What the first call runs on the GPU machine: join, check, pip install --no-index --no-deps --target."""
+    import carry_pieces
+
+    src = tmp_path / "src" / "wheels"
+    src.mkdir(parents=True)
+    _wheel(src)
+    carry.split(tmp_path / "src", tmp_path / ".carry", "te", piece_bytes=700)
+    site = tmp_path / "site"
+    assert carry_pieces.main(["install", "--root", str(tmp_path / ".carry"), "--name", "te", "--target", str(site)]) == 0
+    assert "pieces verified, 1 wheels installed" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, "-c", "import carried_demo; print(carried_demo.VALUE)"],
+                       env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True)
+    assert r.stdout.strip() == "42", r.stderr
+
+
+def test_prepare_te_rewrites_the_core_wheel_with_the_cut_library_and_its_record(tmp_path):
+    """bench/prepare_te.py's cut step on a wheel holding a synthetic library: the library cut and checked,
+    its RECORD line's sha256 and size those of the new bytes, every other member as it was."""
+    import base64
+    import hashlib
+    import zipfile
+
+    _fatbin = bench_module("_fatbin")
+    import prepare_te
+
+    lib = _elf_with_fatbin([[(80, b"b" * 48), (90, b"c" * 56), (120, b"d" * 64)]])
+    src, dst = tmp_path / "core.whl", tmp_path / "out" / "core.whl"
+    record = f"{prepare_te.LIB},sha256=old,{len(lib)}\ntransformer_engine/__init__.py,sha256=x,3\nte.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr(prepare_te.LIB, lib)
+        z.writestr("transformer_engine/__init__.py", "x=1")
+        z.writestr("te.dist-info/RECORD", record)
+    r = prepare_te.cut_core(src, dst, 90, tmp_path / "scratch")
+    assert r["entries_after"] == {"elf sm_90": {"entries": 1, "bytes": 120}} and r["left_whole"] == 0
+    with zipfile.ZipFile(dst) as z:
+        new = z.read(prepare_te.LIB)
+        assert z.read("transformer_engine/__init__.py") == b"x=1"
+        lines = z.read("te.dist-info/RECORD").decode().splitlines()
+    (tmp_path / "a.so").write_bytes(lib)
+    (tmp_path / "b.so").write_bytes(new)
+    _fatbin.verify_cut(tmp_path / "a.so", tmp_path / "b.so", (90,))
+    digest = base64.urlsafe_b64encode(hashlib.sha256(new).digest()).rstrip(b"=").decode()
+    assert lines == [f"{prepare_te.LIB},sha256={digest},{len(new)}", "transformer_engine/__init__.py,sha256=x,3",
+                     "te.dist-info/RECORD,,"]
+
+
+def test_the_fatbin_cut_keeps_ptx_the_device_could_jit_beside_its_cubin(tmp_path):
+    """TE 2.12.0's fat binaries hold PTX too: kept where its arch is at most the device's, dropped above."""
+    _fatbin = bench_module("_fatbin")
+
+    lib = _elf_with_fatbin([[(80, b"a" * 16), (80, b"p" * 24, 1), (90, b"c" * 32), (90, b"q" * 40, 1),
+                             (100, b"r" * 8, 1)]])
+    src, dst = tmp_path / "lib.so", tmp_path / "cut.so"
+    src.write_bytes(lib)
+    r = _fatbin.cut(src, dst, (90,))
+    assert r["left_whole"] == 0 and r["after"] == {"elf sm_90": {"entries": 1, "bytes": 96},
+                                                   "ptx sm_80": {"entries": 1, "bytes": 88},
+                                                   "ptx sm_90": {"entries": 1, "bytes": 104}}
+    _fatbin.verify_cut(src, dst, (90,))

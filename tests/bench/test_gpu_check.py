@@ -18,18 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.bench import REPO
-
-BENCH = REPO / "bench"
+from tests.bench import BENCH, REPO, bench_module
 
 
 @pytest.fixture(scope="module")
 def gc():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import gpu_check
-
-    return gpu_check
+    return bench_module("gpu_check")
 
 
 @pytest.fixture(scope="module")
@@ -515,6 +509,25 @@ def test_the_trace_summary_puts_each_kernel_in_a_part_of_the_step_and_a_loop_spa
     assert f["parts_items_per_step"]["rope"] == 2
     spans = {k: round(v * 1e3) for k, v in f["spans_ms_per_step"].items()}
     assert spans == {"forward_backward": 60, "backward": 45, "optimizer": 15}
+
+
+def test_the_trace_summary_puts_torchs_own_cross_entropy_backward_in_the_cross_entropy(gc):
+    """F.cross_entropy's backward runs as NllLossBackward0 and LogSoftmaxBackward0 nodes on autograd's thread,
+    outside the forward's megatron_lev.cross_entropy range; the project's fused loss as _LinearCrossEntropy's."""
+    import _profile_trace as pt
+
+    ev = [_x("ProfilerStep#3", "user_annotation", 0.0, 1000.0)]
+    kernels = [("NllLossBackward0", "nll_loss_backward_reduce_cuda_kernel_2d", 10),
+               ("LogSoftmaxBackward0", "cunn_SoftMaxBackward", 20),
+               ("_LinearCrossEntropyBackward", "elementwise_kernel", 40),
+               ("MmBackward0", "sm90_gemm_bf16", 80)]
+    for c, (node, kernel, dur) in enumerate(kernels, start=1):
+        t = 100.0 * c
+        ev.append(_x(f"autograd::engine::evaluate_function: {node}", "cpu_op", t - 2, 20, tid=2))
+        ev.append(_x("cudaLaunchKernel", "cuda_runtime", t, 5, tid=2, correlation=c))
+        ev.append(_x(kernel, "kernel", t + 500, dur, tid=7, correlation=c))
+    us = {k: round(v * 1e3) for k, v in pt.summarize({"traceEvents": ev})["parts_ms_per_step"].items()}
+    assert us["cross_entropy"] == 70 and us["other"] == 80, us
 
 
 def test_the_trace_summary_knows_the_lev_kernels_by_their_names(gc):

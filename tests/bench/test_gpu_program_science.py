@@ -11,19 +11,13 @@ import sys
 
 import pytest
 
-from tests.bench import REPO
-
-BENCH = REPO / "bench"
+from tests.bench import BENCH, REPO, bench_module
 ONE_PASS = 329 * 64 * 1024  # the science shape's token budget: one pass over the shared corpus
 
 
 @pytest.fixture(scope="module")
 def prog():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import gpu_program_science
-
-    return gpu_program_science
+    return bench_module("gpu_program_science")
 
 
 def test_the_program_is_registered_and_fits_one_window_in_one_command(prog):
@@ -53,9 +47,7 @@ def test_runs_are_dropped_in_the_stated_order_and_training_is_never_shortened(pr
 
 
 def test_the_plan_says_what_runs_what_is_dropped_and_where_the_rates_come_from(capsys):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import gpu_check
+    gpu_check = bench_module("gpu_check")
 
     assert gpu_check.main(["--program", "science", "--plan"]) == 0
     out = capsys.readouterr().out
@@ -92,9 +84,7 @@ def test_the_tiny_run_passes_on_the_cpu(tmp_path):
 
 
 def test_gpu_science_takes_arms_and_seeds_and_refuses_bad_ones_in_one_line(capsys):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import gpu_science
+    gpu_science = bench_module("gpu_science")
 
     base = ["--out", "o", "--work", "w", "--seconds", "1", "--assume-tflops", "100"]
     for bad, msg in ((["--arms", "tied,bogus"], "--arms tied,bogus: choose from"),

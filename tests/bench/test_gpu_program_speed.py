@@ -7,11 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench import REPO, bench_module
 WINDOW_S = 15 * 60  # device minutes lent to a task, the machine's start included
 COMMAND_S = 600  # the longest one command may run there
 
@@ -19,11 +18,7 @@ COMMAND_S = 600  # the longest one command may run there
 @pytest.fixture(scope="module")
 def gc():
     # Imported as the module gpu_check (as the script runs itself): the program's module imports it by name.
-    if str(REPO / "bench") not in sys.path:
-        sys.path.insert(0, str(REPO / "bench"))
-    import gpu_check
-
-    return gpu_check
+    return bench_module("gpu_check")
 
 
 def test_the_speed_plan_fits_one_command_of_one_window(gc, capsys):
@@ -63,3 +58,29 @@ def test_every_speed_stage_runs_end_to_end_at_the_tiny_sizes(gc, tmp_path):
     assert f["kernels"]["timings"]
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# GPU check: program speed") and "LEV/TIED" in md and "kernel ms per step by part" in md
+
+
+@pytest.mark.parametrize("sizes, impl", [("device", "auto"), ("tiny", "fused")])
+def test_the_speed_runs_ask_for_auto_adamw_on_the_device_and_fused_on_the_cpu(gc, tmp_path, monkeypatch, sizes, impl):
+    """--adam-impl fused is refused where megatron runs TE's or Apex's FusedAdam (a carried TE wheel on the
+    device); auto is fused on CUDA without them. The tiny CPU runs ask for fused to run its path."""
+    from megatron.core import optimizer as mcore_optimizer
+
+    from megatron_lev.arguments import parse_args
+
+    (tmp_path / "work").mkdir()
+    ctx = gc.Ctx(out=str(tmp_path / "out"), work=str(tmp_path / "work"), wheels=None, shared_data=str(tmp_path),
+                 sizes=sizes, cuda=sizes == "device", program="speed")
+    import gpu_program_speed as speed
+
+    argvs = [speed.train_argv(ctx, shape, arm) for shape in ("gpu400m", "pile400m") for arm in speed.ARMS]
+    profiled = []
+    monkeypatch.setattr(gc, "stage_profile", lambda ctx, timeout, extra=(): profiled.append(list(extra)))
+    speed.stage_profile(ctx, 1.0)
+    for argv in [*argvs, *profiled]:
+        assert argv[argv.index("--adam-impl") + 1] == impl and argv.count("--adam-impl") == 1, argv
+        assert "--rope-fusion" in argv
+    if impl == "auto":  # accepted where TE or Apex imports
+        monkeypatch.setattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+        gpu400m = speed.train_argv(ctx, "gpu400m", "tied")[1:]
+        assert parse_args(gpu400m, world_size=1).adam_impl == "auto"

@@ -62,7 +62,7 @@ def test_the_bench_model_has_pretrain_lev_parameters_and_flops_per_token(tp, nam
 def test_the_bench_builds_the_parameters_pretrain_lev_builds(tp, one_rank):
     import torch
 
-    from megatron_lev.checkpoint import build_model_chunks
+    from megatron_lev.models.factory import build_model_chunks
     from megatron_lev.training import model_configs
 
     shape = tp.CONFIGS["quick"]

@@ -131,6 +131,9 @@ def _save_then_damage_and_verify(ckpt_dir: str):
         local = str(e)
     torch.distributed.barrier()
     if rank == 0:
+        # The damage undone (flipped back): without a manifest a load reads the common state to learn whether
+        # its save wrote one, and from megatron-core 0.19 the victim, rank 0's shard, holds that state.
+        _flip(Path(ckpt_dir) / victim, offset=0, n=8)
         os.remove(os.path.join(ckpt_dir, checksums.MANIFEST))  # as an older release wrote it
     torch.distributed.barrier()
     older = []

@@ -8,7 +8,6 @@ needs both virtual environments beside the repository."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lev.compat.versions import megatron_core_version
-from megatron_lev.testing import free_port
+from megatron_lev.testing import free_port, train_records
 
 REPO = Path(__file__).resolve().parents[2]
 OLD, NEXT = REPO / ".venv" / "bin" / "python", REPO / ".venv-next" / "bin" / "python"
@@ -65,10 +64,6 @@ def _run(python: Path, args, check=True):
     return r
 
 
-def _train_rows(path: Path):
-    return {r["iteration"]: r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"}
-
-
 def _checkpoint_at(src: Path, iteration: int, dst: Path) -> Path:
     dst.mkdir()
     name = f"iter_{iteration:07d}"
@@ -86,7 +81,7 @@ def test_a_0161_checkpoint_resumes_bit_for_bit_under_019(interpreters, tmp_path)
     ck3 = _checkpoint_at(tmp_path / "ck", 3, tmp_path / "ck3")
     r = _run(new, ["--train-iters", "6", "--load", str(ck3), "--metrics-file", str(tmp_path / "resumed.jsonl")])
     assert "successfully loaded checkpoint" in r.stdout
-    ref, resumed = _train_rows(tmp_path / "ref.jsonl"), _train_rows(tmp_path / "resumed.jsonl")
+    ref, resumed = train_records(tmp_path / "ref.jsonl"), train_records(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == [4, 5, 6]
     for it in (4, 5, 6):
         assert resumed[it]["lm loss hex"] == ref[it]["lm loss hex"], it

@@ -258,7 +258,7 @@ def test_qkv_and_fc1_split_follow_megatron_grouping():
 ])
 def test_hf_export_refuses_non_llama_settings(setting, expected):
     from megatron_lev.arguments import parse_args, resolved_config
-    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.config import RunConfig
     from megatron_lev.conversion import ConversionError, check_hf_compatible
 
     # A Llama-style lev model's config.yaml, then one setting changed in the file.
@@ -282,7 +282,7 @@ def test_hf_export_picks_the_class_that_computes_the_model(setting, expected):
     """Megatron-LM's GPT-3 settings export as GPT-2, MoE as Mixtral, a zero-centred norm as any of them
     (all three were refused before)."""
     from megatron_lev.arguments import parse_args, resolved_config
-    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.config import RunConfig
     from megatron_lev.conversion import check_hf_compatible
 
     ok = resolved_config(parse_args(
@@ -306,7 +306,7 @@ def test_megatron_lm_example_models_have_an_hf_class(script, expected):
     """The models of Megatron-LM's GPT-3, Llama 3 (with --apply-layernorm-1p) and Mixtral scripts export (all
     three were refused before)."""
     from megatron_lev.arguments import parse_args, resolved_config
-    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.config import RunConfig
     from megatron_lev.conversion import check_hf_compatible
 
     argv = json.loads((REPO / "tests" / "training" / "data" / "megatron_lm_examples.json").read_text())["scripts"][script]

@@ -47,7 +47,7 @@ def _rank_direct_and_cli(tiny, flags):
     docs = [np.asarray(ds[i][:n], dtype=np.int64) for i, n in zip(range(4), (40, 70, 5, 33))]
     eod = tiny["eod"]
     stream = np.concatenate([[eod]] + docs)
-    seq = saved.seq_length
+    seq = saved.data.seq_length
     losses = []
     with torch.no_grad():
         for s in range(0, len(stream) - 1, seq):

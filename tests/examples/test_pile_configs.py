@@ -116,3 +116,18 @@ def test_train_sbatch_nodes_start_torchrun_with_one_cuda_connection(tmp_path):
     # The stand-in torchrun trains nothing, so the job ends without a checkpoint (an error): the nodes ran.
     assert "no newer checkpoint" in r.stderr, r.stderr
     assert (tmp_path / "record.txt").read_text().split() == ["CUDA_DEVICE_MAX_CONNECTIONS=1"] * 2
+
+
+def test_param_breakdown_prints_the_readmes_table(capsys):
+    """examples/pile/param_breakdown.py builds each arm at each shipped scale as pretrain_lev.py would and prints
+    the README's parameter table, row for row (it broke unnoticed once when the model factory moved)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("param_breakdown", PILE_DIR / "param_breakdown.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([]) == 0
+    row = re.compile(r"^\| ({}) \| (tied|untied|albert|flat_mlp|factored_mlp|lev)\b".format("|".join(map(re.escape, SCALES))))
+    printed = [ln for ln in capsys.readouterr().out.splitlines() if row.match(ln)]
+    readme = [ln for ln in (PILE_DIR / "README.md").read_text().splitlines() if row.match(ln)]
+    assert len(printed) == len(SCALES) * 6 and printed == readme

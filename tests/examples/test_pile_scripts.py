@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lev.testing import free_port
+from megatron_lev.testing import free_port, train_records
 
 REPO = Path(__file__).resolve().parents[2]
 PILE_DIR = REPO / "examples" / "pile"
@@ -234,11 +234,6 @@ def _train_env(tree, preprocessed, ckpt_root, metrics, extra=""):
                 MASTER_PORT=str(free_port()), EXTRA=f"{TINY} --metrics-file {metrics} {extra}".strip())
 
 
-def _metrics(path: Path):
-    rows = [json.loads(ln) for ln in path.read_text().splitlines()]
-    return {r["iteration"]: r for r in rows if r["kind"] == "train"}
-
-
 def _sbatch(tree, env, log):
     """Submit: run a copy of train.sbatch (as Slurm does, from its spool folder) in the submit folder."""
     spool = tree["root"] / "spool"
@@ -315,7 +310,7 @@ def slurm_run(tree, preprocessed):
     finally:  # a job that failed the test leaves no training processes to the rest of the suite
         _kill_trees(jobs)
     return {"rc1": job.returncode, "log1": first, "rc2": job2.returncode, "log2": log2.read_text(),
-            "signalled": len(step), "metrics": _metrics(metrics), "ckpt": root / "slurm_ck" / "pile_200m_lev",
+            "signalled": len(step), "metrics": train_records(metrics), "ckpt": root / "slurm_ck" / "pile_200m_lev",
             "fake": fake}
 
 
@@ -374,7 +369,7 @@ def test_train_sh_two_nodes_tp2_trains_checkpoints_and_resumes_bit_exactly(tree,
     assert f"training from iteration {stop} to {TRAIN_ITERS}" in logs[1]
     assert "DP=1, TP=2, PP=1" in logs[0]
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
-    m = _metrics(metrics)
+    m = train_records(metrics)
     assert sorted(m) == list(range(1, TRAIN_ITERS + 1))
     assert m[TRAIN_ITERS]["lm loss"] < m[1]["lm loss"] - 0.3, (m[1]["lm loss"], m[TRAIN_ITERS]["lm loss"])
     # Bit for bit the Slurm run's iterations (resumed after SIGTERM at k; here after the stop).

@@ -84,14 +84,15 @@ def _saved_fp8_args():
 
 
 def test_fp8_checkpoint_is_evaluated_without_fp8_where_te_and_cuda_are_present(machine):
-    from megatron_lev.checkpoint import build_configs
+    from megatron_lev.config import RunConfig
+    from megatron_lev.models.factory import build_configs
     from megatron_lev.evaluation.megatron_scorer import eval_args
 
     machine(cuda=True, te="2.8.0", apex=True)
     saved = _saved_fp8_args()
     assert saved["fp8_format"] == "hybrid"
     # Training with these arguments builds FP8 (the machine passes every FP8 check) ...
-    train_cfg, _ = build_configs(saved)
+    train_cfg, _ = build_configs(RunConfig.from_saved_args(saved))
     assert train_cfg.fp8 == "hybrid" and train_cfg.fp8_recipe == "tensorwise"
     # ... the evaluation of its checkpoint does not: the scorer pads each batch to its own length only.
     a = eval_args(saved, micro_batch_size=3)
@@ -155,12 +156,14 @@ def test_fusion_defaults_follow_the_model(machine):
 
 
 def test_training_configs_get_grad_accumulation_fusion_loading_does_not(machine):
-    from megatron_lev.checkpoint import build_configs
+    from megatron_lev.config import RunConfig
+    from megatron_lev.models.factory import build_configs
 
     machine(cuda=True, te="2.8.0", apex=True)
     a = dict(_saved_fp8_args(), fp8_format=None)
-    assert build_configs(a)[0].gradient_accumulation_fusion
-    assert not build_configs(a, for_loading=True)[0].gradient_accumulation_fusion
+    rc = RunConfig.from_saved_args(a)
+    assert build_configs(rc)[0].gradient_accumulation_fusion
+    assert not build_configs(rc, for_loading=True)[0].gradient_accumulation_fusion
 
 
 # ------------------------------------------------------------------------ FP8 start-up checks
@@ -229,11 +232,12 @@ def test_fp8_tokens_per_micro_batch(machine):
 
 
 def test_fp8_token_check_runs_at_start_up(machine):
-    from megatron_lev.checkpoint import build_configs
+    from megatron_lev.config import RunConfig
+    from megatron_lev.models.factory import build_configs
 
     machine(cuda=True, te="2.8.0")
     a = dict(_saved_fp8_args(), micro_batch_size=3, seq_length=5, max_position_embeddings=5)
-    _one_line(lambda: build_configs(a), "--micro-batch-size 3", "--seq-length 5")
+    _one_line(lambda: build_configs(RunConfig.from_saved_args(a)), "--micro-batch-size 3", "--seq-length 5")
 
 
 # ------------------------------------------------------------------------ a broken Transformer Engine

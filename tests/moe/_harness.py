@@ -79,7 +79,7 @@ def loop_run_config(args):
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_lev.arguments import RunConfig
+    from megatron_lev.config import RunConfig
 
     sizes = dict(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                  pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
@@ -147,7 +147,7 @@ def _setup(root: str, *, arm: str = "lev", weights: Optional[str] = None, save: 
     wrapped, with optimizer, scheduler and hooks as the loop sets them up."""
     from megatron.core import parallel_state as ps
 
-    from megatron_lev.checkpoint.build import build_model_chunks, lev_table_modules
+    from megatron_lev.models.factory import build_model_chunks, lev_table_modules
     from megatron_lev.training import loop
     from megatron_lev.training.moe_metrics import reset_aux_loss_trackers
 
@@ -242,18 +242,26 @@ def arms_check() -> Dict[str, Any]:
     # loss scaling), as a [1] tensor like the schedule's (megatron copies into it later).
     MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
     out = {}
-    batch = global_batches(0)[0]
+    # Every micro-batch of the first global batch (128 tokens): with 32, a top-2 router of 4 experts can leave
+    # an expert of a layer without a token, and its weights without a gradient, for some initialisations.
+    batches = global_batches(0)
     for arm in ALL_ARMS:
         mc = model_config(arm)
         config = transformer_config(mc)
         model = build_gpt_model(config=config, model_config=mc)
-        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
+        routed = _count_routed_tokens(model)
+        loss = sum(model(b["tokens"], b["position_ids"], None, labels=b["labels"]).mean() for b in batches)
         loss.backward()
         named = dict(model.named_parameters())
+        # An expert no token was routed to has no gradient to have (an arm whose inputs are alike at
+        # initialisation, such as flat_mlp, can leave one idle); every other parameter must have one.
+        idle = [f"decoder.layers.{i}.mlp.experts.local_experts.{e}." for i, n in routed.items()
+                for e, c in enumerate(n.tolist()) if c == 0]
         out[arm] = {
             "loss": float(loss.detach()),
-            "bad_grad": [n for n, p in named.items()
-                         if p.grad is None or not bool(torch.isfinite(p.grad).all()) or not p.grad.abs().sum() > 0],
+            "idle_experts": idle,
+            "bad_grad": [n for n, p in named.items() if not any(n.startswith(x) for x in idle) and (
+                p.grad is None or not bool(torch.isfinite(p.grad).all()) or not p.grad.abs().sum() > 0)],
             "numel": sum(p.numel() for p in named.values()),
             "experts_numel": sum(p.numel() for n, p in named.items() if ".mlp.experts." in n),
             "breakdown": parameter_breakdown(mc, config),
@@ -262,9 +270,25 @@ def arms_check() -> Dict[str, Any]:
     return out
 
 
+def _count_routed_tokens(model) -> Dict[int, torch.Tensor]:
+    """Tokens routed to each expert, per MoE layer, counted by hooks on the routers as the model runs."""
+    counts: Dict[int, torch.Tensor] = {}
+
+    def hook(i):
+        def count(module, inputs, output):
+            routing_map = output[1]
+            counts[i] = counts.get(i, 0) + routing_map.reshape(-1, routing_map.shape[-1]).sum(0)
+        return count
+
+    for i, layer in enumerate(model.decoder.layers):
+        if getattr(layer.mlp, "router", None) is not None:
+            layer.mlp.router.register_forward_hook(hook(i))
+    return counts
+
+
 def build_refusal(**config_extra) -> Optional[str]:
     """The ConfigError message of building this rank's LEV chunks with these settings (None: built)."""
-    from megatron_lev.checkpoint.build import build_model_chunks
+    from megatron_lev.models.factory import build_model_chunks
     from megatron_lev.lev.config import ConfigError
 
     mc = model_config("lev")

@@ -48,15 +48,18 @@ def test_breakdown_table_matches_the_model_counts(arm):
 
 
 def test_megatron_lm_moe_arguments_reach_the_transformer_config():
-    from megatron_lev.checkpoint.build import transformer_config_kwargs
+    from megatron_lev.arguments import parse_run_config
+    from megatron_lev.models.factory import moe_config_kwargs
 
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
-    assert not any(k.startswith(("moe_", "num_moe", "expert_", "mtp_")) for k in transformer_config_kwargs(base))
-    kw = transformer_config_kwargs(dict(base, num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
-                                        moe_token_dispatcher_type="allgather", moe_layer_freq=[1, 0],
-                                        expert_model_parallel_size=2, expert_tensor_parallel_size=1,
-                                        mtp_num_layers=1, mtp_loss_scaling_factor=0.1, moe_grouped_gemm=None))
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+            "--train-iters 2 --lr 1e-3 --mock-data --vocab-size 100 --disable-bias-linear").split()
+    dense = moe_config_kwargs(parse_run_config(base, world_size=1))
+    assert "num_moe_experts" not in dense and "mtp_num_layers" not in dense and dense["expert_model_parallel_size"] == 1
+    rc = parse_run_config(base + "--num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-layer-freq [1,0] "
+                                 "--expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --mtp-num-layers 1 "
+                                 "--mtp-loss-scaling-factor 0.1".split(), world_size=2)
+    kw = moe_config_kwargs(rc)
     assert kw["num_moe_experts"] == 8 and kw["moe_router_topk"] == 2 and kw["moe_layer_freq"] == [1, 0]
+    assert kw["moe_aux_loss_coeff"] == 1e-2
     assert kw["expert_model_parallel_size"] == 2 and kw["expert_tensor_parallel_size"] == 1
     assert kw["mtp_num_layers"] == 1 and kw["mtp_loss_scaling_factor"] == 0.1
-    assert "moe_grouped_gemm" not in kw

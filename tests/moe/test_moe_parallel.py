@@ -73,6 +73,7 @@ def test_every_arm_trains_with_moe_layers(two_rank, arm):
     r = two_rank[0]["arms"][arm]
     assert math.isfinite(r["loss"])
     assert r["bad_grad"] == [], f"parameters without a finite non-zero gradient: {r['bad_grad']}"
+    assert len(r["idle_experts"]) <= 1, r["idle_experts"]  # the routers spread 128 tokens over the experts
 
 
 @pytest.mark.parametrize("arm", H.ALL_ARMS)

@@ -158,12 +158,13 @@ def _parse(extra):
 
 
 def test_flags_build_the_linear_loss_and_bad_combinations_are_one_line():
-    from megatron_lev.checkpoint import build_configs
+    from megatron_lev.config import RunConfig
     from megatron_lev.models.config import check_linear_cross_entropy, linear_cross_entropy_on
+    from megatron_lev.models.factory import build_configs
 
     args = _parse(["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "linear",
                    "--linear-cross-entropy-chunk-size", "64"])
-    a = dict(vars(args), padded_vocab_size=128)  # the loop pads the tokenizer's vocabulary
+    a = RunConfig.from_args(args).with_padded_vocab(128)  # the loop pads the tokenizer's vocabulary
     # As the training loop builds its configs.
     config, model_config = build_configs(a, calculate_per_token_loss=args.calculate_per_token_loss,
                                          cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,

@@ -493,8 +493,14 @@ def _fake_checkpoint(root, fp, tokenizer_type="NullTokenizer"):
     it = root / "iter_0000002"
     it.mkdir(parents=True)
     (it / "metadata.json").write_text("{}")
-    cfg = dict(num_layers=1, hidden_size=16, num_attention_heads=2, input_embedding="tied", padded_vocab_size=1024,
-               tokenizer_type=tokenizer_type, vocab_size=1000, tokenizer_fingerprint=fp)
+    from megatron_lev.arguments import parse_run_config, resolved_config
+
+    # A whole config.yaml, as a run writes it (evaluation reads it typed).
+    rc = parse_run_config("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 32 --micro-batch-size 1 "
+                          "--train-iters 2 --lr 1e-3 --mock-data --vocab-size 1000 --tokenizer-type NullTokenizer".split(),
+                          world_size=1)
+    cfg = dict(resolved_config(rc.to_saved_args()), padded_vocab_size=1024, tokenizer_type=tokenizer_type,
+               tokenizer_fingerprint=fp)
     (it / "config.yaml").write_text(yaml.safe_dump(cfg))
     (root / "latest_checkpointed_iteration.txt").write_text("2\n")
     return it

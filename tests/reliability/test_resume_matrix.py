@@ -18,14 +18,13 @@ marked. About 40 s of CPU in all (31 s for the job's 36 runs).
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from megatron_lev.testing import run_cli
+from megatron_lev.testing import run_cli, train_records
 from tests.training._multi_run import launch_plan
 from tests.training.test_pretrain import PRETRAIN, REPO, _env
 
@@ -69,11 +68,6 @@ def _logged(stdout: str):
     return {int(it): (scale, int(skipped)) for it, scale, skipped in found}
 
 
-def _train_rows(path: Path):
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["iteration"]: r for r in rows if r["kind"] == "train"}
-
-
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     work = tmp_path_factory.mktemp("resume_matrix")
@@ -101,7 +95,7 @@ def test_every_cell_resumes_bit_exact(matrix, setting):
     name = _name(setting)
     for run in ("full", f"from{SKIPPED}", f"from{NORMAL}"):
         assert runs[f"{name}/{run}"].code == 0, runs[f"{name}/{run}"].stdout[-3000:]
-    full = _train_rows(work / f"{name}.full.jsonl")
+    full = train_records(work / f"{name}.full.jsonl")
     # The setting is what the cells say: iteration 1 skipped, 2 and 3 applied.
     assert [full[i]["skipped"] for i in range(1, ITERS + 1)] == [True, False, False], full
     full_log = _logged(runs[f"{name}/full"].stdout)
@@ -110,7 +104,7 @@ def test_every_cell_resumes_bit_exact(matrix, setting):
         # The loss scaler's state and the counters continue too.
         resumed_log = _logged(runs[f"{name}/from{start}"].stdout)
         assert resumed_log == {it: full_log[it] for it in range(start + 1, ITERS + 1)}
-        resumed = _train_rows(work / f"{name}.from{start}.jsonl")
+        resumed = train_records(work / f"{name}.from{start}.jsonl")
         assert f"successfully loaded checkpoint" in runs[f"{name}/from{start}"].stdout
         assert sorted(resumed) == list(range(start + 1, ITERS + 1))
         for it in resumed:
@@ -251,8 +245,8 @@ def test_a_decoupled_lr_checkpoint_of_the_unmarked_groups_resumes_bit_exact(matr
     r = run_cli(script, [], env=_env(), cwd=str(REPO), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     for setting in cases:
-        full = _train_rows(work / f"{_name(setting)}.full.jsonl")
-        resumed = _train_rows(tmp_path / f"{_name(setting)}.resumed.jsonl")
+        full = train_records(work / f"{_name(setting)}.full.jsonl")
+        resumed = train_records(tmp_path / f"{_name(setting)}.resumed.jsonl")
         assert sorted(resumed) == [3]
         assert [resumed[3][k] for k in ("lm loss hex", "grad norm", "params norm")] == \
             [full[3][k] for k in ("lm loss hex", "grad norm", "params norm")], setting

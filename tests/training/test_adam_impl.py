@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_lev.arguments import parse_args
 from megatron_lev.lev.config import ConfigError
@@ -49,6 +50,10 @@ def test_fused_adamw_trains_as_foreach_within_its_rounding_and_is_kept_on_resume
     assert "optimizer: torch's AdamW, fused (--adam-impl fused)" in out
     assert min(resumed) == 6
     assert resumed[6]["grad norm"] == foreach[6]["grad norm"]  # the loaded weights, before a fused update
+    # After the resumed updates, as the uninterrupted fused run within the fp32 rounding of a foreach-saved state
+    # (1 ulp of the loss here): the step counts go on from the saved one, one a parameter.
+    for it in range(7, 11):
+        assert resumed[it]["lm loss"] == pytest.approx(fused[it]["lm loss"], rel=1e-6), it
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -68,3 +73,28 @@ def test_adam_impl_is_refused_where_megatron_runs_a_fused_adam_of_its_own(monkey
                                           "FusedAdam on this machine"):
         parse_args(RUN + ["--adam-impl", "foreach"], world_size=1)
     assert parse_args(RUN, world_size=1).adam_impl == "auto"
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_a_loaded_shared_step_becomes_one_step_tensor_a_parameter(impl):
+    """megatron's DistributedOptimizer.load_state_dict sets one step tensor for every parameter
+    (``s["step"] = step``); the fused kernel increments steps in place, so a shared one would advance once per
+    parameter an update (5 -> 8 with 3 parameters) and the bias correction would be wrong."""
+    from types import SimpleNamespace
+
+    from megatron_lev.compat.optimizer import use_adam_impl
+
+    params = [torch.nn.Parameter(torch.ones(n)) for n in (3, 4, 5)]
+    adam = torch.optim.AdamW(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    adam.step()
+    shared = torch.tensor(5.0)
+    for p in params:
+        adam.state[p]["step"] = shared
+    assert use_adam_impl(SimpleNamespace(optimizer=adam), impl) == impl
+    steps = [adam.state[p]["step"] for p in params]
+    assert len({id(s) for s in steps}) == len(params) and all(s is not shared for s in steps)
+    assert [s.item() for s in steps] == [5.0] * len(params)
+    adam.step()
+    assert [adam.state[p]["step"].item() for p in params] == [6.0] * len(params)

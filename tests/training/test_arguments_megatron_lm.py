@@ -230,8 +230,8 @@ def test_record_memory_history_needs_cuda_and_the_snapshot_path_needs_it():
 def test_common_megatron_lm_flags_are_implemented_accepted_as_the_behaviour_or_refused_with_why():
     """The flags Megatron-LM's example scripts use most that were unknown here: each is implemented (it changes
     the model or the run), accepted as what this fork always does, or refused in one line saying why."""
-    from megatron_lev import checkpoint
     from megatron_lev.arguments import parse_run_config
+    from megatron_lev.models.factory import build_configs
 
     base = resolved_config(parse_args(BASE, world_size=1))
     for flag in ("--use-dist-ckpt", "--ckpt-fully-parallel-save"):  # already the behaviour
@@ -246,15 +246,15 @@ def test_common_megatron_lm_flags_are_implemented_accepted_as_the_behaviour_or_r
     rc = parse_run_config(BASE + ["--qk-layernorm", "--use-cpu-initialization", "--ckpt-fully-parallel-load"],
                           world_size=1)
     assert rc.checkpointing.ckpt_fully_parallel_load and rc.model.qk_layernorm
-    config, _ = checkpoint.build_configs(dict(rc.to_saved_args(), padded_vocab_size=128))
+    config, _ = build_configs(rc.with_padded_vocab(128))
     assert config.qk_layernorm is True and config.use_cpu_initialization is True
-    plain, _ = checkpoint.build_configs(dict(parse_run_config(BASE, world_size=1).to_saved_args(), padded_vocab_size=128))
+    plain, _ = build_configs(parse_run_config(BASE, world_size=1).with_padded_vocab(128))
     assert plain.qk_layernorm is False
 
 
 def test_a_config_yaml_saved_before_qk_layernorm_existed_still_loads():
     from megatron_lev.arguments import parse_run_config
-    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.config import RunConfig
 
     saved = parse_run_config(BASE, world_size=1).to_saved_args()
     for name in ("qk_layernorm", "use_cpu_initialization", "ckpt_fully_parallel_load"):

@@ -28,7 +28,7 @@ import pytest
 
 from megatron_lev.arguments import build_parser, parse_args
 from megatron_lev.arguments.megatron_lm import FIXED, NO_OPS
-from megatron_lev.arguments.run_config import RunConfig
+from megatron_lev.config import RunConfig
 from megatron_lev.distributed.layout import MEGATRON_FIELDS
 from megatron_lev.arguments.validate import FOLDED_INTO
 from megatron_lev.lev.config import ConfigError

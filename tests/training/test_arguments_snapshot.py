@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lev.arguments import build_parser, parse_args
-from megatron_lev.arguments.run_config import _GROUPS
+from megatron_lev.config.run import _GROUPS
 from megatron_lev.config_flags import Number, field_default
 
 SNAPSHOT = Path(__file__).parent / "data" / "parser_snapshot.json"

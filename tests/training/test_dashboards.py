@@ -117,7 +117,7 @@ def test_tensorboard_has_megatron_lm_tags_and_the_last_rank_logs_the_same_scalar
 def test_wandb_flags_without_wandb_installed_or_without_a_project_are_refused_in_one_line(monkeypatch):
     import sys
 
-    from megatron_lev.arguments.groups import LoggingConfig
+    from megatron_lev.config.groups import LoggingConfig
     from megatron_lev.training.logger import LogWriterError, TrainingLogger
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: its import raises ImportError

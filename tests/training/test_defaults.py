@@ -1,7 +1,7 @@
 """Each default is written once: a flag of pretrain_lev.py whose destination is a field of a config dataclass
-it fills (LevModelConfig, LEVConfig, TokenizerSpec, megatron-core's TransformerConfig, OptimizerConfig and
-DistributedDataParallelConfig) defaults to that field's default, or DIFFERS says why not. In-process: the
-parser and the dataclasses' field defaults only."""
+it fills (the run's own groups of ``megatron_lev.config``, LevModelConfig, LEVConfig, TokenizerSpec,
+megatron-core's TransformerConfig, OptimizerConfig and DistributedDataParallelConfig) defaults to that field's
+default, or DIFFERS says why not. In-process: the parser and the dataclasses' field defaults only."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_lev.arguments import build_parser
 from megatron_lev.arguments.precision import OPTIMIZER_DTYPE_FIELDS, OPTIMIZER_DTYPES
-from megatron_lev.checkpoint.build import MOE_ARGS
+from megatron_lev.config.run import _GROUPS
 from megatron_lev.lev.config import LEVConfig, lev_arg
 from megatron_lev.models.config import LevModelConfig, build_transformer_config
+from megatron_lev.models.factory import MOE_FIELDS
 from megatron_lev.tokenizer import TokenizerSpec
 
-FILLED = (LevModelConfig, LEVConfig, TokenizerSpec, TransformerConfig, OptimizerConfig,
+FILLED = (*_GROUPS.values(), LevModelConfig, LEVConfig, TokenizerSpec, TransformerConfig, OptimizerConfig,
           DistributedDataParallelConfig)
 
 # Destinations that are not their field's name: dest -> (class, field, the field value a flag value means).
@@ -37,7 +38,7 @@ RENAMED = {
     "bias_swiglu_fusion": (TransformerConfig, "bias_activation_fusion", None),
     "accumulate_allreduce_grads_in_fp32": (DistributedDataParallelConfig, "grad_reduce_in_fp32", None),
     "ddp_bucket_size": (DistributedDataParallelConfig, "bucket_size", None),
-    **{dest: (TransformerConfig, name, None) for dest, name in MOE_ARGS.items() if dest != name},
+    **{dest: (TransformerConfig, name, None) for dest, name in MOE_FIELDS.items() if dest != name},
     **{lev_arg(f.name): (LEVConfig, f.name, None) for f in fields(LEVConfig)},
 }
 
@@ -85,12 +86,12 @@ def _pairs():
     out = []
     for dest in dict.fromkeys(a.dest for a in parser._actions):  # a --no-... negation shares its flag's dest
         default = parser.get_default(dest)  # the first action's: what argparse gives
+        # (LEVConfig's destinations are lev_arg(field), in RENAMED); a renamed destination is also checked
+        # against the run configuration's field of its own name
+        targets = [(cls, dest, None) for cls in FILLED if cls is not LEVConfig and dest in by_class[cls]
+                   and (dest not in RENAMED or cls in _GROUPS.values())]
         if dest in RENAMED:
-            cls, name, convert = RENAMED[dest]
-            targets = [(cls, name, convert)]
-        else:
-            # (LEVConfig's destinations are lev_arg(field), in RENAMED)
-            targets = [(cls, dest, None) for cls in FILLED if cls is not LEVConfig and dest in by_class[cls]]
+            targets.append(RENAMED[dest])
         for cls, name, convert in targets:
             f = by_class[cls].get(name)
             if f is None:  # a field this megatron-core release lacks
@@ -101,7 +102,8 @@ def _pairs():
             got = convert(default) if convert else default
             if isinstance(want, enum.Enum):  # an Enum field's flag takes the member's name
                 want = want.name
-            if name in OPTIMIZER_DTYPE_FIELDS and got in OPTIMIZER_DTYPES:  # Megatron-LM's names of the dtypes
+            if name in OPTIMIZER_DTYPE_FIELDS and got in OPTIMIZER_DTYPES and cls is OptimizerConfig:
+                # megatron-core's field holds the torch dtype of Megatron-LM's name
                 got = getattr(torch, OPTIMIZER_DTYPES[got])
             out.append((dest, cls, name, got, want, default))
     return out
@@ -138,21 +140,29 @@ def test_a_transformer_config_without_a_model_config_has_the_model_defaults():
 
 
 def test_saved_arguments_without_a_setting_read_the_flags_default():
-    """A saved config.yaml that lacks a model key is read with the flag's default."""
-    from megatron_lev.arguments.model import saved_model_arg
+    """A saved config.yaml that lacks a model key is read with the flag's default (the field's)."""
+    from megatron_lev.arguments import parse_args, resolved_config
+    from megatron_lev.config import RunConfig
 
     defaults = build_parser().get_default
-    for dest in ("position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "rotary_percent",
-                 "rotary_base", "init_method_std", "norm_epsilon"):
-        assert saved_model_arg({}, dest) == defaults(dest), dest
-        assert saved_model_arg({dest: "given"}, dest) == "given"
+    saved = resolved_config(parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --train-iters 4 "
+        "--lr 1e-3 --mock-data --vocab-size 100 --normalization RMSNorm --swiglu --rotary-base 500".split(),
+        world_size=1))
+    names = ("position_embedding_type", "normalization", "swiglu", "disable_bias_linear", "rotary_percent",
+             "rotary_base", "init_method_std", "norm_epsilon")
+    given = RunConfig.from_saved_args(saved).model
+    assert (given.normalization, given.swiglu, given.rotary_base) == ("RMSNorm", True, 500)
+    missing = RunConfig.from_saved_args({k: v for k, v in saved.items() if k not in names}).model
+    for dest in names:
+        assert getattr(missing, dest) == defaults(dest), dest
 
 
 @pytest.mark.parametrize("missing,named", [("position_embedding_type", "--position-embedding-type learned_absolute"),
                                            ("normalization", "--normalization LayerNorm")])
 def test_the_hf_export_reads_a_missing_setting_as_the_flags_default(missing, named):
     from megatron_lev.arguments import parse_args, resolved_config
-    from megatron_lev.arguments.run_config import RunConfig
+    from megatron_lev.config import RunConfig
     from megatron_lev.conversion import check_hf_compatible
     from megatron_lev.conversion.source import ConversionError
 

@@ -48,13 +48,13 @@ def one_rank():
 
 def _run_parts(corpus, flags):
     """(first training sample as the dataset gives it, the model) for MODEL + flags over ``corpus``."""
-    from megatron_lev import checkpoint
+    from megatron_lev.models import factory
     from megatron_lev.training.data import build_datasets
     from megatron_lev.training.loop import _setup_configs
 
     rc, tokenizer, config, model_config = _setup_configs(MODEL + ["--data-path", corpus] + flags)
     train, _, _ = build_datasets(rc, tokenizer)
-    model = checkpoint.build_model_chunks(config, model_config)[0].eval()
+    model = factory.build_model_chunks(config, model_config)[0].eval()
     return train[0], model
 
 

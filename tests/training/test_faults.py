@@ -60,6 +60,30 @@ def test_exit_signal_handler_stops_at_the_iteration_that_sees_sigterm(one_rank):
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+def test_a_lost_ranks_ignored_sigterm_outlives_the_lock_holders_handler(one_rank):
+    """The rank holding --save's lock installs SigtermRaises, then the loop's Stops; a run stopped on a lost
+    rank leaves SIGTERM ignored (torchrun's SIGTERM to the survivors must not turn exit code 5 into a death
+    by SIGTERM), and the lock holder's release afterwards must not put the default action back."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        raises = faults.SigtermRaises()
+        stops = faults.Stops(_rc(), SimpleNamespace(saving=None), 0.0, lambda line: None)
+        assert stops.sigterm is not None
+        stops.lost = True  # what _rank_lost records
+        stops.release()
+        raises.release()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        # Without a lost rank the lock holder's release restores the default action.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raises = faults.SigtermRaises()
+        stops = faults.Stops(_rc(), SimpleNamespace(saving=None), 0.0, lambda line: None)
+        stops.release()
+        raises.release()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.parametrize("action, save, last_saved, saved", [
     ("save-and-stop", "/ck", 2, [3]),  # the state after the last good iteration
     ("save-and-stop", "/ck", 3, []),   # already saved

@@ -48,7 +48,7 @@ class _NormReads(TorchDispatchMode):
 def _setup(setting: str):
     from megatron.core import parallel_state as ps
 
-    from megatron_lev.checkpoint.build import build_model_chunks
+    from megatron_lev.models.factory import build_model_chunks
     from megatron_lev.models import build_transformer_config
     from megatron_lev.training import loop
     from tests.moe._harness import GLOBAL_MICRO, HEADS, HIDDEN, loop_args, loop_run_config, model_config

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_lev.arguments import RunConfig, parse_args
+from megatron_lev.arguments import parse_args
+from megatron_lev.config import RunConfig
 from megatron_lev.lev.config import ConfigError
 
 MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
@@ -175,11 +176,11 @@ LEV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
 def precision_aware_state(argv):
     """The Adam megatron-core builds for ``argv`` (a "call" step of the multi-run job): its class, the
     state dtypes it was given, and the dtypes of the gradient buffers."""
-    from megatron_lev import checkpoint
+    from megatron_lev.models import factory
     from megatron_lev.training import loop
 
     rc, _tok, config, model_config = loop._setup_configs(argv)
-    chunks = checkpoint.build_model_chunks(config, model_config)
+    chunks = factory.build_model_chunks(config, model_config)
     model = loop._wrap_model(rc, config, chunks)
     optimizer, _ = loop._build_optimizer(rc, config, model)
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])][0]
@@ -229,13 +230,14 @@ def saved_checkpoint(one_rank, tmp_path_factory):
     """A one-process checkpoint of a tiny model (weights and RNG state; no optimizer), and the run's parts."""
     from megatron_lev import checkpoint
     from megatron_lev.arguments import resolved_config
+    from megatron_lev.models import factory
     from megatron_lev.training.loop import _setup_configs
 
     root = str(tmp_path_factory.mktemp("strictness"))
     rc, _, config, model_config = _setup_configs(MODEL + MOCK + ["--quiet-config"])
-    model = checkpoint.build_model_chunks(config, model_config)
+    model = factory.build_model_chunks(config, model_config)
     checkpoint.save_checkpoint(root, 1, model, None, None, consumed_train_samples=1, counters={},
-                               config=resolved_config(rc.flat()), save_optim=False, save_rng=True, log=lambda *_: None)
+                               config=resolved_config(rc.to_saved_args()), save_optim=False, save_rng=True, log=lambda *_: None)
     return root, model
 
 
@@ -264,7 +266,7 @@ def test_dist_ckpt_strictness_reaches_the_load(saved_checkpoint, strictness):
 
 def _model_grads(flags):
     """The TransformerConfig of MODEL + flags, its first layer, and the gradients of one forward-backward."""
-    from megatron_lev import checkpoint
+    from megatron_lev.models import factory
     from megatron_lev.distributed import set_seed
     from megatron_lev.training.loop import _setup_configs
 
@@ -272,7 +274,7 @@ def _model_grads(flags):
                            "--disable-bias-linear"] + flags
     _, _, config, model_config = _setup_configs(argv)
     set_seed(3)
-    model = checkpoint.build_model_chunks(config, model_config)[0]
+    model = factory.build_model_chunks(config, model_config)[0]
     tokens = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(0))
     model(tokens, torch.arange(8).repeat(2, 1), None, labels=torch.roll(tokens, -1, 1)).sum().backward()
     return config, model.decoder.layers[0], {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -304,17 +306,17 @@ def test_recompute_modules_a_model_cannot_honour_are_refused(extra, message):
 
 
 def test_disable_bf16_reduced_precision_matmul_reaches_torch():
-    from megatron_lev import checkpoint
+    from megatron_lev.models import factory
 
     before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     try:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
         args = _parse(["--bf16", "--disable-bf16-reduced-precision-matmul"])
-        config, _ = checkpoint.build_configs(vars(args) | {"padded_vocab_size": 1024})
+        config, _ = factory.build_configs(RunConfig.from_saved_args(vars(args) | {"padded_vocab_size": 1024}))
         assert config.disable_bf16_reduced_precision_matmul
         assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-        checkpoint.build_configs(vars(_parse(["--bf16"])) | {"padded_vocab_size": 1024})
+        factory.build_configs(RunConfig.from_saved_args(vars(_parse(["--bf16"])) | {"padded_vocab_size": 1024}))
         assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is True  # left alone without it
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
@@ -336,12 +338,12 @@ def test_params_norm_runs_on_the_logged_iterations_only(extra, due):
 
 
 def test_params_norm_is_the_l2_norm_of_every_parameter(one_rank):
-    from megatron_lev import checkpoint
+    from megatron_lev.models import factory
     from megatron_lev.training.loop import _setup_configs
     from megatron_lev.training.params_norm import params_l2_norm
 
     _, _, config, model_config = _setup_configs(MODEL + MOCK + ["--untie-embeddings-and-output-weights"])
-    model = checkpoint.build_model_chunks(config, model_config)
+    model = factory.build_model_chunks(config, model_config)
     expected = torch.sqrt(sum(p.detach().double().square().sum() for p in model[0].parameters()))
     assert params_l2_norm(model) == pytest.approx(float(expected), rel=1e-6)
 
@@ -359,13 +361,13 @@ def test_grad_group_norms_run_on_the_logged_iterations_only(extra, due):
 
 @pytest.mark.parametrize("arm", ["tied", "lev"])
 def test_grad_group_norms_split_the_global_norm_by_input_side_body_and_head(one_rank, arm):
-    from megatron_lev import checkpoint
+    from megatron_lev.models import factory
     from megatron_lev.training import grad_groups
     from megatron_lev.training.loop import _setup_configs
 
     lev = ["--lev-seed-dim", "8", "--lev-rank", "4", "--lev-heads", "2", "--lev-knots", "5"] if arm == "lev" else []
     _, _, config, model_config = _setup_configs(MODEL + MOCK + ["--input-embedding", arm] + lev)
-    (model,) = checkpoint.build_model_chunks(config, model_config)
+    (model,) = factory.build_model_chunks(config, model_config)
     tokens = torch.randint(0, 1000, (2, 8), generator=torch.Generator().manual_seed(0))
     model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).sum().backward()
     squares = grad_groups.group_squares([model]).tolist()

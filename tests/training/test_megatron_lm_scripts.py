@@ -20,6 +20,7 @@ import yaml
 
 from megatron_lev.arguments import parse_args
 from megatron_lev.lev.config import ConfigError
+from megatron_lev.testing import train_records
 from tests.training._multi_run import launch_plan
 
 # Its tests share multi-process jobs (~42 s for the module on 2 cores): not in make test-fast.
@@ -176,11 +177,6 @@ def runs(tokenizer_files, tmp_path_factory):
     return tmp, {n: r.stdout for n, r in res.items()}
 
 
-def _train_rows(path: Path) -> Dict[int, dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["iteration"]: r for r in rows if r["kind"] == "train"}
-
-
 def _config(tmp: Path, name: str) -> dict:
     return yaml.safe_load((tmp / name / "ckpt" / "iter_0000003" / "config.yaml").read_text())
 
@@ -188,7 +184,7 @@ def _config(tmp: Path, name: str) -> dict:
 @pytest.mark.parametrize("name", ["gpt3", "llama"])
 def test_script_trains_three_iterations_with_finite_losses(runs, name):
     tmp, _ = runs
-    rows = _train_rows(tmp / f"{name}.jsonl")
+    rows = train_records(tmp / f"{name}.jsonl")
     assert sorted(rows) == [1, 2, 3]
     for r in rows.values():
         assert math.isfinite(r["lm loss"]) and not r["nan"], r
@@ -200,7 +196,7 @@ def test_script_trains_three_iterations_with_finite_losses(runs, name):
 
 def test_gpt3_script_flags_took_effect(runs):
     tmp, stdout = runs
-    cfg, rows = _config(tmp, "gpt3"), _train_rows(tmp / "gpt3.jsonl")
+    cfg, rows = _config(tmp, "gpt3"), train_records(tmp / "gpt3.jsonl")
     expect = {"input_embedding": "lev", "fp16": True, "tensor_model_parallel_size": 2, "lr_decay_style": "cosine",
               "lr": 6.0e-5, "min_lr": 6.0e-6, "lr_warmup_fraction": 0.001, "lr_decay_iters": 3,
               "weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95, "init_method_std": 0.006,
@@ -223,7 +219,7 @@ def test_gpt3_script_flags_took_effect(runs):
 
 def test_llama_script_flags_took_effect(runs):
     tmp, stdout = runs
-    cfg, rows = _config(tmp, "llama"), _train_rows(tmp / "llama.jsonl")
+    cfg, rows = _config(tmp, "llama"), train_records(tmp / "llama.jsonl")
     # --apply-layernorm-1p is megatron-core's layernorm_zero_centered_gamma, as in Megatron-LM.
     expect = {"input_embedding": "lev", "layernorm_zero_centered_gamma": True, "normalization": "RMSNorm", "swiglu": True,
               "num_query_groups": 2, "group_query_attention": True, "kv_channels": 16, "ffn_hidden_size": 224,
@@ -264,7 +260,7 @@ def test_llama_scripts_real_data_tokenizer_flags_start_with_vocab_size_as_the_mo
     """The script's real-data branch gives --vocab-size 128256 beside its tokenizer.json: the model's
     vocabulary (one line says so), as Megatron-LM takes it; before, refused as a NullTokenizer-only flag."""
     tmp, stdout = runs
-    cfg, rows = _config(tmp, "llama-hf"), _train_rows(tmp / "llama-hf.jsonl")
+    cfg, rows = _config(tmp, "llama-hf"), train_records(tmp / "llama-hf.jsonl")
     assert (cfg["tokenizer_type"], cfg["vocab_size"], cfg["padded_vocab_size"]) == ("HuggingFaceTokenizer", 128256,
                                                                                     128256)
     assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["lm loss"]) for r in rows.values())

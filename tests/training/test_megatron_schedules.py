@@ -80,7 +80,7 @@ def test_batch_size_schedule_iterations_are_megatron_lms():
         a = _parse(["--train-samples", "60", "--step-batch-size-schedule", "0:2 128:4 256:6 384:8"])  # seq 32
         # Megatron-LM's update_train_iters: steps while fewer than --train-samples are consumed.
         iterations = 4 + -(-(60 - 14) // 8)
-    got = [bs for _, bs in batch_sizes(a, iterations=a.train_iters)]
+    got = [bs for _, bs in batch_sizes(a, a.data_parallel_size, a.seq_length, iterations=a.train_iters)]
     assert got[:4] == [2, 2, 4, 6] and set(got[4:]) == {8}
     assert a.global_batch_size == 8 and a.train_iters == iterations and a.num_microbatches == 4
 
@@ -158,11 +158,11 @@ def test_step_batch_size_schedule_follows_the_installed_calculator():
 def decoupled_lr_groups(argv):
     """(parameter name, lr, max_lr, min_lr) of every parameter after one scheduler step, from the
     optimizer the loop builds (a "call" step of the multi-run job)."""
-    from megatron_lev import checkpoint
+    from megatron_lev.models import factory
     from megatron_lev.training import loop
 
     rc, _tok, config, model_config = loop._setup_configs(argv)
-    chunks = checkpoint.build_model_chunks(config, model_config)
+    chunks = factory.build_model_chunks(config, model_config)
     names = {id(p): n for c in chunks for n, p in c.named_parameters()}
     model = loop._wrap_model(rc, config, chunks)
     optimizer, scheduler = loop._build_optimizer(rc, config, model)
@@ -342,7 +342,9 @@ def test_pytorch_profiler_writes_a_trace_on_cpu_and_nsys_is_refused(runs):
         assert any(e.get("cat") == "cpu_op" for e in events)
         # The loop's spans, by which bench/_profile_trace.py places the step's host syncs and scalar reads
         spans = {e["name"] for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("megatron_lev.")}
-        assert spans == {f"megatron_lev.{n}" for n in ("batch", "step", "forward_backward", "loss", "optimizer", "log")}
+        # (and the model's own ranges: LEV's input layer, the loss's cross-entropy; RoPE's runs fused on CUDA only)
+        assert spans == {f"megatron_lev.{n}" for n in ("batch", "step", "forward_backward", "loss", "optimizer", "log",
+                                                       "lev", "cross_entropy")}
     nsys = runs["runs"]["nsys-on-cpu"]
     assert nsys.code == 2
     errors = [ln for ln in nsys.job_stderr.splitlines() if "--profile without --use-pytorch-profiler" in ln]

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_lev.testing import train_records
 from megatron_lev.testing.cli import run_cli
 from tests.training._multi_run import launch_plan
-from tests.training.test_production_path import _metrics  # the metrics file's train rows by iteration
 
 # Its tests share multi-process jobs (~76 s for the module on 2 cores): not in make test-fast.
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ def score_checkpoint(path: str):
 @pytest.mark.parametrize("layout", ["tp2-ep2", "pp2"])
 def test_moe_layouts_equal_the_reference(runs, layout):
     tmp, _ = runs
-    ref, got = _metrics(tmp / "reference.jsonl"), _metrics(tmp / f"{layout}.jsonl")
+    ref, got = train_records(tmp / "reference.jsonl"), train_records(tmp / f"{layout}.jsonl")
     assert sorted(ref) == sorted(got) == [2, 3, 4]
     for i in ref:
         assert got[i]["lm loss"] == pytest.approx(ref[i]["lm loss"], rel=1e-6), (layout, i)
@@ -115,7 +115,7 @@ def test_moe_layouts_equal_the_reference(runs, layout):
 
 def test_moe_resume_at_ep2_is_bit_exact(runs):
     tmp, _ = runs
-    full, first, resumed = (_metrics(tmp / f"{n}.jsonl") for n in ("full", "first", "resumed"))
+    full, first, resumed = (train_records(tmp / f"{n}.jsonl") for n in ("full", "first", "resumed"))
     assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
     for i in (1, 2):
         assert first[i]["lm loss hex"] == full[i]["lm loss hex"]
@@ -128,7 +128,7 @@ def test_aux_and_mtp_losses_are_logged(runs):
     tmp, res = runs
     line = [ln for ln in res["tp2-ep2"].stdout.splitlines() if " iteration " in ln and "lm loss:" in ln]
     assert len(line) == 3 and all("load_balancing_loss:" in ln for ln in line)
-    mtp = _metrics(tmp / "mtp.jsonl")
+    mtp = train_records(tmp / "mtp.jsonl")
     assert sorted(mtp) == [1, 2] and all(mtp[i]["mtp_1 loss"] > 0 for i in mtp)
     # Cross-entropy of the token after next on random tokens: near ln(vocab) like the LM loss.
     assert all(abs(mtp[i]["mtp_1 loss"] - mtp[i]["lm loss"]) < 1.0 for i in mtp)

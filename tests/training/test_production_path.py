@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
+from megatron_lev.testing import train_records
 
 from tests.training._multi_run import launch_plan
 
@@ -49,11 +50,6 @@ VPP_TABLE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads"
              "2", "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
              "--lev-compute-mode", "table", "--lev-seed-dim", "16", "--lev-rank", "8", "--lev-heads", "2",
              "--lev-knots", "8", "--lev-chunk-size", "64"]
-
-
-def _metrics(path: Path) -> dict:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["iteration"]: r for r in rows if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +111,7 @@ def test_a_run_in_a_longer_job_takes_its_process_groups_threads_with_it(runs):
 @pytest.mark.parametrize("config", [c.stem for c in CONFIGS])
 def test_shipped_pile_config_trains_with_overlap_like_without(runs, config):
     tmp = runs
-    on, off = _metrics(tmp / f"{config}-on.jsonl"), _metrics(tmp / f"{config}-off.jsonl")
+    on, off = train_records(tmp / f"{config}-on.jsonl"), train_records(tmp / f"{config}-off.jsonl")
     assert sorted(on) == sorted(off) == [1, 2, 3]
     for i in on:
         assert on[i]["lm loss"] == off[i]["lm loss"], (config, i)
@@ -131,9 +127,9 @@ def test_shipped_pile_config_trains_with_overlap_like_without(runs, config):
 @pytest.mark.parametrize("mode", ["unique", "table", "param-gather"])
 def test_lev_resume_is_bit_exact_at_tp2_with_distributed_optimizer(runs, mode):
     tmp = runs
-    full = _metrics(tmp / f"{mode}-full.jsonl")
-    first = _metrics(tmp / f"{mode}-first.jsonl")
-    resumed = _metrics(tmp / f"{mode}-resumed.jsonl")
+    full = train_records(tmp / f"{mode}-full.jsonl")
+    first = train_records(tmp / f"{mode}-first.jsonl")
+    resumed = train_records(tmp / f"{mode}-resumed.jsonl")
     assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
     for i in (1, 2):
         assert first[i]["lm loss hex"] == full[i]["lm loss hex"]
@@ -144,8 +140,8 @@ def test_lev_resume_is_bit_exact_at_tp2_with_distributed_optimizer(runs, mode):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_table_mode_with_virtual_stages_overlaps_grad_reduce_like_without(runs, dtype):
-    on = _metrics(runs / f"vpp-table-{dtype}-on.jsonl")
-    off = _metrics(runs / f"vpp-table-{dtype}-off.jsonl")
+    on = train_records(runs / f"vpp-table-{dtype}-on.jsonl")
+    off = train_records(runs / f"vpp-table-{dtype}-off.jsonl")
     assert sorted(on) == sorted(off) == [1, 2, 3]
     for i in on:
         assert on[i]["lm loss hex"] == off[i]["lm loss hex"], (dtype, i)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from megatron_lev.arguments import config_to_yaml, parse_args, parse_run_config, resolved_config
-from megatron_lev.arguments.run_config import RunConfig, flat_names
+from megatron_lev.config import RunConfig, flat_names
 from megatron_lev.arguments.validate import FOLDED_INTO
 from megatron_lev.lev.config import ConfigError
 
@@ -64,7 +64,7 @@ def namespace_reads(source: str):
 @pytest.mark.parametrize("module", sorted(p.name for p in TRAINING.glob("*.py")))
 def test_training_reads_the_run_config_not_an_argument_namespace(module):
     """Every module of megatron_lev/training/ reads the typed RunConfig; the flat namespace is what the
-    parser makes and ``arguments`` / ``checkpoint`` check (``RunConfig.flat()``)."""
+    parser makes and ``arguments`` checks; ``RunConfig.flat()`` is gone (every call took typed fields)."""
     reads = namespace_reads((TRAINING / module).read_text(encoding="utf-8"))
     assert not reads, f"megatron_lev/training/{module} reads the argument namespace (read RunConfig's fields): {reads}"
 
@@ -103,8 +103,8 @@ def test_the_saved_arguments_are_config_yaml(case):
     args = _parsed(case)
     written = yaml.safe_load(config_to_yaml(resolved_config(args)))
     assert yaml.safe_load(config_to_yaml(RunConfig.from_args(args).to_saved_args())) == written
-    # Training writes resolved_config(rc.flat()): the same text (1000 stays 1000, not 1000.0).
-    assert config_to_yaml(resolved_config(RunConfig.from_args(args).flat())) == config_to_yaml(resolved_config(args))
+    # Training writes resolved_config(rc.to_saved_args()): the same text (1000 stays 1000, not 1000.0).
+    assert config_to_yaml(resolved_config(RunConfig.from_args(args).to_saved_args())) == config_to_yaml(resolved_config(args))
 
 
 def test_each_argument_has_one_field():
@@ -162,11 +162,15 @@ def test_an_older_config_yaml_loads_with_the_flag_defaults_and_derived_values():
     assert old.data == dataclasses.replace(new.data, tokenizer_fingerprint=None)
 
 
-def test_an_infinite_float_reads_back_from_config_yaml():
+def test_an_infinite_float_reads_back_from_config_yaml_and_meets_the_fields_range():
     args = _parsed("defaults")
-    args.clip_grad = math.inf
+    args.moe_aux_loss_coeff = math.inf  # a field without a range
     saved = yaml.safe_load(config_to_yaml(resolved_config(args)))
-    assert saved["clip_grad"] == "inf" and RunConfig.from_saved_args(saved).optimizer.clip_grad == math.inf
+    assert saved["moe_aux_loss_coeff"] == "inf"
+    assert RunConfig.from_saved_args(saved).model.moe_aux_loss_coeff == math.inf
+    saved["clip_grad"] = "inf"  # --clip-grad refuses inf; so does its field when the file is read back
+    with pytest.raises(ConfigError, match=r"^config.yaml: clip_grad is inf, which must be finite and >= 0; put back"):
+        RunConfig.from_saved_args(saved)
 
 
 def test_a_broken_saved_file_is_one_line_naming_the_key():
@@ -190,7 +194,6 @@ def test_the_tokenizer_fills_the_rows_and_the_fingerprint():
     assert filled.model.padded_vocab_size == 256  # 100 ids padded to a multiple of 128 x TP 2
     assert filled.data.tokenizer_fingerprint == tokenizer_fingerprint(tokenizer)
     assert dataclasses.replace(filled, model=rc.model, data=rc.data) == rc  # nothing else changes
-    assert vars(filled.flat()) == filled.to_saved_args()  # the flat form arguments/ and checkpoint/ check
 
 
 # config.yaml as the last release before RunConfig wrote it (0a9b888; bench/same_training.sh's TP=2 lev run,
@@ -222,6 +225,6 @@ def test_a_released_config_yaml_reads_as_the_same_flags_parse_today():
     assert rc == now.with_tokenizer(TokenizerSpec.from_args(now.data).build())
     assert rc.layout.tp == 2 and rc.layout.dp == 1 and rc.model.sequence_parallel and rc.model.bf16
     # Written back, it is the released file key by key, and the settings added since at their defaults.
-    written = yaml.safe_load(config_to_yaml(resolved_config(rc.flat())))
+    written = yaml.safe_load(config_to_yaml(resolved_config(rc.to_saved_args())))
     assert {k: v for k, v in written.items() if k in saved} == saved
     assert {k: v for k, v in written.items() if k not in saved} == ADDED_SINCE_0A9B888

@@ -62,7 +62,8 @@ def test_the_loss_scale_is_read_only_on_the_steps_that_log_it(monkeypatch, itera
                                    scalars=lambda *a, **kw: None)
     optimizer = types.SimpleNamespace(param_groups=[{"default_config": True, "lr": 1e-3}],
                                       get_loss_scale=lambda: counted.append(1) or torch.tensor([1.0]))
-    from megatron_lev.arguments import RunConfig, build_parser
+    from megatron_lev.arguments import build_parser
+    from megatron_lev.config import RunConfig
 
     args = build_parser().parse_args([])  # every logging flag at its default
     args.__dict__.update(tensorboard_log_interval=1, log_interval=10, seq_length=8, train_iters=100, world_size=1,

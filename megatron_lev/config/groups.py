@@ -1,8 +1,9 @@
-"""The non-model groups of :class:`~megatron_lev.arguments.run_config.RunConfig`: data, schedule,
+"""The non-model groups of :class:`~megatron_lev.config.run.RunConfig`: data, schedule,
 optimizer, distributed, checkpointing, logging, run control, and the folded flags. Each field is an
 argument under Megatron-LM's name (the flag ``--field-name``, the key of ``config.yaml``) holding its
-resolved value; its docstring is the flag's help. Kept apart from ``run_config`` so that the flag modules
-(``checkpointing``, ``run``, ...) generate their flags from these fields without importing the parser."""
+resolved value; its docstring is the flag's help. A module of their own (as ``model`` for the model group),
+so that the flag modules of ``arguments`` (``checkpointing``, ``run``, ...) import just the groups they
+generate their flags from."""
 
 from __future__ import annotations
 
@@ -66,24 +67,24 @@ class DataConfig:
     tokenizer_type: str
     """The tokenizer (--tokenizer-type)."""
 
-    vocab_file: Optional[str]
+    vocab_file: Optional[str] = None
     """GPT-2 vocab.json of GPT2BPETokenizer (--vocab-file)."""
 
-    merge_file: Optional[str]
+    merge_file: Optional[str] = None
     """GPT-2 merges.txt of GPT2BPETokenizer (--merge-file)."""
 
-    tokenizer_model: Optional[str]
+    tokenizer_model: Optional[str] = None
     """tokenizer.json (or its folder), SentencePiece .model or .tiktoken rank file (--tokenizer-model)."""
 
-    vocab_size: Optional[int]
+    vocab_size: Optional[int] = None
     """Ids of the NullTokenizer, or of a TikTokenizer in Megatron-LM's v1/v2 layout (--vocab-size); beside a
     tokenizer with files, the model's vocabulary (at least the tokenizer's ids). The embedding's rows are
     ``model.padded_vocab_size``."""
 
-    tiktoken_pattern: str
+    tiktoken_pattern: str = "o200k"
     """Pre-tokenisation pattern of a TikTokenizer (--tiktoken-pattern)."""
 
-    tiktoken_num_special_tokens: int
+    tiktoken_num_special_tokens: int = 1000
     """Special-token ids before the vocabulary in Megatron-LM's v1/v2 layout (--tiktoken-num-special-tokens)."""
 
     tokenizer_fingerprint: Optional[Dict[str, Any]] = None
@@ -514,15 +515,15 @@ class FoldedFlagsConfig:
     """Layers per virtual pipeline stage, instead of --virtual-pipeline-model-parallel-size (folded into the
     layout's vpp)."""
 
-    recompute_activations: bool
+    recompute_activations: bool = False
     """Selective recompute (--recompute-activations), folded into --recompute-granularity."""
 
-    untie_embeddings_and_output_weights: bool
+    untie_embeddings_and_output_weights: bool = False
     """An untied output layer (--untie-embeddings-and-output-weights), folded into --input-embedding (which
     validation makes consistent with it)."""
 
     grad_reduce_in_bf16: bool = False
     """reduce gradients in bf16 instead of fp32 (with --bf16); folded into --accumulate-allreduce-grads-in-fp32"""
 
-    group_query_attention: bool
+    group_query_attention: bool = False
     """Grouped-query attention (--group-query-attention), folded into --num-query-groups."""
