@@ -150,12 +150,16 @@ class LEVSeed(nn.Module):
         """ids [...] (in [0, V), unchecked here) -> z [..., d_s], summed in max(fp32, parameter dtype)."""
         powers, offsets = self._digit_constants(ids.device)
         # Row of digit m in the stacked codebooks: i_m + m b (token_digits' digits, constants built once).
-        flat = torch.div(ids.long().unsqueeze(-1), powers, rounding_mode="floor").remainder_(self.base).add_(offsets)
+        # The ids are flattened first: elementwise ops keep a transposed [s, b] input's strides, which no
+        # view to [N, k] could follow (reshape copies the ids only where they are not contiguous).
+        flat = torch.div(ids.long().reshape(-1, 1), powers, rounding_mode="floor").remainder_(self.base).add_(offsets)
         table = self.codebooks.view(self.num_digits * self.base, self.seed_dim)
         if table.dtype in (torch.float32, torch.float64):
             # Gather and sum in one op (forward and backward); its sum is in the table's dtype.
-            return F.embedding_bag(flat.view(-1, self.num_digits), table, mode="sum").view(*ids.shape, self.seed_dim)
-        return F.embedding(flat, table).sum(dim=-2, dtype=torch.float32)
+            z = F.embedding_bag(flat, table, mode="sum")
+        else:
+            z = F.embedding(flat, table).sum(dim=-2, dtype=torch.float32)
+        return z.view(*ids.shape, self.seed_dim)
 
     def _digit_constants(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
         """(b^(k-1-m), m b) for m < k on ``device``, built on the first call there (no per-call launches)."""
