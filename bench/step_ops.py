@@ -41,8 +41,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 PARTS = ("forward", "backward", "optimizer", "other")
-# Aten operators that allocate or relabel memory and launch no kernel on a GPU.
-NO_LAUNCH = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+# Aten operators that allocate or relabel memory, or compute on dtypes, and launch no kernel on a GPU.
+NO_LAUNCH = frozenset({"promote_types", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
                        "lift_fresh", "resize_", "set_", "_reshape_alias", "_unsafe_view", "view", "as_strided",
                        "_record_function_enter_new", "_record_function_exit"})
 HOST_READ = "_local_scalar_dense"

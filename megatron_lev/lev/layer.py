@@ -148,11 +148,29 @@ class LEVSeed(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] (in [0, V), unchecked here) -> z [..., d_s], summed in max(fp32, parameter dtype)."""
-        digits = token_digits(ids, self.base, self.num_digits)
-        flat = digits + torch.arange(self.num_digits, device=ids.device) * self.base
+        powers, offsets = self._digit_constants(ids.device)
+        # Row of digit m in the stacked codebooks: i_m + m b (token_digits' digits, constants built once).
+        # The ids are flattened first: elementwise ops keep a transposed [s, b] input's strides, which no
+        # view to [N, k] could follow (reshape copies the ids only where they are not contiguous).
+        flat = torch.div(ids.long().reshape(-1, 1), powers, rounding_mode="floor").remainder_(self.base).add_(offsets)
         table = self.codebooks.view(self.num_digits * self.base, self.seed_dim)
-        rows = F.embedding(flat, table)
-        return rows.to(torch.promote_types(rows.dtype, torch.float32)).sum(dim=-2)
+        if table.dtype in (torch.float32, torch.float64):
+            # Gather and sum in one op (forward and backward); its sum is in the table's dtype.
+            z = F.embedding_bag(flat, table, mode="sum")
+        else:
+            z = F.embedding(flat, table).sum(dim=-2, dtype=torch.float32)
+        return z.view(*ids.shape, self.seed_dim)
+
+    def _digit_constants(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(b^(k-1-m), m b) for m < k on ``device``, built on the first call there (no per-call launches)."""
+        cached = self.__dict__.get("_digit_cache")
+        if cached is None or cached[0].device != device:
+            k, b = self.num_digits, self.base
+            # Built by kernels on the device (a copy of host data would be a host sync).
+            m = torch.arange(k, dtype=torch.long, device=device)
+            cached = (torch.pow(b, (k - 1) - m), m * b)
+            self.__dict__["_digit_cache"] = cached
+        return cached
 
 
 class LEVHeads(nn.Module):
@@ -208,9 +226,12 @@ class LEVHeads(nn.Module):
         where bf16 rounding of x would be amplified (the cost, N h d_s^2, is small).
         """
         dt = torch.promote_types(self.proj_weight.dtype, torch.float32)
-        y = torch.einsum("nd,hed->nhe", z.to(dt), self.proj_weight.to(dt)) + self.proj_bias.to(dt)
-        y = F.layer_norm(y, (y.shape[-1],), eps=LN_EPS) * self.norm_weight.to(dt) + self.norm_bias.to(dt)
-        return torch.sigmoid(y)
+        h, ds = self.num_heads, self.config.seed_dim
+        # All heads' projections as one GEMM with the bias (rows h*ds of A stacked), and each head's
+        # LayerNorm with its own gamma, beta as a group norm with h groups of d_s channels: 2 ops, not 6.
+        y = torch.addmm(self.proj_bias.to(dt).view(h * ds), z.to(dt), self.proj_weight.to(dt).view(h * ds, ds).t())
+        y = F.group_norm(y, h, self.norm_weight.to(dt).view(h * ds), self.norm_bias.to(dt).view(h * ds), eps=LN_EPS)
+        return torch.sigmoid(y).view(-1, h, ds)
 
     def modes(self, z: torch.Tensor) -> torch.Tensor:
         """M [N, h, r] (fp32, or fp64 for fp64 parameters)."""
@@ -225,8 +246,9 @@ class LEVHeads(nn.Module):
             log_eps=cfg.log_eps,
         )
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        """z [..., d_s] -> sum over these heads of W_l M_l, [..., D], in max(fp32, parameter dtype).
+    def forward(self, z: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """z [..., d_s] -> sum over these heads of W_l M_l (plus ``bias`` [D], added in the same GEMM),
+        [..., D], in max(fp32, parameter dtype).
 
         The projection and the sum over heads stay in at least fp32: the offset c added afterwards
         nearly cancels the vocabulary mean of this sum, so rounding it to bf16 first would cost about
@@ -234,7 +256,10 @@ class LEVHeads(nn.Module):
         """
         lead = z.shape[:-1]
         m = self.modes(z.reshape(-1, z.shape[-1]))
-        out = torch.einsum("nhr,hdr->nd", m, self.out_weight.to(m.dtype))
+        h, r = m.shape[1:]
+        # One GEMM over (head, mode) pairs: W as [D, h r] (a copy of W, D h r elements, far below N D).
+        w = self.out_weight.to(m.dtype).permute(1, 0, 2).reshape(self.hidden_size, h * r)
+        out = F.linear(m.view(-1, h * r), w, None if bias is None else bias.to(m.dtype))
         return out.view(*lead, self.hidden_size)
 
 
@@ -628,7 +653,7 @@ class LEVEmbedding(nn.Module):
     def compute(self, ids: torch.Tensor) -> torch.Tensor:
         """G for a flat tensor of (valid) ids, [N] -> [N, D], with autograd, in the parameters' dtype
         (rounded once, after the offset is added)."""
-        return (self.heads(self.seed(ids)) + self.offset).to(self.offset.dtype)
+        return self.heads(self.seed(ids), bias=self.offset).to(self.offset.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self._modes(ids, self.compute, self.offset.device).view(*ids.shape, self.hidden_size)
