@@ -181,9 +181,14 @@ def test_training_preprocessing_evaluation_and_export_build_the_same_tokenizer(t
     from megatron_lev.training.data import build_tokenizer_from_args
     from tests.conftest import tokenizer_flags
 
+    from megatron_lev.arguments import parse_run_config
+
     kw = tok_args["tiktoken"]  # a pattern other than the default: every path has to carry it
     ref = build_tokenizer(**kw)
-    saved = dict(kw, num_layers=2, hidden_size=64)  # a checkpoint's config.yaml
+    # a checkpoint's saved configuration, as evaluation reads it (typed)
+    saved = parse_run_config(tokenizer_flags(kw) + "--num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                             "--seq-length 32 --micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data".split(),
+                             world_size=1)
     built = {
         "training": build_tokenizer_from_args(train_parser().parse_args(tokenizer_flags(kw))),
         "preprocessing": TokenizerSpec.from_args(PreprocessConfig(inputs=["x"], output_prefix="y", **kw)).build(),
@@ -192,7 +197,7 @@ def test_training_preprocessing_evaluation_and_export_build_the_same_tokenizer(t
     for name, tok in built.items():
         assert type(tok) is type(ref) and tok.tokenize(TRICKY) == ref.tokenize(TRICKY), name
         assert (tok.vocab_size, tok.eod) == (ref.vocab_size, ref.eod), name
-    info = tokenizer_info(saved)
+    info = tokenizer_info(saved.data)
     assert (info["type"], info["vocab_size"], info["eod"]) == ("TikTokenizer", ref.vocab_size, ref.eod)
     # evaluation flags override the saved files
     other = dict(tok_args["sentencepiece"])

@@ -10,7 +10,8 @@ receiver named ``args``, ``run.args``, ``saved_args``...), looks a constant ``"N
 (``a["NAME"]``, ``a.get("NAME")``, ``getattr(x, "NAME")``), lists it in a collection of names (a tuple,
 list, set or dict keys of strings, such as ``MOE_ARGS``), imports such a collection from
 ``megatron_lev.arguments``, hands the arguments to a dataclass's ``from_args`` that takes every field
-(``LEVConfig``, ``TokenizerSpec``) whose field is then used, or reads a field of a ``RunConfig`` group
+(``TokenizerSpec``) or that a ``RunConfig`` group holds whole (``LEVConfig``), whose field is then used,
+or reads a field of a ``RunConfig`` group
 (``typed_reads``: ``<...>.data.seq_length``, or a name bound to a group, ``cfg: LoggingConfig``).
 """
 
@@ -83,6 +84,20 @@ def typed_reads(tree: ast.AST) -> Set[str]:
             group = receiver.attr if isinstance(receiver, ast.Attribute) else bound.get(getattr(receiver, "id", None))
             if group in groups and node.attr in groups[group]:  # the layout's sizes under their flags' names
                 out.add(MEGATRON_FIELDS.get(node.attr, node.attr) if group in ("layout", "ParallelLayout") else node.attr)
+    return out
+
+
+def held_whole(loaded: Set[str]) -> Set[str]:
+    """The dataclasses a RunConfig group holds whole as one field (``ModelRunConfig.lev: LEVConfig``) that the
+    code loads by that field's name (``rc.model.lev``, handed to the model): their fields are read where the
+    code loads them, as those of a ``from_args`` class."""
+    import typing
+
+    out = set()
+    for klass in typing.get_type_hints(RunConfig).values():
+        for name, hint in typing.get_type_hints(klass).items():
+            if dataclasses.is_dataclass(hint) and name in loaded:
+                out.add(hint.__name__)
     return out
 
 
@@ -172,7 +187,7 @@ def unread(parser: argparse.ArgumentParser):
         if dest in FOLDED_INTO and FOLDED_INTO[dest] in read:
             continue
         field = getattr(action, "config_field", None)  # generated from a dataclass field
-        if field is not None and field[0].__name__ in from_args and field[1] in loaded:
+        if field is not None and field[0].__name__ in from_args | held_whole(loaded) and field[1] in loaded:
             continue
         out.setdefault(dest, flags)  # (a --no-... negation shares its flag's destination)
     return out
@@ -196,7 +211,7 @@ def test_the_walk_sees_each_way_of_reading():
     assert {"train_iters", "seq_length"} <= read  # args.X
     assert {"padded_vocab_size", "fp8_format"} <= read  # a["X"], a.get("X")
     assert {"moe_router_topk", "main_grads_dtype"} <= read  # MOE_ARGS' keys, OPTIMIZER_DTYPE_FIELDS imported
-    assert {"LEVConfig", "TokenizerSpec"} <= from_args and "basis" in loaded
+    assert "TokenizerSpec" in from_args and "LEVConfig" in held_whole(loaded) and "basis" in loaded
     typed = ast.parse("def f(rc, cfg: 'LoggingConfig'):\n    d, s = rc.data, rc.schedule\n"
                       "    return rc.run.seed, d.split, s.eval_iters, cfg.metrics_file, rc.layout.vpp, rc.data.other")
     assert typed_reads(typed) == {"seed", "split", "eval_iters", "metrics_file", "virtual_pipeline_model_parallel_size"}
