@@ -163,6 +163,29 @@ def test_deferred_compile_compiles_once_at_the_first_call_with_the_options():
     assert calls == [("add", {}), ("mul", {"dynamic": False})]
 
 
+def test_a_deferred_compile_runs_cpu_tensors_uncompiled_and_compiles_for_a_device():
+    import torch
+
+    from megatron_lev.compat.startup import _deferred
+
+    calls = []
+
+    def fake_compile(fn, **options):
+        calls.append(fn.__name__)
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    @_deferred(fake_compile)
+    def scale(x, factor=None):
+        return x * (2 if factor is None else factor)
+
+    x = torch.ones(3)
+    assert torch.equal(scale(x), x * 2) and torch.equal(scale(x, factor=torch.tensor(3.0)), x * 3)
+    assert calls == []  # CPU tensors only: as written, Inductor's C++ build never started
+    on_device = torch.ones(3, device="meta")  # another device than the CPU (no CUDA here)
+    assert scale(on_device)[0] == "compiled" and scale(on_device, factor=torch.tensor(3.0))[0] == "compiled"
+    assert calls == ["scale"]  # compiled once, at the first call with a device tensor
+
+
 def test_the_deferring_finder_stays_inert_after_its_import_and_a_new_call_arms_a_new_one(monkeypatch):
     """It never leaves sys.meta_path (a removal while another thread walks the list makes that walk skip a
     finder); once used it finds nothing, and defer_megatron_compiles arms a fresh one for a re-import."""
